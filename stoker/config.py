@@ -1,0 +1,228 @@
+"""Typed, validated configuration for the pipeline and the training runtime.
+
+Every model is frozen; defaults run on a laptop CPU. A config comes from defaults, then an optional
+YAML file, then dotted command-line overrides (``train.epochs=3``), merged by OmegaConf and
+validated by pydantic. Errors name the field: ``train.lr: must be > 0, got -1``.
+
+This module imports no Prefect: the training runtime uses it inside the training container.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names each offending field."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DataConfig(_Frozen):
+    """Where the dataset lives: a git repository with DVC-tracked data, pinned to a revision."""
+
+    repo_url: str | None = Field(
+        None,
+        description="Git URL or path of the data repository. Empty: the demo digits repository "
+        "that Stoker creates (once) inside the work directory.",
+    )
+    rev: str = Field("v1", description="Git revision (tag, branch or commit) to pull.")
+    path: str = Field("data/digits", description="DVC-tracked directory inside the repository.")
+    remote: str | None = Field(None, description="DVC remote name; empty: the repository default.")
+
+    @field_validator("rev", "path")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+class TrainConfig(_Frozen):
+    """How to train. Batch sizes are global (summed over ranks) so that a job can resume at
+    another world size on the same data order."""
+
+    model: str = Field(
+        "small_cnn",
+        description="Built-in model name (small_cnn, resnet18, resnet50) or 'module:callable' "
+        "returning a torch.nn.Module given num_classes.",
+    )
+    dataset: str = Field(
+        "image_folder",
+        description="Dataset factory: image_folder (class folders of same-size images) or "
+        "'module:callable' taking (data_dir, seed, val_fraction) and returning Splits.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (built-in models)."
+    )
+    channels_last: bool = Field(False, description="Channels-last memory format (CUDA convs).")
+    compile: bool = Field(False, description="Wrap the model in torch.compile.")
+    ddp_comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none", description="DDP gradient compression hook."
+    )
+    epochs: int = Field(12, gt=0, description="Passes over the training split.")
+    global_batch_size: int = Field(
+        64, gt=0, description="Samples per optimizer step, over all ranks and micro-batches."
+    )
+    grad_accum_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (one-cycle schedule).")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
+    seed: int = Field(0, ge=0, description="Seed for the split, the data order and the init.")
+    val_fraction: float = Field(0.2, gt=0, lt=1, description="Share of samples held out.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Autocast precision; fp16 adds a gradient scaler (CUDA only)."
+    )
+    deterministic: bool = Field(
+        True, description="Deterministic kernels (bitwise-exact resume); slower on GPU."
+    )
+    nproc_per_node: int | Literal["auto"] = Field(
+        "auto", description="Processes per node; auto: one per GPU, or 2 on a CPU-only machine."
+    )
+    checkpoint_every_steps: int | None = Field(50, gt=0, description="Save every N steps.")
+    checkpoint_every_s: float | None = Field(None, gt=0, description="Save every T seconds.")
+    keep_latest_k: int = Field(3, gt=0, description="Committed checkpoints kept.")
+    async_checkpoint: bool = Field(
+        False, description="Write checkpoints in a background thread after a host copy."
+    )
+    log_every_steps: int = Field(1, gt=0, description="Log loss/lr/throughput every N steps.")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    preemption_grace_s: float = Field(
+        25.0, gt=0, description="Seconds the runtime has to save after SIGTERM before torchrun "
+        "kills it (torchrun --shutdown-timeout)."
+    )
+    preemption_notice_url: str | None = Field(
+        None, description="Cloud preemption-notice endpoint to poll (AWS spot instance-action)."
+    )
+    fail_at_step: int | None = Field(
+        None, gt=0, description="Testing aid: raise a RuntimeError at this step (simulated bug)."
+    )
+
+    @field_validator("nproc_per_node")
+    @classmethod
+    def _positive_nproc(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError(f"must be > 0 or 'auto', got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> TrainConfig:
+        if self.global_batch_size % self.grad_accum_steps:
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"grad_accum_steps ({self.grad_accum_steps})"
+            )
+        if self.checkpoint_every_steps is None and self.checkpoint_every_s is None:
+            raise ValueError("set checkpoint_every_steps or checkpoint_every_s (or both)")
+        return self
+
+
+class TrackingConfig(_Frozen):
+    """MLflow tracking and model registry settings."""
+
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; empty: sqlite:///<work_dir>/mlflow.db."
+    )
+    experiment: str = Field("stoker", description="MLflow experiment name.")
+    registered_model: str = Field("stoker-digits", description="Registered model name.")
+    promote_metric: str = Field("val_accuracy", description="Metric the promotion gate compares.")
+    promote_direction: Literal["max", "min"] = Field(
+        "max", description="Whether larger or smaller values of promote_metric are better."
+    )
+
+    @field_validator("experiment", "registered_model", "promote_metric")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+
+class RetryConfig(_Frozen):
+    """Separate retry budgets per way an attempt can end."""
+
+    max_preemptions: int = Field(20, ge=0, description="Preempted attempts resumed (exit 75).")
+    max_infra_failures: int = Field(2, ge=0, description="Attempts killed (SIGKILL/137) resumed.")
+    max_user_errors: int = Field(0, ge=0, description="Attempts failing in user code retried.")
+    backoff_s: float = Field(1.0, ge=0, description="First backoff; doubles per attempt.")
+    backoff_max_s: float = Field(60.0, ge=0, description="Longest backoff.")
+
+
+class PipelineConfig(_Frozen):
+    """The whole main job: data, training, tracking. Also the Prefect parameter form."""
+
+    work_dir: Path = Field(
+        Path("work"), description="Where datasets, checkpoints and the embedded stores live."
+    )
+    job_id: str | None = Field(
+        None, description="Resume this job; empty: resume the unfinished job of the same config, "
+        "or start a new one.",
+    )
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    retry: RetryConfig = RetryConfig()
+
+    def tracking_uri(self) -> str:
+        """The MLflow tracking URI, defaulting to a sqlite store in the work directory."""
+        if self.tracking.tracking_uri:
+            return self.tracking.tracking_uri
+        return f"sqlite:///{self.work_dir.resolve() / 'mlflow.db'}"
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """Render a pydantic error as one line per field: ``train.lr: must be > 0, got -1``."""
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(part) for part in item["loc"] if part != "__root__")
+        name = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] not in ("missing", "extra_forbidden") and "input" in item and loc:
+            message = f"{message}, got {item['input']!r}"
+        if item["type"] == "extra_forbidden":
+            message = "unknown field"
+        lines.append(f"{name}: {message}")
+    return "; ".join(lines)
+
+
+def validate(model: type[BaseModel], values: dict[str, Any], prefix: str = ""):
+    """Build ``model`` from plain values, raising ConfigError that names each bad field."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, prefix)) from None
+
+
+def load_pipeline_config(
+    config_file: Path | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
+    """Merge defaults, a YAML file and ``a.b=value`` overrides into a validated PipelineConfig.
+
+    Raises:
+        ConfigError: the file is missing or not a mapping, an override is malformed, or a value
+            fails validation (the message names the field).
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    layers = []
+    if config_file is not None:
+        if not Path(config_file).is_file():
+            raise ConfigError(f"config file {config_file}: not found")
+        loaded = OmegaConf.load(config_file)
+        if not OmegaConf.is_dict(loaded):
+            raise ConfigError(f"config file {config_file}: must hold a mapping of fields")
+        layers.append(loaded)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected field=value, e.g. train.epochs=3")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+        merged = OmegaConf.to_container(OmegaConf.merge(*layers) if layers else OmegaConf.create())
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config: {e}") from None
+    return validate(PipelineConfig, merged)

@@ -1,0 +1,111 @@
+"""The demo data repository: UCI handwritten digits as a git + DVC repository with a local remote.
+
+The digits (1,797 images of 8x8 pixels, 10 classes) ship inside scikit-learn, so the demo needs no
+download. They are exported as an ImageFolder (``data/digits/<class>/<index>.png``), tracked with
+DVC, pushed to a local DVC remote and tagged ``v1``. Creation is idempotent: the repository is built
+in a temporary folder and moved into place only when complete, so an interrupted first run leaves
+nothing half-made behind and the next run starts over cleanly.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DEMO_TAG = "v1"
+DEMO_PATH = "data/digits"
+_GIT_IDENTITY = ["-c", "user.name=Stoker", "-c", "user.email=stoker@localhost"]
+
+
+@dataclass(frozen=True)
+class DemoRepo:
+    """Paths of the demo data repository and its DVC remote."""
+
+    repo: Path
+    remote: Path
+    created: bool
+
+
+def git(cwd: Path, *args: str) -> str:
+    """Run a git command in ``cwd`` and return its stripped stdout.
+
+    Raises:
+        RuntimeError: git exited non-zero; the message holds the command and git's stderr.
+    """
+    result = subprocess.run(
+        ["git", *_GIT_IDENTITY, *args], cwd=cwd, capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} (in {cwd}) failed: {result.stderr.strip()}")
+    return result.stdout.strip()
+
+
+def export_digits(root: Path) -> int:
+    """Write the scikit-learn digits as PNG files under ``root/<class>/<index>.png``.
+
+    Pixel values 0..16 are scaled to 0..255 (uint8, mode "L").
+
+    Returns:
+        The number of images written (1,797).
+    """
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for index, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
+        folder = root / str(int(label))
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = np.clip(np.rint(image * (255.0 / 16.0)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels, mode="L").save(folder / f"{index:04d}.png")
+    return len(digits.images)
+
+
+def ensure_demo_repo(base: Path) -> DemoRepo:
+    """Create the demo data repository under ``base`` unless it already exists.
+
+    Args:
+        base: folder that will hold ``repo/`` (git + DVC) and ``remote/`` (the DVC remote).
+
+    Returns:
+        DemoRepo with absolute paths; ``created`` tells whether this call built it.
+
+    Raises:
+        RuntimeError: git or DVC failed while building (nothing is left at ``base/repo``).
+    """
+    from dvc.repo import Repo
+
+    base = base.resolve()
+    repo_dir, remote_dir = base / "repo", base / "remote"
+    if (repo_dir / ".git").is_dir() and (repo_dir / f"{DEMO_PATH}.dvc").is_file():
+        return DemoRepo(repo_dir, remote_dir, created=False)
+
+    base.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".repo-", dir=base))
+    try:
+        git(staging, "init", "-q", "-b", "main")
+        dvc = Repo.init(str(staging))
+        with dvc.config.edit() as conf:
+            conf["remote"]["local"] = {"url": str(remote_dir)}
+            conf["core"]["remote"] = "local"
+            conf["core"]["analytics"] = False
+        export_digits(staging / DEMO_PATH)
+        dvc.add(str(staging / DEMO_PATH))
+        dvc.push()
+        dvc.close()
+        (staging / "README.md").write_text(
+            "# Stoker demo data\n\nUCI handwritten digits (from scikit-learn) as an ImageFolder, "
+            "tracked with DVC.\n"
+        )
+        git(staging, "add", "-A")
+        git(staging, "commit", "-q", "-m", "Add UCI digits as an ImageFolder tracked by DVC")
+        git(staging, "tag", DEMO_TAG)
+        if repo_dir.exists():  # a leftover without the .dvc file: an earlier failed attempt
+            shutil.rmtree(repo_dir)
+        staging.rename(repo_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return DemoRepo(repo_dir, remote_dir, created=True)

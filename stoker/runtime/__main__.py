@@ -1,0 +1,5 @@
+import sys
+
+from stoker.runtime.trainer import main
+
+sys.exit(main())

@@ -1,0 +1,242 @@
+"""Atomic, verifiable checkpoints on a local folder or any fsspec URL.
+
+Layout::
+
+    <location>/step-000000120/shared.pt         model, optimizer, scheduler, scaler, step, config
+    <location>/step-000000120/rank-00000.pt     per-rank state (RNG), one file per rank
+    <location>/step-000000120/COMMITTED         JSON: step, world size, sha256 of every file
+
+Every file is written under a temporary name and renamed; ``COMMITTED`` is written last, by rank 0,
+once every rank's file exists. A step folder without it (killed mid-write, disk full) is never
+loaded. "latest" is the highest committed step whose files match their recorded hashes; a
+corrupt one is skipped with a warning naming the reason, and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import torch
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMMITTED"
+_STEP_DIR = re.compile(r"^step-(\d{9})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, verified or loaded."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A verified checkpoint: ``shared`` for every rank, ``rank_state`` for this rank or None
+    when the checkpoint was written at another world size."""
+
+    step: int
+    world_size: int
+    shared: dict[str, Any]
+    rank_state: dict[str, Any] | None
+    path: str
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Deep-copy tensors to host memory (the only part of an async save that blocks)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+class Checkpointer:
+    """Saves and finds committed checkpoints for one job.
+
+    Args:
+        location: folder path or fsspec URL; created if missing.
+        rank, world_size: this process's place in the job.
+        keep_latest_k: committed checkpoints kept after each commit (older ones are deleted).
+        async_save: write in a background thread after a host copy; ``wait()`` joins it.
+        commit_timeout_s: how long rank 0 waits for the other ranks' files before giving up.
+    """
+
+    def __init__(self, location: str, rank: int, world_size: int, keep_latest_k: int = 3,
+                 async_save: bool = False, commit_timeout_s: float = 120.0):
+        self.fs, self.root = fsspec.core.url_to_fs(location)
+        self.root = self.root.rstrip("/")
+        self.rank = rank
+        self.world_size = world_size
+        self.keep_latest_k = keep_latest_k
+        self.async_save = async_save
+        self.commit_timeout_s = commit_timeout_s
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_blocking_s = 0.0
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    # -- paths --------------------------------------------------------------------------------
+    def step_dir(self, step: int) -> str:
+        return f"{self.root}/step-{step:09d}"
+
+    def _steps(self) -> list[tuple[int, bool]]:
+        """(step, committed) for every step folder, ascending."""
+        found = []
+        for entry in self.fs.ls(self.root, detail=False):
+            match = _STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
+            if match:
+                step = int(match.group(1))
+                found.append((step, self.fs.exists(f"{self.step_dir(step)}/{MARKER}")))
+        return sorted(found)
+
+    def committed_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return [step for step, committed in self._steps() if committed]
+
+    # -- writing ------------------------------------------------------------------------------
+    def _write(self, path: str, payload: bytes) -> str:
+        """Write bytes under a temporary name, flush + fsync, rename; return their sha256."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with self.fs.open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            # Not a local file: the object store commits on close instead.
+            if hasattr(f, "fileno"):
+                with contextlib.suppress(OSError, io.UnsupportedOperation):
+                    os.fsync(f.fileno())
+        self.fs.mv(tmp, path)
+        return hashlib.sha256(payload).hexdigest()
+
+    @staticmethod
+    def _serialize(obj: Any) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return buffer.getvalue()
+
+    def save(self, step: int, shared: dict[str, Any] | None, rank_state: dict[str, Any]) -> None:
+        """Save this rank's part of checkpoint ``step``; rank 0 also writes ``shared`` and commits.
+
+        Every rank calls it at the same step. With ``async_save`` only the host copy blocks;
+        otherwise it returns once this rank's part (and, on rank 0, the commit) is durable.
+
+        Raises:
+            CheckpointError: an earlier async save failed, or (sync) this save failed.
+        """
+        started = time.perf_counter()
+        self.wait()
+        snapshot = (_to_cpu(shared) if shared is not None else None, _to_cpu(rank_state))
+        if self.async_save:
+            self._pending = threading.Thread(
+                target=self._run_guarded, args=(step, *snapshot), name=f"ckpt-{step}",
+                daemon=True,
+            )
+            self._pending.start()
+        else:
+            self._write_step(step, *snapshot)
+        self.last_blocking_s = time.perf_counter() - started
+
+    def _run_guarded(self, step: int, shared: dict | None, rank_state: dict) -> None:
+        try:
+            self._write_step(step, shared, rank_state)
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self._error = e
+
+    def _write_step(self, step: int, shared: dict | None, rank_state: dict) -> None:
+        folder = self.step_dir(step)
+        self.fs.makedirs(folder, exist_ok=True)
+        rank_file = f"rank-{self.rank:05d}.pt"
+        self._write(f"{folder}/{rank_file}", self._serialize(rank_state))
+        if self.rank != 0:
+            return
+        hashes = {"shared.pt": self._write(f"{folder}/shared.pt", self._serialize(shared))}
+        deadline = time.monotonic() + self.commit_timeout_s
+        for r in range(self.world_size):
+            path = f"{folder}/rank-{r:05d}.pt"
+            while not self.fs.exists(path):
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"{folder}: rank {r} did not write {path} within "
+                        f"{self.commit_timeout_s:.0f} s; checkpoint left uncommitted"
+                    )
+                time.sleep(0.02)
+            with self.fs.open(path, "rb") as f:
+                hashes[f"rank-{r:05d}.pt"] = hashlib.sha256(f.read()).hexdigest()
+        marker = {"step": step, "world_size": self.world_size, "files": hashes,
+                  "time": time.time()}
+        self._write(f"{folder}/{MARKER}", json.dumps(marker, indent=1).encode())
+        self._purge(step)
+
+    def wait(self) -> None:
+        """Block until the pending async save (if any) is done; re-raise its error."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
+
+    def _purge(self, latest: int) -> None:
+        """Keep the newest ``keep_latest_k`` committed steps; drop older and stale partial ones."""
+        steps = self._steps()
+        committed = [s for s, c in steps if c]
+        keep = set(committed[-self.keep_latest_k:])
+        for step, _ in steps:
+            if step <= latest and step not in keep:
+                self.fs.rm(self.step_dir(step), recursive=True)
+
+    # -- reading ------------------------------------------------------------------------------
+    def _verify_and_read(self, step: int) -> tuple[dict, dict[str, bytes]]:
+        folder = self.step_dir(step)
+        with self.fs.open(f"{folder}/{MARKER}", "rb") as f:
+            marker = json.loads(f.read())
+        blobs = {}
+        # Every rank verifies every file, so all ranks reach the same verdict on the same step.
+        for name, digest in marker["files"].items():
+            with self.fs.open(f"{folder}/{name}", "rb") as f:
+                blobs[name] = f.read()
+            if hashlib.sha256(blobs[name]).hexdigest() != digest:
+                raise CheckpointError(f"{folder}/{name}: sha256 does not match {MARKER}")
+        return marker, blobs
+
+    def load_latest(self, map_location: str | torch.device = "cpu",
+                    warn: Callable[[str], None] = log.warning) -> Loaded | None:
+        """The newest committed checkpoint that verifies, or None if there is none.
+
+        Uncommitted folders are skipped (with a warning when newer than the result); a committed
+        one whose files are missing, corrupt or unreadable is skipped with a warning naming why.
+        """
+        steps = self._steps()
+        for step, committed in reversed(steps):
+            folder = self.step_dir(step)
+            if not committed:
+                warn(f"checkpoint {folder}: no {MARKER} marker (interrupted save); skipped")
+                continue
+            try:
+                marker, blobs = self._verify_and_read(step)
+                shared = torch.load(io.BytesIO(blobs["shared.pt"]), map_location=map_location,
+                                    weights_only=False)
+                own = blobs.get(f"rank-{self.rank:05d}.pt")
+                same_world = marker["world_size"] == self.world_size
+                rank_state = (
+                    torch.load(io.BytesIO(own), map_location="cpu", weights_only=False)
+                    if own is not None and same_world else None
+                )
+            except Exception as e:  # any unreadable checkpoint falls back to the previous one
+                warn(f"checkpoint {folder}: unusable ({type(e).__name__}: {e}); "
+                     "falling back to the previous committed checkpoint")
+                continue
+            return Loaded(step, marker["world_size"], shared, rank_state, folder)
+        return None

@@ -1,0 +1,59 @@
+"""The run spec: everything one training job needs, written by the orchestrator as a YAML file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import Field
+
+from stoker.config import ConfigError, TrainConfig, _Frozen, validate
+
+
+class RunSpec(_Frozen):
+    """One training job. The same spec file both starts and resumes the job.
+
+    Paths are absolute; ``checkpoint_dir`` may be any fsspec URL (``s3://bucket/job``).
+    """
+
+    train: TrainConfig = TrainConfig()
+    data_dir: str = Field(description="Local dataset folder (an ImageFolder for built-ins).")
+    job_dir: str = Field(description="Local folder for progress, heartbeat and results.")
+    checkpoint_dir: str | None = Field(
+        None, description="Checkpoint location (path or fsspec URL); empty: <job_dir>/checkpoints."
+    )
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI; empty: no tracking.")
+    experiment: str = "stoker"
+    artifact_location: str | None = Field(
+        None, description="Artifact root for a newly created experiment (embedded store only)."
+    )
+    run_name: str | None = None
+    tags: dict[str, str] = Field(default_factory=dict, description="Lineage tags for the run.")
+
+    @property
+    def checkpoint_location(self) -> str:
+        return self.checkpoint_dir or str(Path(self.job_dir) / "checkpoints")
+
+    def dump(self, path: Path) -> None:
+        """Write the spec as YAML (atomically: a reader never sees half a file)."""
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunSpec:
+        """Read and validate a spec file.
+
+        Raises:
+            ConfigError: the file is missing, not YAML, or a field is invalid (named).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"run spec {path}: not found")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"run spec {path}: not valid YAML: {e}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"run spec {path}: must hold a mapping of fields")
+        return validate(cls, values)

@@ -1,0 +1,126 @@
+"""Rank-0 MLflow logging for one training job: one run, continued across attempts.
+
+The run id is created on the first attempt and stored with the job (and in every checkpoint);
+later attempts reopen the same run. Metrics are buffered and sent with ``log_batch``; a step that
+an earlier attempt already logged is not logged again, so every metric stays one value per step.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+SECRET_KEY = re.compile(r"(token|password|passwd|secret|api_?key|access_?key|credential)", re.I)
+
+
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Flatten nested dicts to dotted keys with string values; secret-looking keys are masked."""
+    flat: dict[str, str] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        elif SECRET_KEY.search(key) and value:
+            flat[name] = "***"
+        else:
+            flat[name] = str(value)
+    return flat
+
+
+class RunTracker:
+    """Logs to one MLflow run. Create on rank 0 only.
+
+    Args:
+        tracking_uri: MLflow tracking URI (``sqlite:///...`` or ``http://127.0.0.1:5000``).
+        experiment: experiment name, created if missing (with ``artifact_location`` if given).
+        run_id: reopen this run (a resumed job); None creates a new run.
+        run_name, tags, params: used when creating; params missing from a reopened run are added.
+        flush_every_s: buffered metrics are sent at least this often (seconds).
+    """
+
+    def __init__(self, tracking_uri: str, experiment: str, run_id: str | None = None,
+                 run_name: str | None = None, tags: dict[str, str] | None = None,
+                 params: dict[str, str] | None = None, artifact_location: str | None = None,
+                 flush_every_s: float = 2.0):
+        from mlflow import MlflowClient
+
+        self.client = MlflowClient(tracking_uri)
+        self.flush_every_s = flush_every_s
+        self._buffer: list = []
+        self._last_flush = time.monotonic()
+        if run_id is None:
+            experiment_id = self._experiment_id(experiment, artifact_location)
+            run = self.client.create_run(experiment_id, run_name=run_name, tags=tags or {})
+            self.run_id = run.info.run_id
+            existing: dict[str, str] = {}
+        else:
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+            existing = self.client.get_run(run_id).data.params
+            if tags:
+                self.set_tags(tags)
+        self._last_step: dict[str, int] = {}
+        self._resumed = run_id is not None
+        new_params = {k: v for k, v in (params or {}).items() if k not in existing}
+        self._log_params(new_params)
+
+    def _experiment_id(self, name: str, artifact_location: str | None) -> str:
+        from mlflow.exceptions import MlflowException
+
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=artifact_location)
+        except MlflowException:  # created concurrently by another job
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
+
+    def _log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, v[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # log_batch takes at most 100 params
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def _already_logged(self, key: str, step: int) -> bool:
+        if not self._resumed:
+            return False
+        if key not in self._last_step:
+            history = self.client.get_metric_history(self.run_id, key)
+            self._last_step[key] = max((m.step for m in history), default=-1)
+        return step <= self._last_step[key]
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Buffer metrics for ``step``; skipped per key if an earlier attempt logged that step."""
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        for key, value in metrics.items():
+            if not self._already_logged(key, step):
+                self._buffer.append(Metric(key, float(value), now_ms, step))
+        if time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send buffered metrics (log_batch takes at most 1000 per call)."""
+        while self._buffer:
+            chunk, self._buffer = self._buffer[:1000], self._buffer[1000:]
+            self.client.log_batch(self.run_id, metrics=chunk)
+        self._last_flush = time.monotonic()
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, path, artifact_path)
+
+    def end(self, status: str) -> None:
+        """Flush and mark the run FINISHED, FAILED or KILLED (preempted attempts: KILLED)."""
+        self.flush()
+        self.client.set_terminated(self.run_id, status=status)

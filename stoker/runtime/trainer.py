@@ -1,0 +1,455 @@
+"""The Trainer: a DDP training loop that checkpoints, honours preemption and resumes exactly.
+
+Start (and resume) with ``torchrun ... -m stoker.runtime SPEC.yaml``. Rank 0 alone writes progress,
+metrics and results; every rank takes part in every collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from stoker.config import ConfigError
+from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
+from stoker.runtime.checkpoint import Checkpointer, CheckpointError, Loaded
+from stoker.runtime.data import DataError, StepBatchSampler, build_splits, check_divisible
+from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, teardown
+from stoker.runtime.models import build_model
+from stoker.runtime.preemption import StopFlag
+from stoker.runtime.progress import ProgressWriter
+from stoker.runtime.spec import RunSpec
+from stoker.runtime.tracking import RunTracker, flatten
+
+log = logging.getLogger("stoker.runtime")
+
+# Config fields that define the run's trajectory: a checkpoint written under other values
+# cannot be continued exactly, so resuming with a change is refused.
+TRAJECTORY_FIELDS = ("model", "dataset", "epochs", "global_batch_size", "grad_accum_steps", "lr",
+                     "weight_decay", "seed", "val_fraction", "precision")
+SHARED_KEYS = {"model", "optimizer", "scheduler", "scaler", "step", "config", "run_id",
+               "world_size"}
+
+
+class Trainer:
+    """Owns the model, optimizer, data order, checkpointer and (rank 0) tracking of one job."""
+
+    def __init__(self, spec: RunSpec, env: DistEnv, stop: StopFlag):
+        self.spec, self.cfg, self.env, self.stop = spec, spec.train, env, stop
+        self.timings = dict.fromkeys(("data", "forward_backward", "optimizer", "sync", "eval",
+                                      "checkpoint"), 0.0)
+        self._configure_backends()
+        self.splits = build_splits(self.cfg.dataset, spec.data_dir, self.cfg.seed,
+                                   self.cfg.val_fraction)
+        check_divisible(self.cfg.global_batch_size, self.cfg.grad_accum_steps, env.world_size)
+        n_train = len(self.splits.train)
+        self.steps_per_epoch = n_train // self.cfg.global_batch_size
+        if self.steps_per_epoch == 0:
+            raise DataError(f"train.global_batch_size={self.cfg.global_batch_size} exceeds the "
+                            f"{n_train} training samples in {spec.data_dir}")
+        self.total_steps = self.cfg.epochs * self.steps_per_epoch
+
+        torch.manual_seed(self.cfg.seed)  # same initial weights on every rank
+        self.module = build_model(self.cfg.model, self.splits.num_classes,
+                                  self.splits.input_shape[0], self.cfg.activation_checkpointing)
+        self.module.to(env.device)
+        if self.cfg.channels_last:
+            self.module.to(memory_format=torch.channels_last)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=self.cfg.lr,
+                                           weight_decay=self.cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            self.optimizer, max_lr=self.cfg.lr, total_steps=self.total_steps)
+        self.scaler = torch.amp.GradScaler(env.device.type, enabled=self.cfg.precision == "fp16")
+        self.ckpt = Checkpointer(spec.checkpoint_location, env.rank, env.world_size,
+                                 self.cfg.keep_latest_k, self.cfg.async_checkpoint,
+                                 commit_timeout_s=max(60.0, self.cfg.preemption_grace_s))
+        self.step = 0
+        self.run_id: str | None = None
+        self.metrics: dict[str, float] = {}
+        self._restore(self.ckpt.load_latest(env.device))
+        self.model = self._wrap()  # load the snapshot before wrapping in DDP
+        self.progress = ProgressWriter(spec.job_dir, env.world_size) if env.is_main else None
+        self.tracker = self._open_tracker() if env.is_main and spec.tracking_uri else None
+        self._last_save = time.monotonic()
+
+    # -- setup --------------------------------------------------------------------------------
+    def _configure_backends(self) -> None:
+        if self.cfg.precision == "fp16" and self.env.device.type != "cuda":
+            raise ConfigError("train.precision: fp16 needs CUDA; use bf16 or fp32 on CPU")
+        if self.cfg.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+        elif self.env.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # autotune conv algorithms per input shape
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+    def _wrap(self) -> torch.nn.Module:
+        model: torch.nn.Module = self.module
+        if self.env.distributed:
+            model = DDP(model, device_ids=[self.env.local_rank]
+                        if self.env.device.type == "cuda" else None)
+            self._register_comm_hook(model)
+        if self.cfg.compile:
+            model = torch.compile(model)
+        return model
+
+    def _register_comm_hook(self, model: DDP) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        hook = self.cfg.ddp_comm_hook
+        if hook == "fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif hook == "bf16":
+            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif hook == "powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                start_powerSGD_iter=10)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    def _restore(self, loaded: Loaded | None) -> None:
+        if loaded is None:
+            self._seed_rank()
+            return
+        missing = SHARED_KEYS - loaded.shared.keys()
+        if missing:
+            raise CheckpointError(f"{loaded.path}: missing keys {sorted(missing)}")
+        self._check_trajectory(loaded)
+        try:
+            self.module.load_state_dict(loaded.shared["model"], strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"{loaded.path}: model state does not match "
+                                  f"train.model={self.cfg.model!r}: {e}") from None
+        self.optimizer.load_state_dict(loaded.shared["optimizer"])
+        self.scheduler.load_state_dict(loaded.shared["scheduler"])
+        self.scaler.load_state_dict(loaded.shared["scaler"])
+        self.step = int(loaded.shared["step"])
+        self.run_id = loaded.shared["run_id"]
+        self.metrics = dict(loaded.shared.get("metrics", {}))
+        if loaded.rank_state is not None:
+            self._set_rng(loaded.rank_state["rng"])
+        else:
+            log.warning("checkpoint %s was written at world size %d, now %d: per-rank RNG "
+                        "reseeded from (seed, rank, step); the data order is unchanged",
+                        loaded.path, loaded.world_size, self.env.world_size)
+            self._seed_rank()
+        if self.env.is_main:
+            log.info("resumed from %s (step %d of %d)", loaded.path, self.step, self.total_steps)
+
+    def _check_trajectory(self, loaded: Loaded) -> None:
+        saved = loaded.shared["config"]
+        now = self.cfg.model_dump(mode="json")
+        changed = [f for f in TRAJECTORY_FIELDS if saved.get(f) != now.get(f)]
+        if changed:
+            detail = ", ".join(f"train.{f}: {saved.get(f)!r} -> {now.get(f)!r}" for f in changed)
+            raise CheckpointError(
+                f"{loaded.path}: cannot resume with a changed trajectory ({detail}); restore "
+                "these values or start a new job")
+
+    def _seed_rank(self) -> None:
+        seed = self.cfg.seed + 1 + self.env.rank + 7919 * self.step
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def _rng_state(self) -> dict[str, Any]:
+        state = {"python": random.getstate(), "numpy": np.random.get_state(),
+                 "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def _set_rng(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+    def _open_tracker(self) -> RunTracker:
+        run_file = Path(self.spec.job_dir) / "mlflow_run_id"
+        run_id = self.run_id or (run_file.read_text().strip() if run_file.is_file() else None)
+        tracker = RunTracker(
+            self.spec.tracking_uri, self.spec.experiment, run_id=run_id,
+            run_name=self.spec.run_name, tags=self.spec.tags,
+            params=flatten(self.cfg.model_dump(mode="json"), "train."),
+            artifact_location=self.spec.artifact_location,
+        )
+        if run_id is None:
+            run_file.write_text(tracker.run_id)
+        self.run_id = tracker.run_id
+        return tracker
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _loader(self, epoch: int, start_step: int) -> DataLoader:
+        sampler = StepBatchSampler(len(self.splits.train), self.cfg.seed, epoch, start_step,
+                                   self.cfg.global_batch_size, self.cfg.grad_accum_steps,
+                                   self.env.rank, self.env.world_size)
+        workers = self.cfg.num_workers
+        return DataLoader(self.splits.train, batch_sampler=sampler, num_workers=workers,
+                          pin_memory=self.env.device.type == "cuda",
+                          persistent_workers=False)
+
+    def train(self) -> str:
+        """Run until done or preempted. Returns ``"completed"`` or ``"preempted"``."""
+        self._event("start", total_steps=self.total_steps, resumed=self.step > 0)
+        started = time.perf_counter()
+        start_step = self.step
+        while self.step < self.total_steps:
+            epoch, first = divmod(self.step, self.steps_per_epoch)
+            epoch_started = time.perf_counter()
+            batches = iter(self._loader(epoch, first))
+            for _ in range(first, self.steps_per_epoch):
+                t0 = time.perf_counter()
+                micro = [next(batches) for _ in range(self.cfg.grad_accum_steps)]
+                self.timings["data"] += time.perf_counter() - t0
+                lr = self.scheduler.get_last_lr()[0]
+                loss = self.train_step(micro)
+                self.step += 1
+                if self.cfg.fail_at_step == self.step:
+                    raise RuntimeError(f"simulated failure at step {self.step} "
+                                       "(train.fail_at_step)")
+                stop, due, mean_loss = self._agree(loss)
+                self._log_step(epoch, mean_loss, lr, time.perf_counter() - t0)
+                if self.step % self.steps_per_epoch == 0:
+                    self.evaluate(epoch, time.perf_counter() - epoch_started)
+                if stop or due or self.step == self.total_steps:
+                    self.save()
+                if stop:
+                    self._finish_attempt()
+                    log.warning("stop requested (%s): checkpoint committed at step %d; exiting "
+                                "with %d", self.stop.reason or "another rank", self.step,
+                                EXIT_PREEMPTED)
+                    return "preempted"
+        self._finish_attempt()
+        self._write_result(time.perf_counter() - started, self.step - start_step)
+        return "completed"
+
+    def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step over ``grad_accum_steps`` micro-batches; returns the local loss
+        (a 0-d tensor, not synced)."""
+        t0 = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.env.device)
+        for i, (x, y) in enumerate(micro):
+            x, y = self._to_device(x), y.to(self.env.device, non_blocking=True)
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if last or not self.env.distributed \
+                else self.model.no_sync()
+            with sync:  # skip the gradient all-reduce on all but the last micro-batch
+                with self._autocast():
+                    loss = F.cross_entropy(self.model(x), y) / len(micro)
+                self.scaler.scale(loss).backward()
+            total += loss.detach()
+        t1 = time.perf_counter()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.timings["forward_backward"] += t1 - t0
+        self.timings["optimizer"] += time.perf_counter() - t1
+        return total
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.env.device, non_blocking=True)
+        if self.cfg.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def _autocast(self):
+        if self.cfg.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
+        return torch.autocast(self.env.device.type, dtype=dtype)
+
+    def _agree(self, loss: torch.Tensor) -> tuple[bool, bool, float]:
+        """One collective per step: mean loss, whether any rank wants to stop, whether rank 0's
+        time-based checkpoint is due, plus whether the step-based one is."""
+        t0 = time.perf_counter()
+        time_due = (self.env.is_main and self.cfg.checkpoint_every_s is not None
+                    and time.monotonic() - self._last_save >= self.cfg.checkpoint_every_s)
+        flags = torch.tensor([float(loss), float(self.stop.requested), float(time_due)],
+                             dtype=torch.float64, device=self.env.device)
+        all_reduce_sum(flags, self.env)
+        self.timings["sync"] += time.perf_counter() - t0
+        every = self.cfg.checkpoint_every_steps
+        due = bool(flags[2] > 0) or (every is not None and self.step % every == 0)
+        return bool(flags[1] > 0), due, float(flags[0]) / self.env.world_size
+
+    def evaluate(self, epoch: int, epoch_time_s: float) -> dict[str, float]:
+        """Validation over all ranks (each takes every world_size-th sample); logs and returns
+        ``val_accuracy`` (0..1) and ``val_loss`` (mean cross-entropy)."""
+        t0 = time.perf_counter()
+        self.module.eval()
+        val = self.splits.val
+        indices = list(range(self.env.rank, len(val), self.env.world_size))
+        sums = torch.zeros(3, dtype=torch.float64, device=self.env.device)
+        with torch.no_grad(), self._autocast():
+            for i in range(0, len(indices), 512):
+                x, y = torch.utils.data.default_collate([val[j] for j in indices[i:i + 512]])
+                logits = self.module(self._to_device(x)).float()
+                y = y.to(self.env.device)
+                sums[0] += (logits.argmax(1) == y).sum()
+                sums[1] += F.cross_entropy(logits, y, reduction="sum")
+                sums[2] += len(y)
+        all_reduce_sum(sums, self.env)
+        self.module.train()
+        self.metrics = {"val_accuracy": float(sums[0] / sums[2]),
+                        "val_loss": float(sums[1] / sums[2]), "epoch": epoch + 1}
+        self.timings["eval"] += time.perf_counter() - t0
+        if self.env.is_main:
+            log.info("epoch %d/%d step %d: val_accuracy %.4f val_loss %.4f (%.1f s)", epoch + 1,
+                     self.cfg.epochs, self.step, self.metrics["val_accuracy"],
+                     self.metrics["val_loss"], epoch_time_s)
+        self._event("eval", epoch=epoch + 1, val_accuracy=self.metrics["val_accuracy"],
+                    val_loss=self.metrics["val_loss"])
+        self._log({"val_accuracy": self.metrics["val_accuracy"],
+                   "val_loss": self.metrics["val_loss"], "epoch_time_s": epoch_time_s})
+        return self.metrics
+
+    def save(self) -> None:
+        """Save a checkpoint at the current step (every rank calls this)."""
+        t0 = time.perf_counter()
+        shared = None
+        if self.env.is_main:
+            shared = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                      "scheduler": self.scheduler.state_dict(),
+                      "scaler": self.scaler.state_dict(), "step": self.step,
+                      "epoch": self.step // self.steps_per_epoch,
+                      "data_position": {"epoch": self.step // self.steps_per_epoch,
+                                        "step_in_epoch": self.step % self.steps_per_epoch},
+                      "config": self.cfg.model_dump(mode="json"), "run_id": self.run_id,
+                      "world_size": self.env.world_size, "metrics": self.metrics}
+        self.ckpt.save(self.step, shared, {"rng": self._rng_state(),
+                                           "world_size": self.env.world_size})
+        self._last_save = time.monotonic()
+        self.timings["checkpoint"] += time.perf_counter() - t0
+        self._event("checkpoint", path=self.ckpt.step_dir(self.step),
+                    blocking_s=round(self.ckpt.last_blocking_s, 4))
+
+    def _finish_attempt(self) -> None:
+        """Make the last checkpoint durable and committed before any rank exits."""
+        self.ckpt.wait()
+        barrier(self.env)
+
+    # -- reporting ----------------------------------------------------------------------------
+    def _log_step(self, epoch: int, loss: float, lr: float, step_s: float) -> None:
+        if self.step % self.cfg.log_every_steps and self.step != self.total_steps:
+            return
+        samples_per_s = self.cfg.global_batch_size / max(step_s, 1e-9)
+        self._event("step", epoch=epoch, loss=loss, lr=lr, samples_per_s=samples_per_s)
+        self._log({"train_loss": loss, "lr": lr, "samples_per_s": samples_per_s})
+
+    def _event(self, event: str, **fields: Any) -> None:
+        if self.progress is not None:
+            self.progress.event(event, self.step, **fields)
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        if self.tracker is not None:
+            self.tracker.log_metrics(self.step, metrics)
+
+    def _write_result(self, wall_s: float, steps_run: int) -> None:
+        if not self.env.is_main:
+            return
+        job = Path(self.spec.job_dir)
+        (job / "final").mkdir(parents=True, exist_ok=True)
+        tmp = job / "final" / "model.pt.tmp"
+        torch.save(self.module.state_dict(), tmp)
+        tmp.replace(job / "final" / "model.pt")
+        profile = self.profile(wall_s, steps_run)
+        result = {"run_id": self.run_id, "step": self.step, "total_steps": self.total_steps,
+                  "metrics": self.metrics, "model": self.cfg.model,
+                  "num_classes": self.splits.num_classes,
+                  "input_shape": list(self.splits.input_shape),
+                  "classes": list(self.splits.classes), "model_path": str(job / "final/model.pt"),
+                  "world_size": self.env.world_size, "profile": profile}
+        (job / "result.json.tmp").write_text(json.dumps(result, indent=2))
+        (job / "result.json.tmp").replace(job / "result.json")
+        if self.tracker is not None:
+            self.tracker.log_metrics(self.step, {f"profile_{k}": v for k, v in profile.items()
+                                                 if isinstance(v, int | float)})
+
+    def profile(self, wall_s: float, steps_run: int) -> dict[str, float]:
+        """Where this attempt's time went (seconds, rank 0's view), peak memory and throughput.
+
+        ``sync_s`` is the per-step collective (it absorbs waiting for slower ranks); gradient
+        all-reduce overlaps backward in DDP and is counted inside ``forward_backward_s``.
+        """
+        out: dict[str, float] = {f"{k}_s": round(v, 4) for k, v in self.timings.items()}
+        out["wall_s"] = round(wall_s, 4)
+        out["steps"] = steps_run
+        out["samples_per_s"] = round(steps_run * self.cfg.global_batch_size / max(wall_s, 1e-9),
+                                     2)
+        if self.env.device.type == "cuda":
+            out["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(self.env.device)
+        else:
+            out["peak_host_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss \
+                * 1024
+        return out
+
+    def close(self, outcome: str) -> None:
+        """Flush tracking and progress; mark the run FINISHED, KILLED (preempted) or FAILED."""
+        with contextlib.suppress(CheckpointError):
+            self.ckpt.wait()
+        status = {"completed": "FINISHED", "preempted": "KILLED"}.get(outcome, "FAILED")
+        if self.tracker is not None:
+            try:
+                self.tracker.set_tags({"stoker.last_outcome": outcome})
+                self.tracker.end(status)
+            except Exception as e:  # tracking must not mask the training outcome
+                log.warning("could not finish MLflow run %s: %s", self.run_id, e)
+        if self.progress is not None:
+            self.progress.event("end", self.step, outcome=outcome)
+            self.progress.heartbeat(self.step, outcome=outcome, force=True)
+            self.progress.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m stoker.runtime SPEC.yaml``; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="python -m stoker.runtime",
+                                     description="Train (or resume) the job described by SPEC.")
+    parser.add_argument("spec", type=Path, help="run spec YAML written by the orchestrator")
+    args = parser.parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        spec = RunSpec.load(args.spec)
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+    stop = StopFlag().install()
+    env = init_distributed()
+    trainer: Trainer | None = None
+    outcome = "failed"
+    try:
+        if spec.train.preemption_notice_url:
+            stop.watch_notice_url(spec.train.preemption_notice_url)
+        trainer = Trainer(spec, env, stop)
+        outcome = trainer.train()
+        return EXIT_PREEMPTED if outcome == "preempted" else EXIT_OK
+    except (ConfigError, DataError, CheckpointError) as e:
+        log.error("%s", e)
+        return 2
+    except Exception:
+        log.exception("training failed at step %s", trainer.step if trainer else 0)
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.close(outcome)
+        teardown()
