@@ -1,0 +1,45 @@
+# Stoker: `make run` runs the main job, `make test` the test suite. Both create .venv first.
+# CPU machines get the CPU build of PyTorch (pinned) before anything else, so that the open
+# `torch` requirement in pyproject.toml never pulls a multi-GB CUDA build. On a CPU machine
+# outside a mirror that serves CPU wheels, point pip at PyTorch's CPU index:
+#   make TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu run
+# GPU machines (nvidia-smi present) skip this and install the CUDA build from the open range.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CPU_TORCH ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+EXTRAS ?= dev
+ARGS ?=
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export MLFLOW_DISABLE_TELEMETRY ?= true
+export DVC_NO_ANALYTICS ?= 1
+export DO_NOT_TRACK ?= 1
+
+.PHONY: install run test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "no GPU driver found: installing the CPU build $(CPU_TORCH)"; \
+	  $(PIP) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(CPU_TORCH)"; \
+	fi
+	$(PIP) -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/stoker run $(ARGS)
+
+test: install
+	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf work .pytest_cache

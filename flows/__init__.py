@@ -1,0 +1,1 @@
+"""Prefect flows: tables of contents over ``tasks``."""

@@ -1,0 +1,30 @@
+"""The main job: pull the dataset, train with torchrun, register the model, report."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from prefect import flow
+
+from stoker.config import PipelineConfig
+from stoker.jobs import mark_done
+from tasks.data import pull
+from tasks.registry import register
+from tasks.report import report
+from tasks.train import train
+
+DEFAULT_CONFIG = PipelineConfig()
+
+
+@flow(name="pipeline", log_prints=True)
+def pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
+    """Pull data at a pinned revision, train (resuming any unfinished job), register, report."""
+    dataset = pull(config)
+    trained = train(config, dataset)
+    registration = register(config, dataset, trained)
+    report(dataset, trained, registration, config.tracking_uri())
+    summary = {"dataset": asdict(dataset), "run_id": trained.run_id,
+               "metrics": trained.metrics, "registration": registration.to_dict()}
+    mark_done(Path(trained.job_dir), summary)
+    return summary

@@ -1,0 +1,95 @@
+"""The ``stoker`` command line.
+
+``stoker run [--config FILE] [field=value ...]`` runs the pipeline flow with the embedded defaults:
+Prefect without a separately started server (unless PREFECT_API_URL is set), MLflow in
+``<work_dir>/mlflow.db``, DVC with a local remote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Stoker: resumable GPU training pipelines on Prefect, DVC, PyTorch, MLflow.")
+
+
+def quiet_telemetry(work_dir: Path) -> None:
+    """Telemetry off and Prefect's home inside the work directory, unless the user set them."""
+    os.environ.setdefault("PREFECT_HOME", str((work_dir / ".prefect").resolve()))
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    # The embedded (ephemeral) Prefect server migrates its database on first start: slow on 2 cores.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def _config(config_file: Path | None, overrides: list[str] | None) -> PipelineConfig:
+    try:
+        return load_pipeline_config(config_file, overrides)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def run(
+    overrides: Annotated[list[str] | None, typer.Argument(
+        help="Dotted overrides, e.g. train.epochs=3 data.rev=v1")] = None,
+    config_file: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="YAML file with PipelineConfig fields")] = None,
+) -> None:
+    """Run the main job: pull the dataset, train with torchrun, register the model in MLflow."""
+    config = _config(config_file, overrides)
+    quiet_telemetry(config.work_dir)
+    from flows.pipeline import pipeline
+
+    summary = pipeline(config)
+    typer.echo(json.dumps(summary, indent=2, default=str))
+
+
+@app.command("show-config")
+def show_config(
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides")] = None,
+    config_file: Annotated[Path | None, typer.Option("--config", "-c")] = None,
+) -> None:
+    """Print the resolved, validated configuration as YAML."""
+    import yaml
+
+    config = _config(config_file, overrides)
+    typer.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+@app.command()
+def predict(
+    images: Annotated[list[Path], typer.Argument(help="Image files (same size as training)")],
+    model_uri: Annotated[str, typer.Option(help="MLflow model URI")] =
+        "models:/stoker-digits@champion",
+    tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] =
+        "sqlite:///work/mlflow.db",
+) -> None:
+    """Load a registered model and print the predicted class of each image."""
+    import mlflow
+    import numpy as np
+    from PIL import Image
+
+    quiet_telemetry(Path("work"))
+    mlflow.set_tracking_uri(tracking_uri)
+    model = mlflow.pyfunc.load_model(model_uri)
+    batch = np.stack([np.asarray(Image.open(p).convert("L"), dtype=np.float32) / 255.0
+                      for p in images])[:, None]
+    for path, logits in zip(images, model.predict(batch), strict=True):
+        typer.echo(f"{path}\t{int(np.argmax(logits))}")
+
+
+if __name__ == "__main__":
+    sys.exit(app())

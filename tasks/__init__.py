@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers over plain functions in ``stoker``, one module per capability."""

@@ -1,0 +1,54 @@
+"""Model registry task: log the trained model, register a version, apply the promotion gate."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from stoker.config import PipelineConfig
+from stoker.dataset import DatasetRef
+from stoker.registry import Registration, log_and_register
+from tasks.train import TrainResult
+
+
+def load_trained_model(result: dict):
+    """Rebuild the trained module from ``result.json`` fields and its final weights (eval mode)."""
+    import torch
+
+    from stoker.runtime.models import build_model
+
+    model = build_model(result["model"], result["num_classes"], result["input_shape"][0])
+    model.load_state_dict(torch.load(result["model_path"], map_location="cpu"), strict=True)
+    return model.eval()
+
+
+def input_example(dataset: DatasetRef, count: int = 4):
+    """The first ``count`` images of the dataset as float32 [count, C, H, W] in [0, 1]."""
+    from pathlib import Path
+
+    from stoker.runtime.data import load_image_folder
+
+    images, _labels, _classes = load_image_folder(Path(dataset.local_path))
+    return images[:count].numpy()
+
+
+@task(name="register-model", cache_policy=NO_CACHE)
+def register(config: PipelineConfig, dataset: DatasetRef, trained: TrainResult) -> Registration:
+    """Register the trained model; ``champion`` moves only if the promotion metric improves."""
+    logger = get_run_logger()
+    metric = config.tracking.promote_metric
+    if metric not in trained.metrics:
+        raise KeyError(f"tracking.promote_metric {metric!r}: not among the run's final metrics "
+                       f"{sorted(trained.metrics)}")
+    tags = {"dvc.repo": dataset.repo_url, "dvc.rev": dataset.rev, "dvc.commit": dataset.commit,
+            "dvc.path": dataset.path, "dvc.md5": dataset.md5, "mlflow.run_id": trained.run_id}
+    registration = log_and_register(
+        config.tracking_uri(), trained.run_id, config.tracking.registered_model,
+        load_trained_model(trained.result), input_example(dataset), tags, metric,
+        float(trained.metrics[metric]), config.tracking.promote_direction,
+    )
+    logger.info("registered %s version %s (%s=%.4f); champion %s", registration.name,
+                registration.version, metric, registration.value,
+                "moved to it" if registration.promoted
+                else f"stays at version {registration.previous_champion}")
+    return registration
