@@ -1,0 +1,126 @@
+"""Shared fixtures: telemetry off, the demo dataset pulled once per session, run-spec helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+os.environ["DVC_NO_ANALYTICS"] = "1"
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+from stoker.config import TrainConfig  # noqa: E402
+from stoker.dataset import pull_dataset  # noqa: E402
+from stoker.demo_data import ensure_demo_repo  # noqa: E402
+from stoker.runtime.spec import RunSpec  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("stoker")
+    os.environ.setdefault("PREFECT_HOME", str(path / "prefect-home"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_repo(session_dir):
+    return ensure_demo_repo(session_dir / "demo-data")
+
+
+@pytest.fixture(scope="session")
+def dataset(demo_repo, session_dir):
+    return pull_dataset(str(demo_repo.repo), "v1", "data/digits", session_dir / "datasets")
+
+
+@pytest.fixture
+def make_spec(dataset, tmp_path):
+    """Write a run spec for a small job in tmp_path and return its path."""
+
+    def make(job: str = "job", tracking: bool = True, **train) -> Path:
+        fields = {"epochs": 2, "checkpoint_every_steps": 10, "keep_latest_k": 2, **train}
+        job_dir = tmp_path / job
+        job_dir.mkdir(parents=True, exist_ok=True)
+        spec = RunSpec(
+            train=TrainConfig(**fields), data_dir=dataset.local_path, job_dir=str(job_dir),
+            tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}" if tracking else None,
+            artifact_location=(tmp_path / "mlartifacts").as_uri(), run_name=job,
+            tags={"dvc.md5": dataset.md5},
+        )
+        spec.dump(job_dir / "spec.yaml")
+        return job_dir / "spec.yaml"
+
+    return make
+
+
+def events(job_dir: Path) -> list[dict]:
+    path = Path(job_dir) / "progress.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def last_step(job_dir: Path) -> int:
+    return max((e["step"] for e in events(job_dir) if e["event"] == "step"), default=0)
+
+
+class Preemptor(threading.Thread):
+    """Sends ``sig`` to processes of a running launcher once the job passes ``at_step``.
+
+    ``target`` picks the victims from the launcher's tree: "tree" (torchrun and every worker),
+    "agent" (torchrun only) or "rank:N" (one worker, found by its RANK variable).
+    """
+
+    def __init__(self, launcher, job_dir: Path, at_step: int, target: str = "tree",
+                 sig: int = signal.SIGTERM):
+        super().__init__(daemon=True)
+        self.launcher, self.job_dir, self.at_step = launcher, Path(job_dir), at_step
+        self.target, self.sig = target, sig
+        self.fired_at: int | None = None
+        self.victims: list[int] = []
+
+    def _victims(self, agent) -> list:
+        workers = [p for p in agent.children() if "RANK" in p.environ()]
+        if self.target == "agent":
+            return [agent]
+        if self.target.startswith("rank:"):
+            rank = self.target.split(":")[1]
+            return [p for p in workers if p.environ().get("RANK") == rank]
+        return [agent, *workers]
+
+    def run(self) -> None:
+        import psutil
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            proc = self.launcher.process
+            if proc is not None and proc.poll() is None and last_step(self.job_dir) >= self.at_step:
+                try:
+                    victims = self._victims(psutil.Process(proc.pid))
+                    if not victims:
+                        continue
+                    self.fired_at = last_step(self.job_dir)
+                    for victim in victims:
+                        victim.send_signal(self.sig)
+                    self.victims = [v.pid for v in victims]
+                except psutil.NoSuchProcess:
+                    continue
+                return
+            time.sleep(0.005)
+
+
+@pytest.fixture
+def copy_tree():
+    def copy(src: Path, dst: Path) -> Path:
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy

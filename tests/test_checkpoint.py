@@ -1,0 +1,87 @@
+import json
+import threading
+
+import pytest
+import torch
+
+from stoker.runtime.checkpoint import MARKER, Checkpointer, CheckpointError
+
+
+def state(step: int) -> dict:
+    return {"model": {"w": torch.full((4,), float(step))}, "step": step}
+
+
+def save_all_ranks(location, step, world_size=2, async_save=False):
+    """Save one checkpoint from ``world_size`` checkpointers (ranks) concurrently."""
+    ckpts = [Checkpointer(location, r, world_size, keep_latest_k=2, async_save=async_save)
+             for r in range(world_size)]
+    threads = [threading.Thread(target=c.save, args=(step, state(step) if c.rank == 0 else None,
+                                                     {"rng": c.rank}))
+               for c in ckpts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in ckpts:
+        c.wait()
+    return ckpts
+
+
+def test_commit_latest_and_retention(tmp_path):
+    for step in (10, 20, 30):
+        save_all_ranks(str(tmp_path), step)
+    ckpt = Checkpointer(str(tmp_path), 1, 2)
+    assert ckpt.committed_steps() == [20, 30]  # keep_latest_k=2 purged step 10
+    loaded = ckpt.load_latest()
+    assert loaded.step == 30 and loaded.rank_state == {"rng": 1}
+    assert torch.equal(loaded.shared["model"]["w"], torch.full((4,), 30.0))
+    marker = json.loads((tmp_path / "step-000000030" / MARKER).read_text())
+    assert set(marker["files"]) == {"shared.pt", "rank-00000.pt", "rank-00001.pt"}
+
+
+def test_uncommitted_checkpoint_is_never_chosen(tmp_path):
+    save_all_ranks(str(tmp_path), 10)
+    save_all_ranks(str(tmp_path), 20)
+    (tmp_path / "step-000000020" / MARKER).unlink()  # killed before the commit
+    (tmp_path / "step-000000020" / "shared.pt").write_bytes(b"half")
+    warnings = []
+    loaded = Checkpointer(str(tmp_path), 0, 2).load_latest(warn=warnings.append)
+    assert loaded.step == 10
+    assert "no COMMITTED marker" in warnings[0] and "step-000000020" in warnings[0]
+
+
+def test_corrupt_committed_checkpoint_falls_back_with_reason(tmp_path):
+    save_all_ranks(str(tmp_path), 10)
+    save_all_ranks(str(tmp_path), 20)
+    shard = tmp_path / "step-000000020" / "rank-00001.pt"
+    shard.write_bytes(shard.read_bytes()[:-3] + b"xyz")
+    warnings = []
+    loaded = Checkpointer(str(tmp_path), 0, 2).load_latest(warn=warnings.append)
+    assert loaded.step == 10  # every rank rejects step 20, not only rank 1
+    assert "sha256 does not match" in warnings[0]
+
+
+def test_other_world_size_gets_no_rank_state(tmp_path):
+    save_all_ranks(str(tmp_path), 10, world_size=2)
+    loaded = Checkpointer(str(tmp_path), 0, 3).load_latest()
+    assert loaded.step == 10 and loaded.world_size == 2 and loaded.rank_state is None
+
+
+def test_async_save_blocks_only_for_the_host_copy(tmp_path):
+    ckpts = save_all_ranks(str(tmp_path), 10, world_size=1, async_save=True)
+    assert ckpts[0].committed_steps() == [10]
+
+
+def test_missing_rank_file_leaves_checkpoint_uncommitted(tmp_path):
+    ckpt = Checkpointer(str(tmp_path), 0, 2, commit_timeout_s=0.2)
+    with pytest.raises(CheckpointError, match="rank 1 did not write"):
+        ckpt.save(10, state(10), {"rng": 0})
+    assert ckpt.committed_steps() == []
+    assert Checkpointer(str(tmp_path), 0, 2).load_latest(warn=lambda m: None) is None
+
+
+def test_fsspec_url_location():
+    location = "memory://stoker-test/ckpts"
+    save_all_ranks(location, 5, world_size=1)
+    loaded = Checkpointer(location, 0, 1).load_latest()
+    assert loaded.step == 5 and loaded.path.endswith("step-000000005")

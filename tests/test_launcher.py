@@ -1,0 +1,92 @@
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from stoker.config import RetryConfig
+from stoker.launcher import LocalLauncher, Outcome, classify_exit, run_with_retries, terminate_tree
+
+
+@pytest.mark.parametrize(("code", "outcome"), [
+    (0, Outcome.COMPLETED), (75, Outcome.PREEMPTED), (137, Outcome.INFRASTRUCTURE),
+    (-9, Outcome.INFRASTRUCTURE), (1, Outcome.USER_ERROR), (2, Outcome.USER_ERROR),
+    (143, Outcome.USER_ERROR),
+])
+def test_exit_code_contract(code, outcome):
+    assert classify_exit(code) is outcome
+
+
+def scripted(codes):
+    calls = []
+
+    def launch(number):
+        calls.append(number)
+        return codes[len(calls) - 1]
+
+    return launch, calls
+
+
+def test_preemptions_are_retried_until_done():
+    launch, calls = scripted([75, 75, 137, 0])
+    attempts = run_with_retries(launch, RetryConfig(backoff_s=0), sleep=lambda s: None)
+    assert [a.outcome for a in attempts] == [Outcome.PREEMPTED, Outcome.PREEMPTED,
+                                            Outcome.INFRASTRUCTURE, Outcome.COMPLETED]
+    assert calls == [1, 2, 3, 4]
+
+
+def test_user_errors_are_not_retried_by_default():
+    launch, calls = scripted([1, 0])
+    attempts = run_with_retries(launch, RetryConfig(backoff_s=0), sleep=lambda s: None)
+    assert calls == [1] and attempts[-1].outcome is Outcome.USER_ERROR
+
+
+def test_budgets_are_separate():
+    launch, calls = scripted([137, 75, 137, 75, 137, 0])
+    policy = RetryConfig(max_infra_failures=2, max_preemptions=5, backoff_s=0)
+    attempts = run_with_retries(launch, policy, sleep=lambda s: None)
+    assert len(calls) == 5  # the third infrastructure failure spends that budget
+    assert attempts[-1].outcome is Outcome.INFRASTRUCTURE
+
+
+def test_backoff_grows():
+    waits = []
+    launch, _ = scripted([75, 75, 75, 0])
+    run_with_retries(launch, RetryConfig(backoff_s=1, backoff_max_s=3), sleep=waits.append)
+    assert waits == [1, 2, 3]
+
+
+def test_terminate_tree_leaves_no_descendant(tmp_path):
+    # A parent that ignores SIGTERM, a child, and an orphan that left the tree (re-parented to
+    # init): all of the session must be gone afterwards.
+    script = "trap '' TERM; sleep 300 & (sleep 300 &) ; sleep 300"
+    proc = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    time.sleep(0.5)
+    tree = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
+    assert len(tree) >= 3
+    terminate_tree(proc.pid, grace_s=1)
+    proc.wait(timeout=10)
+    time.sleep(0.2)
+    alive = [p for p in tree if psutil.pid_exists(p) and
+             psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def test_launcher_kills_the_tree_on_timeout(tmp_path, make_spec):
+    spec = make_spec(epochs=200, checkpoint_every_steps=1000, tracking=False)
+    launcher = LocalLauncher(2, shutdown_grace_s=2, python=sys.executable)
+    with pytest.raises(subprocess.TimeoutExpired):
+        launcher.run(spec, on_line=lambda line: None, timeout_s=8)
+    time.sleep(0.5)
+    leftovers = [p for p in psutil.process_iter(["cmdline"])
+                 if str(spec) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []
