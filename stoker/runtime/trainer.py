@@ -201,9 +201,11 @@ class Trainer:
                                    self.cfg.global_batch_size, self.cfg.grad_accum_steps,
                                    self.env.rank, self.env.world_size)
         workers = self.cfg.num_workers
+        # Its own generator: creating an iterator draws a worker seed, which must not advance
+        # the global RNG (a resumed run creates one more iterator than an uninterrupted one).
+        generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)
         return DataLoader(self.splits.train, batch_sampler=sampler, num_workers=workers,
-                          pin_memory=self.env.device.type == "cuda",
-                          persistent_workers=False)
+                          pin_memory=self.env.device.type == "cuda", generator=generator)
 
     def train(self) -> str:
         """Run until done or preempted. Returns ``"completed"`` or ``"preempted"``."""
@@ -322,19 +324,23 @@ class Trainer:
                    "val_loss": self.metrics["val_loss"], "epoch_time_s": epoch_time_s})
         return self.metrics
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything shared by all ranks that an exact continuation needs."""
+        epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "step": self.step, "epoch": epoch,
+                "data_position": {"epoch": epoch, "step_in_epoch": step_in_epoch},
+                "config": self.cfg.model_dump(mode="json"), "run_id": self.run_id,
+                "world_size": self.env.world_size, "metrics": self.metrics}
+
     def save(self) -> None:
         """Save a checkpoint at the current step (every rank calls this)."""
         t0 = time.perf_counter()
-        shared = None
-        if self.env.is_main:
-            shared = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                      "scheduler": self.scheduler.state_dict(),
-                      "scaler": self.scaler.state_dict(), "step": self.step,
-                      "epoch": self.step // self.steps_per_epoch,
-                      "data_position": {"epoch": self.step // self.steps_per_epoch,
-                                        "step_in_epoch": self.step % self.steps_per_epoch},
-                      "config": self.cfg.model_dump(mode="json"), "run_id": self.run_id,
-                      "world_size": self.env.world_size, "metrics": self.metrics}
+        if self.tracker is not None:
+            # Metrics up to a checkpoint must survive a crash: steps before it are never re-run.
+            self.tracker.flush()
+        shared = self.state_dict() if self.env.is_main else None
         self.ckpt.save(self.step, shared, {"rng": self._rng_state(),
                                            "world_size": self.env.world_size})
         self._last_save = time.monotonic()

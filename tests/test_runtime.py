@@ -1,0 +1,187 @@
+"""The training runtime under real torchrun (2 gloo ranks on CPU): preemption, exact resume,
+crash recovery, world-size changes, strict loading."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Preemptor, events
+from mlflow import MlflowClient
+
+from stoker.config import RetryConfig
+from stoker.launcher import LocalLauncher, Outcome, run_with_retries
+from stoker.runtime.checkpoint import MARKER, Checkpointer, CheckpointError
+from stoker.runtime.distributed import DistEnv
+from stoker.runtime.preemption import StopFlag
+from stoker.runtime.spec import RunSpec
+from stoker.runtime.trainer import Trainer
+
+pytestmark = pytest.mark.integration
+NO_WAIT = RetryConfig(backoff_s=0)
+
+
+def launch(spec: Path, world_size: int = 2, preempt: list[dict] | None = None,
+           policy: RetryConfig = NO_WAIT):
+    """Run a job to its end with retries; ``preempt[i]`` arms a Preemptor for attempt i+1."""
+    job_dir = spec.parent
+    launcher = LocalLauncher(world_size, shutdown_grace_s=20, python=sys.executable)
+    output: list[str] = []
+    fired: list[Preemptor] = []
+
+    def attempt(number: int) -> int:
+        if preempt and number <= len(preempt):
+            fired.append(Preemptor(launcher, job_dir, **preempt[number - 1]))
+            fired[-1].start()
+        return launcher.run(spec, on_line=output.append)
+
+    attempts = run_with_retries(attempt, policy, sleep=lambda s: None)
+    return attempts, "\n".join(output), fired
+
+
+def final_weights(spec: Path) -> dict[str, torch.Tensor]:
+    return torch.load(spec.parent / "final" / "model.pt")
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def loss_history(spec: Path) -> list[tuple[int, float]]:
+    loaded = RunSpec.load(spec)
+    client = MlflowClient(loaded.tracking_uri)
+    run_id = (spec.parent / "mlflow_run_id").read_text()
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train_loss"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, dataset):
+    """An uninterrupted 2-rank run of 3 epochs (66 steps)."""
+    import conftest  # noqa: F401
+
+    root = tmp_path_factory.mktemp("reference")
+    from stoker.config import TrainConfig
+
+    job = root / "ref"
+    job.mkdir()
+    spec = RunSpec(train=TrainConfig(epochs=3, checkpoint_every_steps=10, keep_latest_k=2),
+                   data_dir=dataset.local_path, job_dir=str(job),
+                   tracking_uri=f"sqlite:///{root / 'mlflow.db'}", run_name="ref")
+    spec.dump(job / "spec.yaml")
+    attempts, output, _ = launch(job / "spec.yaml")
+    assert [a.outcome for a in attempts] == [Outcome.COMPLETED], output
+    return job / "spec.yaml"
+
+
+def test_preempted_twice_resumes_bitwise_exact(reference, make_spec):
+    spec = make_spec("preempted", epochs=3)
+    attempts, output, fired = launch(spec, preempt=[
+        {"at_step": 12, "target": "tree"},      # spot notice to the whole process tree
+        {"at_step": 40, "target": "rank:1"},    # a signal that reaches only rank 1
+    ])
+    assert [a.outcome for a in attempts] == [Outcome.PREEMPTED, Outcome.PREEMPTED,
+                                            Outcome.COMPLETED], output
+    assert [a.exit_code for a in attempts] == [75, 75, 0]
+    stops = [e["step"] for e in events(spec.parent) if e["event"] == "end"]
+    assert len(stops) == 3 and stops[0] < stops[1] < stops[2] == 66
+    # Each preemption committed a checkpoint at the very step it stopped.
+    checkpoints = {e["step"] for e in events(spec.parent) if e["event"] == "checkpoint"}
+    assert {stops[0], stops[1]} <= checkpoints
+    assert_bitwise_equal(final_weights(spec), final_weights(reference))
+    # One MLflow run, each step logged once, with the uninterrupted run's losses.
+    history = loss_history(spec)
+    assert [s for s, _ in history] == list(range(1, 67))
+    assert history == loss_history(reference)
+    client = MlflowClient(RunSpec.load(spec).tracking_uri)
+    run = client.get_run((spec.parent / "mlflow_run_id").read_text())
+    assert run.info.status == "FINISHED"
+    assert len(client.search_runs([run.info.experiment_id],
+                                  f"attributes.run_name = '{spec.parent.name}'")) == 1
+
+
+def test_kill_during_save_resumes_from_previous_checkpoint(reference, make_spec):
+    spec = make_spec("killed", epochs=3)
+    attempts, output, fired = launch(
+        spec, preempt=[{"at_step": 35, "target": "tree", "sig": signal.SIGKILL}],
+        policy=RetryConfig(backoff_s=0, max_infra_failures=0))
+    assert [a.outcome for a in attempts] == [Outcome.INFRASTRUCTURE], output
+    ckpt_dir = spec.parent / "checkpoints"
+    committed = Checkpointer(str(ckpt_dir), 0, 2).committed_steps()
+    assert committed, "expected committed checkpoints before the kill"
+    # Make the newest checkpoint look like it was being written when the node died.
+    newest = ckpt_dir / f"step-{committed[-1]:09d}"
+    (newest / MARKER).unlink()
+    (newest / "shared.pt").write_bytes((newest / "shared.pt").read_bytes()[:100])
+    attempts, output, _ = launch(spec)
+    assert [a.outcome for a in attempts] == [Outcome.COMPLETED], output
+    assert f"{newest.name}: no COMMITTED marker" in output
+    previous = committed[-2] if len(committed) > 1 else None
+    if previous:
+        assert f"resumed from {ckpt_dir / f'step-{previous:09d}'}" in output
+    assert_bitwise_equal(final_weights(spec), final_weights(reference))
+    assert [s for s, _ in loss_history(spec)] == list(range(1, 67))  # re-run steps not re-logged
+
+
+def test_user_error_fails_once_with_traceback(make_spec):
+    spec = make_spec("bug", fail_at_step=5)
+    attempts, output, _ = launch(spec)
+    assert [a.outcome for a in attempts] == [Outcome.USER_ERROR]
+    assert attempts[0].exit_code == 1
+    assert "Traceback" in output and "simulated failure at step 5" in output
+    client = MlflowClient(RunSpec.load(spec).tracking_uri)
+    assert client.get_run((spec.parent / "mlflow_run_id").read_text()).info.status == "FAILED"
+
+
+def test_resume_at_other_world_sizes(make_spec):
+    # Written at 2 ranks, resumed at 3: 48 samples per step split evenly over 1, 2 and 3 ranks.
+    spec = make_spec("resize", epochs=2, global_batch_size=48)
+    attempts, output, _ = launch(spec, preempt=[{"at_step": 8, "target": "tree"}],
+                                 policy=RetryConfig(backoff_s=0, max_preemptions=0))
+    assert attempts[-1].outcome is Outcome.PREEMPTED, output
+    stopped = [e["step"] for e in events(spec.parent) if e["event"] == "end"][-1]
+    attempts, output, _ = launch(spec, world_size=3)
+    assert attempts[-1].outcome is Outcome.COMPLETED, output
+    assert "written at world size 2, now 3" in output
+    steps = [e["step"] for e in events(spec.parent) if e["event"] == "step"]
+    assert steps == list(range(1, 2 * 29 + 1)), f"stopped at {stopped}"
+    # 64 per step cannot be split over 3 ranks: refused by name, not continued silently.
+    spec = make_spec("refuse", epochs=2, global_batch_size=64)
+    attempts, output, _ = launch(spec, preempt=[{"at_step": 8, "target": "tree"}],
+                                 policy=RetryConfig(backoff_s=0, max_preemptions=0))
+    assert attempts[-1].outcome is Outcome.PREEMPTED, output
+    attempts, output, _ = launch(spec, world_size=3)
+    assert [a.exit_code for a in attempts] == [2]
+    assert "train.global_batch_size=64 cannot be split evenly over world size 3" in output
+    attempts, output, _ = launch(spec, world_size=1)
+    assert attempts[-1].outcome is Outcome.COMPLETED, output
+    steps = [e["step"] for e in events(spec.parent) if e["event"] == "step"]
+    assert steps == list(range(1, 2 * 22 + 1))
+
+
+SINGLE = DistEnv(0, 0, 1, torch.device("cpu"), None)
+
+
+def test_strict_load_names_the_keys(make_spec):
+    spec = RunSpec.load(make_spec("strict", tracking=False))
+    trainer = Trainer(spec, SINGLE, StopFlag())
+    state = trainer.state_dict()
+    state["model"]["bogus.weight"] = torch.zeros(1)
+    del state["model"]["head.4.bias"]
+    Checkpointer(spec.checkpoint_location, 0, 1).save(1, state, {"rng": trainer._rng_state()})
+    with pytest.raises(CheckpointError) as info:
+        Trainer(spec, SINGLE, StopFlag())
+    assert "bogus.weight" in str(info.value) and "head.4.bias" in str(info.value)
+
+
+def test_changed_trajectory_is_refused(make_spec, tmp_path):
+    spec = RunSpec.load(make_spec("trajectory", tracking=False))
+    trainer = Trainer(spec, SINGLE, StopFlag())
+    trainer.save()
+    changed = spec.model_copy(update={"train": spec.train.model_copy(update={"epochs": 5})})
+    with pytest.raises(CheckpointError, match=r"train.epochs: 2 -> 5"):
+        Trainer(changed, SINGLE, StopFlag())
