@@ -97,7 +97,7 @@ def log_and_register(tracking_uri: str, run_id: str, registered_model: str, mode
     previous, previous_value = None, None
     try:
         champion = client.get_model_version_by_alias(registered_model, CHAMPION)
-        previous = champion.version
+        previous = str(champion.version)
         previous_value = client.get_run(champion.run_id).data.metrics.get(metric)
     except MlflowException:
         pass  # no champion yet

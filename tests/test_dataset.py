@@ -1,0 +1,73 @@
+"""Real git + DVC: the demo repository, pinned pulls, warm reuse and the missing-data error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from stoker.dataset import DatasetError, pull_dataset
+from stoker.demo_data import DEMO_TAG, ensure_demo_repo, git
+
+pytestmark = pytest.mark.integration
+
+
+def test_demo_repo_is_an_image_folder_tracked_by_dvc(demo_repo):
+    files = git(demo_repo.repo, "ls-files").split()
+    assert "data/digits.dvc" in files and not any(f.endswith(".png") for f in files)
+    assert git(demo_repo.repo, "tag") == DEMO_TAG
+    assert ensure_demo_repo(demo_repo.repo.parent).created is False  # idempotent
+
+
+def test_pull_records_revision_and_hash(dataset, demo_repo):
+    assert dataset.commit == git(demo_repo.repo, "rev-parse", "v1")
+    assert dataset.md5.endswith(".dir") and dataset.nfiles == 1797
+    root = Path(dataset.local_path)
+    assert sorted(p.name for p in root.iterdir()) == [str(d) for d in range(10)]
+    assert sum(1 for _ in root.rglob("*.png")) == 1797
+    record = json.loads((root.parent / f"{root.name}.json").read_text())
+    assert record["commit"] == dataset.commit and record["md5"] == dataset.md5
+
+
+def test_warm_pull_reuses_the_dataset(dataset, demo_repo, session_dir, monkeypatch):
+    import dvc.repo
+
+    def no_dvc(*args, **kwargs):
+        raise AssertionError("a warm pull must not call DVC")
+
+    monkeypatch.setattr(dvc.repo.Repo, "pull", no_dvc)
+    again = pull_dataset(str(demo_repo.repo), "v1", "data/digits", session_dir / "datasets")
+    assert again == dataset
+
+
+def test_missing_remote_file_is_named_before_anything_is_materialized(demo_repo, tmp_path):
+    remote = tmp_path / "remote"
+    shutil.copytree(demo_repo.remote, remote)
+    repo = tmp_path / "repo"
+    shutil.copytree(demo_repo.repo, repo)
+    # Point the copy at the copied remote, then lose one image from it.
+    config = repo / ".dvc" / "config"
+    config.write_text(config.read_text().replace(str(demo_repo.remote), str(remote)))
+    git(repo, "commit", "-q", "-am", "use copied remote")
+    manifest = json.loads(next(remote.rglob("*.dir")).read_text())
+    lost = manifest[17]
+    (remote / "files" / "md5" / lost["md5"][:2] / lost["md5"][2:]).unlink()
+
+    with pytest.raises(DatasetError) as info:
+        pull_dataset(str(repo), "HEAD", "data/digits", tmp_path / "datasets")
+    message = str(info.value)
+    assert f"data/digits/{lost['relpath']}" in message and lost["md5"] in message
+    assert "1 file(s)" in message
+    datasets = tmp_path / "datasets"
+    assert not any(p.name[0] != "." for p in datasets.iterdir())  # no dataset folder appeared
+
+
+def test_bad_revision_and_path_are_named(demo_repo, tmp_path):
+    with pytest.raises(DatasetError, match="data.rev 'v9': not found"):
+        pull_dataset(str(demo_repo.repo), "v9", "data/digits", tmp_path)
+    with pytest.raises(DatasetError, match="data.path data/nope: no data/nope.dvc"):
+        pull_dataset(str(demo_repo.repo), "v1", "data/nope", tmp_path)
+    with pytest.raises(DatasetError, match="cannot clone"):
+        pull_dataset(str(tmp_path / "no-such-repo"), "v1", "data/digits", tmp_path)

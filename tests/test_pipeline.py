@@ -1,0 +1,109 @@
+"""The main job as a real Prefect flow: DVC pull, torchrun training, MLflow registration."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from stoker.config import load_pipeline_config
+from stoker.dataset import DatasetError
+from stoker.demo_data import git
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+PREDICT = """
+import json, sys
+import mlflow, numpy as np
+from pathlib import Path
+from stoker.runtime.data import load_image_folder, split_indices
+mlflow.set_tracking_uri(sys.argv[1])
+model = mlflow.pyfunc.load_model("models:/stoker-digits@champion")
+images, labels, _ = load_image_folder(Path(sys.argv[2]))
+_, val = split_indices(len(labels), 0.2, 0)  # held out from training
+predicted = np.argmax(model.predict(images[val].numpy()), axis=1)
+print(json.dumps({"accuracy": float((predicted == labels[val].numpy()).mean())}))
+"""
+
+
+def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
+    from flows.pipeline import pipeline
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    config = load_pipeline_config(None, [f"work_dir={tmp_path}", "train.epochs=8"])
+    first = pipeline(config)
+    assert first["metrics"]["val_accuracy"] >= 0.95
+    assert first["registration"]["version"] == "1" and first["registration"]["promoted"]
+
+    client = MlflowClient(config.tracking_uri())
+    run = client.get_run(first["run_id"])
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert tags["dvc.rev"] == "v1" and tags["dvc.md5"] == first["dataset"]["md5"]
+    assert tags["dvc.commit"] == first["dataset"]["commit"]
+    assert len(tags["stoker.git_commit"]) in (40, 7) and tags["stoker.attempts"] == "1"
+    assert "prefect.flow_run_id" in tags
+    assert run.data.params["train.epochs"] == "8"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+    assert steps == list(range(1, 8 * 22 + 1))
+    assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 8
+    assert {"lr", "samples_per_s"} <= run.data.metrics.keys()
+
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["stoker-pipeline"])))
+    assert artifacts and first["run_id"] in artifacts[0].data
+    assert first["dataset"]["md5"] in artifacts[0].data
+
+    second = pipeline(config)  # same config: new job, reused dataset, new version
+    assert second["run_id"] != first["run_id"]
+    assert second["registration"]["version"] == "2"
+    datasets = [p for p in (tmp_path / "datasets").iterdir() if not p.name.startswith(".")]
+    assert len([p for p in datasets if p.is_dir()]) == 1
+    # Deterministic training reproduces the same accuracy: a tie does not move champion.
+    assert second["metrics"]["val_accuracy"] == first["metrics"]["val_accuracy"]
+    assert second["registration"]["promoted"] is False
+    assert str(client.get_model_version_by_alias("stoker-digits", "champion").version) == "1"
+    assert str(client.get_model_version_by_alias("stoker-digits", "challenger").version) == "2"
+
+    out = subprocess.run(
+        [sys.executable, "-c", PREDICT, config.tracking_uri(), first["dataset"]["local_path"]],
+        capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert json.loads(out.stdout.strip().splitlines()[-1])["accuracy"] >= 0.95
+
+
+def test_missing_data_fails_before_training(harness, tmp_path, demo_repo):
+    from flows.pipeline import pipeline
+
+    repo, remote = tmp_path / "repo", tmp_path / "remote"
+    shutil.copytree(demo_repo.repo, repo)
+    shutil.copytree(demo_repo.remote, remote)
+    config_file = repo / ".dvc" / "config"
+    config_file.write_text(config_file.read_text().replace(str(demo_repo.remote), str(remote)))
+    git(repo, "commit", "-q", "-am", "copied remote")
+    git(repo, "tag", "-f", "broken")
+    lost = next(p for p in remote.rglob("*") if p.is_file() and not p.name.endswith(".dir"))
+    lost.unlink()
+
+    work = tmp_path / "work"
+    config = load_pipeline_config(None, [f"work_dir={work}", f"data.repo_url={repo}",
+                                         "data.rev=broken"])
+    with pytest.raises(DatasetError, match="missing from the DVC remote"):
+        pipeline(config)
+    assert not (work / "jobs").exists()  # no training started
+    assert not Path(work / "mlflow.db").exists()
