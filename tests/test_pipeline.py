@@ -41,9 +41,10 @@ print(json.dumps({"accuracy": float((predicted == labels[val].numpy()).mean())})
 
 
 def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
-    from flows.pipeline import pipeline
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.pipeline import pipeline
 
     config = load_pipeline_config(None, [f"work_dir={tmp_path}", "train.epochs=8"])
     first = pipeline(config)

@@ -1,0 +1,56 @@
+"""GPU prices by model and capacity type, shared by cost tracking and the cost guard.
+
+Prices are USD per GPU-hour. The defaults are illustrative list prices (late 2026, one GPU of an
+8-GPU instance); set your own with ``PriceTable(usd_per_gpu_hour={...})`` or a YAML mapping of the
+same shape. A GPU model matches the first table key contained in its NVML name
+(``"NVIDIA H200"`` matches ``"H200"``); anything else uses ``"default"``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from stoker.config import _Frozen
+
+CapacityType = Literal["on_demand", "spot", "reserved"]
+
+
+class PriceTable(_Frozen):
+    """USD per GPU-hour, by GPU model name fragment and capacity type."""
+
+    usd_per_gpu_hour: dict[str, dict[CapacityType, float]] = Field(
+        default_factory=lambda: {
+            "H200": {"on_demand": 5.00, "spot": 2.10, "reserved": 3.40},
+            "H100": {"on_demand": 4.00, "spot": 1.70, "reserved": 2.70},
+            "A100": {"on_demand": 2.50, "spot": 1.00, "reserved": 1.70},
+            "L4": {"on_demand": 0.80, "spot": 0.30, "reserved": 0.55},
+            "cpu": {"on_demand": 0.0, "spot": 0.0, "reserved": 0.0},
+            "default": {"on_demand": 2.00, "spot": 0.80, "reserved": 1.35},
+        },
+        description="GPU model fragment -> capacity type -> USD per GPU-hour.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> PriceTable:
+        if "default" not in self.usd_per_gpu_hour:
+            raise ValueError("usd_per_gpu_hour needs a 'default' entry")
+        for model, prices in self.usd_per_gpu_hour.items():
+            for capacity, price in prices.items():
+                if price < 0:
+                    raise ValueError(f"usd_per_gpu_hour.{model}.{capacity} must be >= 0, "
+                                     f"got {price}")
+        return self
+
+    def price(self, gpu_model: str | None, capacity: CapacityType) -> float:
+        """USD per GPU-hour for ``gpu_model`` (an NVML name, "cpu", or None) and ``capacity``.
+
+        Raises:
+            KeyError: the matching entry has no price for ``capacity``.
+        """
+        name = (gpu_model or "default").lower()
+        for fragment, prices in self.usd_per_gpu_hour.items():
+            if fragment != "default" and fragment.lower() in name:
+                return prices[capacity]
+        return self.usd_per_gpu_hour["default"][capacity]
