@@ -23,8 +23,9 @@ def pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
     dataset = pull(config)
     trained = train(config, dataset)
     registration = register(config, dataset, trained)
-    report(dataset, trained, registration, config.tracking_uri())
+    report(dataset, trained, registration, config.tracking, config.tracking_uri())
     summary = {"dataset": asdict(dataset), "run_id": trained.run_id,
-               "metrics": trained.metrics, "registration": registration.to_dict()}
+               "metrics": trained.metrics, "cost": trained.cost,
+               "registration": registration.to_dict()}
     mark_done(Path(trained.job_dir), summary)
     return summary

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from stoker.pricing import PriceTable
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names each offending field."""
@@ -133,6 +135,13 @@ class TrackingConfig(_Frozen):
     promote_direction: Literal["max", "min"] = Field(
         "max", description="Whether larger or smaller values of promote_metric are better."
     )
+    ui_url: str | None = Field(
+        None, description="MLflow UI base URL for links in reports; empty: the tracking URI when "
+        "it is http(s)."
+    )
+    system_metrics_interval_s: float | None = Field(
+        10.0, gt=0, description="MLflow system metrics sampling period; empty: off."
+    )
 
     @field_validator("experiment", "registered_model", "promote_metric")
     @classmethod
@@ -150,6 +159,19 @@ class RetryConfig(_Frozen):
     max_user_errors: int = Field(0, ge=0, description="Attempts failing in user code retried.")
     backoff_s: float = Field(1.0, ge=0, description="First backoff; doubles per attempt.")
     backoff_max_s: float = Field(60.0, ge=0, description="Longest backoff.")
+    on_demand_after_preemptions: int | None = Field(
+        None, gt=0, description="After this many preemptions switch spot capacity to on-demand "
+        "(recorded on the run; passed to launchers that can choose capacity).")
+
+
+class CostConfig(_Frozen):
+    """What the job's GPUs cost: capacity type and a price table (USD per GPU-hour)."""
+
+    capacity_type: Literal["on_demand", "spot", "reserved"] = Field(
+        "on_demand", description="How the GPUs are bought; selects the price column."
+    )
+    prices: PriceTable = Field(default_factory=PriceTable,
+                               description="USD per GPU-hour by GPU model and capacity type.")
 
 
 class PipelineConfig(_Frozen):
@@ -166,6 +188,7 @@ class PipelineConfig(_Frozen):
     train: TrainConfig = TrainConfig()
     tracking: TrackingConfig = TrackingConfig()
     retry: RetryConfig = RetryConfig()
+    cost: CostConfig = CostConfig()
 
     def tracking_uri(self) -> str:
         """The MLflow tracking URI, defaulting to a sqlite store in the work directory."""

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
-
-from stoker.config import _Frozen
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 CapacityType = Literal["on_demand", "spot", "reserved"]
 
 
-class PriceTable(_Frozen):
+class PriceTable(BaseModel):
     """USD per GPU-hour, by GPU model name fragment and capacity type."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     usd_per_gpu_hour: dict[str, dict[CapacityType, float]] = Field(
         default_factory=lambda: {

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
+from mlflow import MlflowClient
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from stoker.config import PipelineConfig
 from stoker.dataset import DatasetRef
+from stoker.plots import plot_curves
 from stoker.registry import Registration, log_and_register
 from tasks.train import TrainResult
 
@@ -24,8 +29,6 @@ def load_trained_model(result: dict):
 
 def input_example(dataset: DatasetRef, count: int = 4):
     """The first ``count`` images of the dataset as float32 [count, C, H, W] in [0, 1]."""
-    from pathlib import Path
-
     from stoker.runtime.data import load_image_folder
 
     images, _labels, _classes = load_image_folder(Path(dataset.local_path))
@@ -40,13 +43,17 @@ def register(config: PipelineConfig, dataset: DatasetRef, trained: TrainResult) 
     if metric not in trained.metrics:
         raise KeyError(f"tracking.promote_metric {metric!r}: not among the run's final metrics "
                        f"{sorted(trained.metrics)}")
-    tags = {"dvc.repo": dataset.repo_url, "dvc.rev": dataset.rev, "dvc.commit": dataset.commit,
-            "dvc.path": dataset.path, "dvc.md5": dataset.md5, "mlflow.run_id": trained.run_id}
+    run_tags = MlflowClient(config.tracking_uri()).get_run(trained.run_id).data.tags
+    tags = {k: v for k, v in run_tags.items() if k.startswith(("dvc.", "stoker.", "prefect."))}
+    tags["mlflow.run_id"] = trained.run_id
     registration = log_and_register(
         config.tracking_uri(), trained.run_id, config.tracking.registered_model,
         load_trained_model(trained.result), input_example(dataset), tags, metric,
         float(trained.metrics[metric]), config.tracking.promote_direction,
     )
+    with tempfile.TemporaryDirectory() as tmp:
+        curves = plot_curves(config.tracking_uri(), trained.run_id, Path(tmp) / "curves.png")
+        MlflowClient(config.tracking_uri()).log_artifact(trained.run_id, str(curves), "plots")
     logger.info("registered %s version %s (%s=%.4f); champion %s", registration.name,
                 registration.version, metric, registration.value,
                 "moved to it" if registration.promoted

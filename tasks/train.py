@@ -1,22 +1,27 @@
-"""The train task: write the run spec, launch torchrun, retry preemptions, return the result."""
+"""The train task: write the run spec, launch torchrun per attempt, retry preemptions, price it."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow import MlflowClient
-from mlflow.entities import RunTag
+from mlflow.entities import Metric, RunTag
 from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from stoker.config import PipelineConfig
+from stoker.cost import cost_report
 from stoker.dataset import DatasetRef
 from stoker.jobs import resolve_job_dir
 from stoker.launcher import Attempt, LocalLauncher, Outcome, run_with_retries
 from stoker.lineage import code_version
+from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
 
 
@@ -26,13 +31,14 @@ class TrainingFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What training produced: the MLflow run, metrics, final weights and the attempts made."""
+    """What training produced: the MLflow run, metrics, final weights, attempts and cost."""
 
     job_dir: str
     run_id: str
     metrics: dict
     result: dict
     attempts: list[dict]
+    cost: dict
 
 
 def nproc(config: PipelineConfig) -> int:
@@ -45,12 +51,14 @@ def nproc(config: PipelineConfig) -> int:
 
 
 def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int) -> dict[str, str]:
+    """Tags every run carries: code version, dataset, orchestrator run, launcher, world size."""
     code = code_version()
     tags = {
         "mlflow.source.git.commit": code["git_commit"], "stoker.git_commit": code["git_commit"],
         "stoker.git_dirty": code["git_dirty"], "dvc.repo": dataset.repo_url,
         "dvc.rev": dataset.rev, "dvc.commit": dataset.commit, "dvc.path": dataset.path,
         "dvc.md5": dataset.md5, "stoker.launcher": "local", "stoker.world_size": str(world_size),
+        "stoker.capacity_type": config.cost.capacity_type,
     }
     run_id = flow_run.get_id()
     if run_id:
@@ -63,24 +71,77 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int) -
 
 def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
                world_size: int) -> Path:
+    """Write ``<job_dir>/spec.yaml`` for the runtime (rewritten each run with current lineage)."""
     spec = RunSpec(
         train=config.train, data_dir=dataset.local_path, job_dir=str(job_dir),
         tracking_uri=config.tracking_uri(), experiment=config.tracking.experiment,
         artifact_location=None if config.tracking.tracking_uri
         else (config.work_dir.resolve() / "mlartifacts").as_uri(),
         run_name=job_dir.name, tags=lineage_tags(config, dataset, world_size),
+        system_metrics_interval_s=config.tracking.system_metrics_interval_s,
     )
     job_dir.mkdir(parents=True, exist_ok=True)
     spec.dump(job_dir / "spec.yaml")
     return job_dir / "spec.yaml"
 
 
+def capacity_for(config: PipelineConfig, preemptions_so_far: int) -> str:
+    """Capacity type of the next attempt: spot falls back to on-demand after N preemptions."""
+    after = config.retry.on_demand_after_preemptions
+    if config.cost.capacity_type == "spot" and after is not None and preemptions_so_far >= after:
+        return "on_demand"
+    return config.cost.capacity_type
+
+
+class ProgressWatcher(threading.Thread):
+    """Mirrors the runtime's progress events into a Prefect progress artifact and the task log
+    (step, throughput, ETA) every ``every_s`` seconds."""
+
+    def __init__(self, job_dir: Path, logger, every_s: float = 5.0):
+        super().__init__(daemon=True, name="progress-watcher")
+        self.job_dir, self.logger, self.every_s = job_dir, logger, every_s
+        self.stopped = threading.Event()
+        self.artifact_id = create_progress_artifact(
+            progress=0.0, key=None, description=f"training progress of {job_dir.name}")
+
+    def poll(self) -> None:
+        events = read_events(self.job_dir)
+        starts = [e for e in events if e["event"] == "start"]
+        steps = [e for e in events if e["event"] == "step"]
+        if not starts or not steps:
+            return
+        total, last = starts[-1].get("total_steps") or 1, steps[-1]
+        update_progress_artifact(self.artifact_id, progress=round(100 * last["step"] / total, 1))
+        rate = last.get("samples_per_s") or 0.0
+        step_rate = len([e for e in steps if e["time"] >= last["time"] - 30]) / 30
+        eta = (total - last["step"]) / step_rate if step_rate else float("nan")
+        self.logger.info("step %d/%d, %.0f samples/s, ETA %.0f s", last["step"], total, rate, eta)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            self.poll()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.poll()
+
+
+def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
+    """Close a run an attempt left RUNNING (a SIGKILL gives the runtime no chance to)."""
+    if run_id and client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, status=status)
+
+
 @task(name="train", cache_policy=NO_CACHE)
 def train(config: PipelineConfig, dataset: DatasetRef) -> TrainResult:
     """Train (or resume) the job for ``config`` on ``dataset`` with torchrun.
 
+    Each attempt runs as a nested task run ``attempt-N`` (visible in the Prefect UI with its exit
+    code and outcome); preemptions and infrastructure failures resume from the last committed
+    checkpoint within their budgets.
+
     Raises:
-        TrainingFailed: the last attempt did not complete; the message gives each attempt.
+        TrainingFailed: the last attempt did not complete; the message lists every attempt.
     """
     logger = get_run_logger()
     world_size = nproc(config)
@@ -88,23 +149,63 @@ def train(config: PipelineConfig, dataset: DatasetRef) -> TrainResult:
     spec_path = write_spec(config, dataset, job_dir, world_size)
     logger.info("job %s: %d process(es) per node, spec %s", job_dir.name, world_size, spec_path)
     launcher = LocalLauncher(world_size, shutdown_grace_s=config.train.preemption_grace_s)
+    client = MlflowClient(config.tracking_uri())
+    run_file = job_dir / "mlflow_run_id"
+    capacities: dict[int, str] = {}
+    preempted = 0
+
+    @task(name="attempt", cache_policy=NO_CACHE)
+    def attempt_task(number: int, capacity_type: str) -> int:
+        get_run_logger().info("attempt %d on %s capacity", number, capacity_type)
+        return launcher.run(spec_path, on_line=get_run_logger().info)
+
+    def launch(number: int) -> int:
+        capacities[number] = capacity_for(config, preempted)
+        return attempt_task.with_options(task_run_name=f"attempt-{number}")(
+            number, capacities[number])
 
     def record(attempt: Attempt) -> None:
+        nonlocal preempted
+        preempted += attempt.outcome == Outcome.PREEMPTED
+        entry = {**attempt.to_dict(), "capacity_type": capacities[attempt.number]}
         with open(job_dir / "attempts.jsonl", "a") as f:
-            f.write(json.dumps(attempt.to_dict()) + "\n")
+            f.write(json.dumps(entry) + "\n")
         level = logger.info if attempt.outcome == Outcome.COMPLETED else logger.warning
         level("attempt %d ended: %s (exit %d) after %.1f s", attempt.number, attempt.outcome,
               attempt.exit_code, attempt.duration_s)
+        if attempt.outcome == Outcome.INFRASTRUCTURE and run_file.exists():
+            finish_run(client, run_file.read_text().strip(), "KILLED")
 
-    attempts = run_with_retries(lambda n: launcher.run(spec_path, on_line=logger.info),
-                                config.retry, on_attempt=record)
+    watcher = ProgressWatcher(job_dir, logger)
+    watcher.start()
+    try:
+        attempts = run_with_retries(launch, config.retry, on_attempt=record)
+    except BaseException:  # cancelled or timed out: the tree is already gone, close the run
+        if run_file.exists():
+            finish_run(client, run_file.read_text().strip(), "KILLED")
+        raise
+    finally:
+        watcher.stop()
+    history = [json.loads(line) for line in (job_dir / "attempts.jsonl").read_text().splitlines()]
+    history = history[-len(attempts):]  # this run's attempts (earlier runs of the job precede)
     if attempts[-1].outcome != Outcome.COMPLETED:
-        history = ", ".join(f"#{a.number} {a.outcome} (exit {a.exit_code})" for a in attempts)
-        raise TrainingFailed(f"job {job_dir.name} did not complete: {history}")
+        if run_file.exists():
+            finish_run(client, run_file.read_text().strip(), "FAILED")
+        summary = ", ".join(f"#{a.number} {a.outcome} (exit {a.exit_code})" for a in attempts)
+        raise TrainingFailed(f"job {job_dir.name} did not complete: {summary}")
+
     result = json.loads((job_dir / "result.json").read_text())
-    preemptions = sum(a.outcome == Outcome.PREEMPTED for a in attempts)
-    MlflowClient(config.tracking_uri()).log_batch(result["run_id"], tags=[
-        RunTag("stoker.attempts", str(len(attempts))),
-        RunTag("stoker.preemptions", str(preemptions))])
-    return TrainResult(str(job_dir), result["run_id"], result["metrics"], result,
-                       [a.to_dict() for a in attempts])
+    report = cost_report(history, read_events(job_dir), result["train_time_s"], world_size,
+                         result["gpu_model"], config.cost.prices)
+    now_ms = int(time.time() * 1000)
+    client.log_batch(
+        result["run_id"],
+        metrics=[Metric(k, v, now_ms, result["step"]) for k, v in report.metrics().items()],
+        tags=[RunTag("stoker.capacity_types", ",".join(report.capacity_types)),
+              RunTag("stoker.attempts", str(report.attempts)),
+              RunTag("stoker.preemptions", str(report.preemptions))])
+    logger.info("cost: %.4f GPU-hours on %s, $%.4f, goodput %.2f, %d preemption(s), "
+                "%d step(s) lost", report.gpu_hours, report.gpu_model, report.cost_usd,
+                report.goodput, report.preemptions, report.steps_lost)
+    return TrainResult(str(job_dir), result["run_id"], result["metrics"], result, history,
+                       report.metrics())

@@ -124,3 +124,12 @@ def copy_tree():
         return dst
 
     return copy
+
+
+@pytest.fixture(scope="session")
+def mlflow_http(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 (sqlite backend, served artifacts), one per session."""
+    from mlflow_server import MlflowServer
+
+    with MlflowServer(tmp_path_factory.mktemp("mlflow-server")) as running:
+        yield running

@@ -64,6 +64,16 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     assert steps == list(range(1, 8 * 22 + 1))
     assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 8
     assert {"lr", "samples_per_s"} <= run.data.metrics.keys()
+    # Cost and goodput (CPU: the price table's cpu entry, 0 USD), the curves plot, lineage on
+    # the model version.
+    assert run.data.metrics["cost_usd"] == 0.0 and run.data.metrics["gpu_hours"] > 0
+    assert 0 < run.data.metrics["goodput"] <= 1 and run.data.metrics["steps_lost"] == 0
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == [
+        "plots/curves.png"]
+    version = client.get_model_version("stoker-digits", "1")
+    assert version.tags["dvc.md5"] == first["dataset"]["md5"]
+    assert version.tags["stoker.git_commit"] == tags["stoker.git_commit"]
+    assert version.run_id == first["run_id"]
 
     with get_client(sync_client=True) as prefect:
         artifacts = prefect.read_artifacts(

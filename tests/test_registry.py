@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,9 @@ def test_requirements_have_no_local_version_suffix():
     assert all("+" not in r and "==" in r for r in pip_requirements())
 
 
+MODEL = f"gate-model-{uuid.uuid4().hex[:6]}"
+
+
 def register(uri: str, value: float, direction: str = "max"):
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("gate") or client.get_experiment(
@@ -30,12 +35,19 @@ def register(uri: str, value: float, direction: str = "max"):
     client.set_terminated(run.info.run_id, "FINISHED")
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2)).eval()
     example = np.zeros((2, 1, 2, 2), dtype=np.float32)
-    return log_and_register(uri, run.info.run_id, "gate-model", model, example,
+    return log_and_register(uri, run.info.run_id, MODEL, model, example,
                             {"dvc.rev": "v1"}, "val_accuracy", value, direction), client
 
 
-def test_champion_moves_only_when_better(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+@pytest.fixture(params=["sqlite", "http"])
+def store_uri(request, tmp_path):
+    if request.param == "http":
+        return request.getfixturevalue("mlflow_http").uri
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def test_champion_moves_only_when_better(store_uri):
+    uri = store_uri
     first, client = register(uri, 0.90)
     assert first.version == "1" and first.promoted and first.previous_champion is None
     worse, _ = register(uri, 0.85)
@@ -44,9 +56,9 @@ def test_champion_moves_only_when_better(tmp_path):
     assert not tie.promoted
     better, _ = register(uri, 0.93)
     assert better.promoted and better.previous_value == pytest.approx(0.90)
-    assert str(client.get_model_version_by_alias("gate-model", CHAMPION).version) == "4"
-    assert str(client.get_model_version_by_alias("gate-model", CHALLENGER).version) == "4"
-    version = client.get_model_version("gate-model", "2")
+    assert str(client.get_model_version_by_alias(MODEL, CHAMPION).version) == "4"
+    assert str(client.get_model_version_by_alias(MODEL, CHALLENGER).version) == "4"
+    version = client.get_model_version(MODEL, "2")
     assert version.tags["dvc.rev"] == "v1" and version.tags["val_accuracy"] == "0.85"
     # The run that produced a version keeps its final status.
     assert client.get_run(version.run_id).info.status == "FINISHED"

@@ -28,6 +28,9 @@ class RunSpec(_Frozen):
         None, description="Artifact root for a newly created experiment (embedded store only)."
     )
     run_name: str | None = None
+    system_metrics_interval_s: float | None = Field(
+        10.0, gt=0, description="Sample MLflow system metrics (CPU, memory, GPU via NVML) this "
+        "often; empty: off.")
     tags: dict[str, str] = Field(default_factory=dict, description="Lineage tags for the run.")
 
     @property

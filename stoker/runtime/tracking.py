@@ -11,6 +11,7 @@ import re
 import time
 from typing import Any
 
+URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^/@\s]+@")  # scheme://user:password@host
 SECRET_KEY = re.compile(r"(token|password|passwd|secret|api_?key|access_?key|credential)", re.I)
 
 
@@ -24,7 +25,7 @@ def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
         elif SECRET_KEY.search(key) and value:
             flat[name] = "***"
         else:
-            flat[name] = str(value)
+            flat[name] = URL_PASSWORD.sub(r"\1***@", str(value))
     return flat
 
 
@@ -42,7 +43,7 @@ class RunTracker:
     def __init__(self, tracking_uri: str, experiment: str, run_id: str | None = None,
                  run_name: str | None = None, tags: dict[str, str] | None = None,
                  params: dict[str, str] | None = None, artifact_location: str | None = None,
-                 flush_every_s: float = 2.0):
+                 flush_every_s: float = 2.0, system_metrics_interval_s: float | None = None):
         from mlflow import MlflowClient
 
         self.client = MlflowClient(tracking_uri)
@@ -64,6 +65,22 @@ class RunTracker:
         self._resumed = run_id is not None
         new_params = {k: v for k, v in (params or {}).items() if k not in existing}
         self._log_params(new_params)
+        self._system = None
+        if system_metrics_interval_s:
+            self._system = self._start_system_metrics(tracking_uri, system_metrics_interval_s)
+
+    def _start_system_metrics(self, tracking_uri: str, interval_s: float):
+        """MLflow's system metrics (``system/*``): CPU, memory, disk, network, and GPU through
+        NVML when present; each NVML query is guarded, so an unsupported one skips only itself."""
+        import logging
+
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.ERROR)  # no NVML: quiet
+        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s,
+                                       resume_logging=self._resumed, tracking_uri=tracking_uri)
+        monitor.start()
+        return monitor
 
     def _experiment_id(self, name: str, artifact_location: str | None) -> str:
         from mlflow.exceptions import MlflowException
@@ -122,5 +139,7 @@ class RunTracker:
 
     def end(self, status: str) -> None:
         """Flush and mark the run FINISHED, FAILED or KILLED (preempted attempts: KILLED)."""
+        if self._system is not None:
+            self._system.finish()
         self.flush()
         self.client.set_terminated(self.run_id, status=status)

@@ -78,6 +78,7 @@ class Trainer:
                                  self.cfg.keep_latest_k, self.cfg.async_checkpoint,
                                  commit_timeout_s=max(60.0, self.cfg.preemption_grace_s))
         self.step = 0
+        self.train_time_s = 0.0  # time in committed training steps, summed over attempts
         self.run_id: str | None = None
         self.metrics: dict[str, float] = {}
         self._restore(self.ckpt.load_latest(env.device))
@@ -141,6 +142,7 @@ class Trainer:
         self.step = int(loaded.shared["step"])
         self.run_id = loaded.shared["run_id"]
         self.metrics = dict(loaded.shared.get("metrics", {}))
+        self.train_time_s = float(loaded.shared.get("train_time_s", 0.0))
         if loaded.rank_state is not None:
             self._set_rng(loaded.rank_state["rng"])
         else:
@@ -189,11 +191,20 @@ class Trainer:
             run_name=self.spec.run_name, tags=self.spec.tags,
             params=flatten(self.cfg.model_dump(mode="json"), "train."),
             artifact_location=self.spec.artifact_location,
+            system_metrics_interval_s=self.spec.system_metrics_interval_s,
         )
+        tracker.set_tags({"stoker.gpu_model": self.gpu_model(),
+                          "stoker.world_size": str(self.env.world_size)})
         if run_id is None:
             run_file.write_text(tracker.run_id)
         self.run_id = tracker.run_id
         return tracker
+
+    def gpu_model(self) -> str:
+        """NVML/CUDA name of this rank's GPU (``NVIDIA H200``), or ``cpu``."""
+        if self.env.device.type == "cuda":
+            return torch.cuda.get_device_name(self.env.device)
+        return "cpu"
 
     # -- the loop -----------------------------------------------------------------------------
     def _loader(self, epoch: int, start_step: int) -> DataLoader:
@@ -227,7 +238,9 @@ class Trainer:
                     raise RuntimeError(f"simulated failure at step {self.step} "
                                        "(train.fail_at_step)")
                 stop, due, mean_loss = self._agree(loss)
-                self._log_step(epoch, mean_loss, lr, time.perf_counter() - t0)
+                step_s = time.perf_counter() - t0
+                self.train_time_s += step_s
+                self._log_step(epoch, mean_loss, lr, step_s)
                 if self.step % self.steps_per_epoch == 0:
                     self.evaluate(epoch, time.perf_counter() - epoch_started)
                 if stop or due or self.step == self.total_steps:
@@ -332,7 +345,8 @@ class Trainer:
                 "step": self.step, "epoch": epoch,
                 "data_position": {"epoch": epoch, "step_in_epoch": step_in_epoch},
                 "config": self.cfg.model_dump(mode="json"), "run_id": self.run_id,
-                "world_size": self.env.world_size, "metrics": self.metrics}
+                "world_size": self.env.world_size, "metrics": self.metrics,
+                "train_time_s": self.train_time_s}
 
     def save(self) -> None:
         """Save a checkpoint at the current step (every rank calls this)."""
@@ -383,7 +397,8 @@ class Trainer:
                   "num_classes": self.splits.num_classes,
                   "input_shape": list(self.splits.input_shape),
                   "classes": list(self.splits.classes), "model_path": str(job / "final/model.pt"),
-                  "world_size": self.env.world_size, "profile": profile}
+                  "world_size": self.env.world_size, "gpu_model": self.gpu_model(),
+                  "train_time_s": self.train_time_s, "profile": profile}
         (job / "result.json.tmp").write_text(json.dumps(result, indent=2))
         (job / "result.json.tmp").replace(job / "result.json")
         if self.tracker is not None:

@@ -1,0 +1,36 @@
+"""Training curves as an image artifact for the MLflow run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_curves(tracking_uri: str, run_id: str, out: Path) -> Path:
+    """Draw train loss per step and validation loss/accuracy per epoch from the run's metric
+    history into a PNG at ``out`` (1200x450 px). Returns ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+        return [m.step for m in history], [m.value for m in history]
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    left.plot(*series("train_loss"), label="train loss", linewidth=0.8)
+    left.plot(*series("val_loss"), "o-", label="validation loss")
+    left.set_xlabel("step")
+    left.set_yscale("log")
+    left.legend()
+    right.plot(*series("val_accuracy"), "o-", color="tab:green")
+    right.set_xlabel("step")
+    right.set_ylabel("validation accuracy")
+    fig.suptitle(f"run {run_id}")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

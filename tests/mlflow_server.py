@@ -1,0 +1,58 @@
+"""A real ``mlflow server`` on 127.0.0.1 for tests (HTTP tracking + registry + artifacts)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from stoker.launcher import terminate_tree
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """Starts ``mlflow server`` with a sqlite backend and served artifacts under ``root``."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> MlflowServer:
+        self.root.mkdir(parents=True, exist_ok=True)
+        log = open(self.root / "server.log", "w")  # noqa: SIM115 - closed with the process
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+             "--artifacts-destination", str(self.root / "artifacts")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                log_text = (self.root / 'server.log').read_text()
+                raise RuntimeError(f"mlflow server exited: {log_text}")
+            try:
+                if httpx.get(f"{self.uri}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"mlflow server did not answer on {self.uri}")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None:
+            terminate_tree(self.process.pid, grace_s=5)

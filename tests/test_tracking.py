@@ -1,0 +1,104 @@
+"""MLflow tracking against a real `mlflow server` over HTTP (and the sqlite default)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import Preemptor
+from mlflow import MlflowClient
+
+from stoker.config import RetryConfig, TrainConfig
+from stoker.cost import cost_report, steps_lost
+from stoker.launcher import LocalLauncher, Outcome, run_with_retries
+from stoker.pricing import PriceTable
+from stoker.runtime.spec import RunSpec
+from stoker.runtime.tracking import flatten
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def server(mlflow_http):
+    return mlflow_http
+
+
+def test_secrets_are_masked_in_params():
+    flat = flatten({"train": {"lr": 0.1}, "api_token": "abc", "store": {"password": "x"},
+                    "tracking_uri": "http://alice:s3cret@mlflow.example:5000"})
+    assert flat["train.lr"] == "0.1" and flat["api_token"] == "***"
+    assert flat["store.password"] == "***"
+    assert flat["tracking_uri"] == "http://alice:***@mlflow.example:5000"
+
+
+def spec_for(tmp_path: Path, dataset, uri: str, name: str, **train) -> Path:
+    job = tmp_path / name
+    job.mkdir()
+    spec = RunSpec(train=TrainConfig(epochs=2, checkpoint_every_steps=10, **train),
+                   data_dir=dataset.local_path, job_dir=str(job), tracking_uri=uri,
+                   experiment="http-tests", run_name=name, system_metrics_interval_s=0.5,
+                   tags={"dvc.md5": dataset.md5})
+    spec.dump(job / "spec.yaml")
+    return job / "spec.yaml"
+
+
+def test_resumed_job_keeps_one_run_over_http(server, dataset, tmp_path):
+    spec = spec_for(tmp_path, dataset, server.uri, "resumed")
+    launcher = LocalLauncher(2, shutdown_grace_s=20, python=sys.executable)
+    lines: list[str] = []
+
+    def attempt(number: int) -> int:
+        if number == 1:
+            Preemptor(launcher, spec.parent, at_step=15).start()
+        return launcher.run(spec, on_line=lines.append)
+
+    attempts = run_with_retries(attempt, RetryConfig(backoff_s=0), sleep=lambda s: None)
+    assert [a.outcome for a in attempts] == [Outcome.PREEMPTED, Outcome.COMPLETED], lines
+    client = MlflowClient(server.uri)
+    runs = client.search_runs([client.get_experiment_by_name("http-tests").experiment_id],
+                              "attributes.run_name = 'resumed'")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+    assert sorted(steps) == list(range(1, 45))
+    assert run.data.tags["stoker.gpu_model"] == "cpu" and run.data.tags["dvc.md5"] == dataset.md5
+    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics), run.data.metrics
+
+
+def test_concurrent_runs_lose_no_metrics(server, dataset, tmp_path):
+    specs = [spec_for(tmp_path, dataset, server.uri, f"concurrent-{i}", seed=i) for i in range(3)]
+    codes: dict[int, int] = {}
+
+    def run(i: int) -> None:
+        codes[i] = LocalLauncher(1, python=sys.executable).run(specs[i], on_line=lambda x: None)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == {0: 0, 1: 0, 2: 0}
+    client = MlflowClient(server.uri)
+    for spec in specs:
+        run_id = (spec.parent / "mlflow_run_id").read_text()
+        steps = [m.step for m in client.get_metric_history(run_id, "train_loss")]
+        assert sorted(steps) == list(range(1, 45)), spec.parent.name
+        assert len(client.get_metric_history(run_id, "val_accuracy")) == 2
+
+
+def test_cost_and_goodput():
+    events = [{"event": "start", "step": 0}, {"event": "step", "step": 30},
+              {"event": "start", "step": 20}, {"event": "step", "step": 50},
+              {"event": "end", "step": 50}]
+    assert steps_lost(events) == 10
+    attempts = [{"duration_s": 1800, "outcome": "infrastructure_failure",
+                 "capacity_type": "spot"},
+                {"duration_s": 1800, "outcome": "completed", "capacity_type": "on_demand"}]
+    report = cost_report(attempts, events, useful_train_s=2700, devices=8,
+                         gpu_model="NVIDIA H100 80GB HBM3", prices=PriceTable())
+    assert report.gpu_hours == 8.0
+    assert report.cost_usd == pytest.approx(8 * 0.5 * 1.70 + 8 * 0.5 * 4.00)
+    assert report.goodput == 0.75 and report.steps_lost == 10 and report.preemptions == 0
