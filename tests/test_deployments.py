@@ -1,0 +1,75 @@
+"""prefect.yaml deployments on a real Prefect server with a real process worker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from prefect_server import PrefectServer
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefect-server")
+    with PrefectServer(root) as server:
+        server.prefect("work-pool", "create", "process", "--type", "process")
+        server.prefect("--no-prompt", "deploy", "--name", "pipeline", "--name", "train",
+                       cwd=REPO, STOKER_CHECKOUT=str(REPO))
+        yield server
+
+
+def read_deployment(server: PrefectServer, name: str):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}), \
+            get_client(sync_client=True) as client:
+        return client.read_deployment_by_name(name)
+
+
+def test_parameter_schema_is_a_usable_form(deployed):
+    schema = read_deployment(deployed, "pipeline/pipeline").parameter_openapi_schema
+    definitions = schema["definitions"]
+    config = definitions["PipelineConfig"]["properties"]
+    assert {"work_dir", "job_id", "data", "train", "tracking", "retry", "cost"} <= config.keys()
+    train = definitions["TrainConfig"]["properties"]
+    assert train["epochs"]["type"] == "integer" and train["epochs"]["default"] == 12
+    assert train["epochs"]["exclusiveMinimum"] == 0
+    assert train["lr"]["type"] == "number" and train["lr"]["description"]
+    assert set(train["precision"]["enum"]) == {"fp32", "bf16", "fp16"}
+    assert definitions["DataConfig"]["properties"]["rev"]["default"] == "v1"
+    assert all(p.get("description") for p in train.values()), "every train field documented"
+
+
+def test_invalid_parameters_are_rejected_by_name(deployed):
+    with pytest.raises(RuntimeError, match="epochs"):
+        deployed.prefect("deployment", "run", "pipeline/pipeline",
+                         "--params", json.dumps({"config": {"train": {"epochs": -1}}}))
+
+
+def test_deployment_runs_on_a_process_worker(deployed, tmp_path):
+    params = {"config": {"work_dir": str(tmp_path / "work"),
+                         "train": {"epochs": 4, "nproc_per_node": 1},
+                         "tracking": {"system_metrics_interval_s": None}}}
+    out = deployed.prefect("deployment", "run", "pipeline/pipeline",
+                           "--params", json.dumps(params)).stdout
+    flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()
+                       if "UUID:" in line)
+    deployed.prefect("worker", "start", "--pool", "process", "--run-once", timeout=600)
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: deployed.api_url}), \
+            get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(flow_run_id)
+    assert flow_run.state.type.value == "COMPLETED", flow_run.state
+    client = MlflowClient(f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}")
+    version = client.get_model_version_by_alias("stoker-digits", "champion")
+    run = client.get_run(version.run_id)
+    assert run.data.tags["prefect.flow_run_id"] == flow_run_id
