@@ -100,6 +100,13 @@ class TrainConfig(_Frozen):
     preemption_notice_url: str | None = Field(
         None, description="Cloud preemption-notice endpoint to poll (AWS spot instance-action)."
     )
+    preemption_notice_interval_s: float = Field(
+        5.0, gt=0, description="Seconds between polls of preemption_notice_url."
+    )
+    profile_steps: int | None = Field(
+        None, gt=0, description="Record a torch.profiler trace of this many steps (after 5 "
+        "warm-up steps) on every rank, saved for Perfetto/TensorBoard and logged to MLflow."
+    )
     fail_at_step: int | None = Field(
         None, gt=0, description="Testing aid: raise a RuntimeError at this step (simulated bug)."
     )

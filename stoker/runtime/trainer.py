@@ -78,6 +78,7 @@ class Trainer:
                                  self.cfg.keep_latest_k, self.cfg.async_checkpoint,
                                  commit_timeout_s=max(60.0, self.cfg.preemption_grace_s))
         self.step = 0
+        self._step_flops: float | None = None
         self.train_time_s = 0.0  # time in committed training steps, summed over attempts
         self.run_id: str | None = None
         self.metrics: dict[str, float] = {}
@@ -223,6 +224,7 @@ class Trainer:
         self._event("start", total_steps=self.total_steps, resumed=self.step > 0)
         started = time.perf_counter()
         start_step = self.step
+        profiler = self._profiler()
         while self.step < self.total_steps:
             epoch, first = divmod(self.step, self.steps_per_epoch)
             epoch_started = time.perf_counter()
@@ -240,6 +242,11 @@ class Trainer:
                 stop, due, mean_loss = self._agree(loss)
                 step_s = time.perf_counter() - t0
                 self.train_time_s += step_s
+                if profiler is not None:
+                    profiler = self._profiler_step(profiler)
+                if self._step_flops is None:
+                    self._step_flops = 0.0  # measured once, on the first step of an attempt
+                    self._measure_flops(micro)
                 self._log_step(epoch, mean_loss, lr, step_s)
                 if self.step % self.steps_per_epoch == 0:
                     self.evaluate(epoch, time.perf_counter() - epoch_started)
@@ -254,6 +261,55 @@ class Trainer:
         self._finish_attempt()
         self._write_result(time.perf_counter() - started, self.step - start_step)
         return "completed"
+
+    def _profiler(self):
+        """An opt-in torch.profiler for ``profile_steps`` steps after 5 warm-up steps."""
+        if not self.cfg.profile_steps:
+            return None
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        activities = [ProfilerActivity.CPU]
+        if self.env.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        profiler = profile(activities=activities, record_shapes=True,
+                           schedule=schedule(wait=0, warmup=5, active=self.cfg.profile_steps,
+                                             repeat=1),
+                           on_trace_ready=self._save_trace)
+        profiler.start()
+        return profiler
+
+    def _profiler_step(self, profiler):
+        profiler.step()
+        if profiler.step_num >= 5 + self.cfg.profile_steps:
+            profiler.stop()
+            return None
+        return profiler
+
+    def _save_trace(self, profiler) -> None:
+        """Write this rank's Chrome/Perfetto trace to ``<job_dir>/profile/``; rank 0 logs the
+        folder to MLflow once written."""
+        folder = Path(self.spec.job_dir) / "profile"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"trace-rank{self.env.rank}-step{self.step}.json"
+        profiler.export_chrome_trace(str(path))
+        if self.tracker is not None:
+            self.tracker.log_artifact(str(path), "profile")
+
+    def _measure_flops(self, micro) -> None:
+        """Estimate FLOPs per optimizer step on this rank for achieved TFLOP/s and MFU.
+
+        Counts one forward pass with torch's FlopCounterMode and takes 3x (backward costs about
+        twice the forward), times micro-batches per step. The pass runs in eval mode without
+        gradients, so it touches no BatchNorm statistic, RNG state or DDP hook (exactness holds).
+        """
+        from torch.utils.flop_counter import FlopCounterMode
+
+        x, _y = micro[0]
+        self.module.eval()
+        with torch.no_grad(), FlopCounterMode(display=False) as counter, self._autocast():
+            self.module(self._to_device(x))
+        self.module.train()
+        self._step_flops = 3.0 * float(counter.get_total_flops()) * self.cfg.grad_accum_steps
 
     def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns the local loss
@@ -416,6 +472,13 @@ class Trainer:
         out["steps"] = steps_run
         out["samples_per_s"] = round(steps_run * self.cfg.global_batch_size / max(wall_s, 1e-9),
                                      2)
+        busy_s = self.timings["forward_backward"] + self.timings["optimizer"]
+        if self._step_flops and busy_s > 0:
+            tflops = self._step_flops * steps_run / busy_s / 1e12
+            out["achieved_tflops_per_device"] = round(tflops, 4)
+            peak = peak_tflops(self.gpu_model(), self.cfg.precision)
+            if peak:
+                out["mfu"] = round(tflops / peak, 4)
         if self.env.device.type == "cuda":
             out["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(self.env.device)
         else:
@@ -440,6 +503,21 @@ class Trainer:
             self.progress.close()
 
 
+# Dense peak TFLOP/s per GPU from the vendors' datasheets (no sparsity), by precision.
+PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+               "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+               "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+               "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3}}
+
+
+def peak_tflops(gpu_model: str, precision: str) -> float | None:
+    """Datasheet dense peak for ``gpu_model`` (an NVML/CUDA name) at ``precision``, or None."""
+    for fragment, peaks in PEAK_TFLOPS.items():
+        if fragment in gpu_model:
+            return peaks[precision]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m stoker.runtime SPEC.yaml``; returns the process exit code."""
     parser = argparse.ArgumentParser(prog="python -m stoker.runtime",
@@ -460,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     outcome = "failed"
     try:
         if spec.train.preemption_notice_url:
-            stop.watch_notice_url(spec.train.preemption_notice_url)
+            stop.watch_notice_url(spec.train.preemption_notice_url,
+                                  spec.train.preemption_notice_interval_s)
         trainer = Trainer(spec, env, stop)
         outcome = trainer.train()
         return EXIT_PREEMPTED if outcome == "preempted" else EXIT_OK
