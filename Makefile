@@ -10,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CPU_TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?=
-EXTRAS ?= dev
+EXTRAS ?= dev,docker,kubernetes
 ARGS ?=
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 

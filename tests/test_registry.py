@@ -26,10 +26,10 @@ def test_requirements_have_no_local_version_suffix():
 MODEL = f"gate-model-{uuid.uuid4().hex[:6]}"
 
 
-def register(uri: str, value: float, direction: str = "max"):
+def register(uri: str, value: float, direction: str = "max", artifacts: str | None = None):
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("gate") or client.get_experiment(
-        client.create_experiment("gate"))
+        client.create_experiment("gate", artifact_location=artifacts))
     run = client.create_run(experiment.experiment_id)
     client.log_metric(run.info.run_id, "val_accuracy", value)
     client.set_terminated(run.info.run_id, "FINISHED")
@@ -40,21 +40,22 @@ def register(uri: str, value: float, direction: str = "max"):
 
 
 @pytest.fixture(params=["sqlite", "http"])
-def store_uri(request, tmp_path):
+def store(request, tmp_path):
+    """(tracking URI, artifact location for new experiments)."""
     if request.param == "http":
-        return request.getfixturevalue("mlflow_http").uri
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+        return request.getfixturevalue("mlflow_http").uri, None  # the server serves artifacts
+    return f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "artifacts").as_uri()
 
 
-def test_champion_moves_only_when_better(store_uri):
-    uri = store_uri
-    first, client = register(uri, 0.90)
+def test_champion_moves_only_when_better(store):
+    uri, artifacts = store
+    first, client = register(uri, 0.90, artifacts=artifacts)
     assert first.version == "1" and first.promoted and first.previous_champion is None
-    worse, _ = register(uri, 0.85)
+    worse, _ = register(uri, 0.85, artifacts=artifacts)
     assert not worse.promoted and worse.previous_champion == "1"
-    tie, _ = register(uri, 0.90)
+    tie, _ = register(uri, 0.90, artifacts=artifacts)
     assert not tie.promoted
-    better, _ = register(uri, 0.93)
+    better, _ = register(uri, 0.93, artifacts=artifacts)
     assert better.promoted and better.previous_value == pytest.approx(0.90)
     assert str(client.get_model_version_by_alias(MODEL, CHAMPION).version) == "4"
     assert str(client.get_model_version_by_alias(MODEL, CHALLENGER).version) == "4"
