@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 def deployed(tmp_path_factory):
     root = tmp_path_factory.mktemp("prefect-server")
     with PrefectServer(root) as server:
-        server.prefect("work-pool", "create", "process", "--type", "process")
+        server.prefect("work-pool", "create", "stoker-process", "--type", "process",
+                       "--base-job-template", str(REPO / "infra/work-pools/process.json"))
         server.prefect("--no-prompt", "deploy", "--name", "pipeline", "--name", "train",
                        cwd=REPO, STOKER_CHECKOUT=str(REPO))
         yield server
@@ -60,7 +61,7 @@ def test_deployment_runs_on_a_process_worker(deployed, tmp_path):
                            "--params", json.dumps(params)).stdout
     flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()
                        if "UUID:" in line)
-    deployed.prefect("worker", "start", "--pool", "process", "--run-once", timeout=600)
+    deployed.prefect("worker", "start", "--pool", "stoker-process", "--run-once", timeout=600)
 
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
