@@ -191,6 +191,10 @@ class PipelineConfig(_Frozen):
         None, description="Resume this job; empty: resume the unfinished job of the same config, "
         "or start a new one.",
     )
+    train_timeout_s: float | None = Field(
+        None, gt=0, description="Fail the train task after this many seconds (all attempts); "
+        "the whole torchrun process tree is terminated."
+    )
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     tracking: TrackingConfig = TrackingConfig()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -154,10 +155,19 @@ def train(config: PipelineConfig, dataset: DatasetRef) -> TrainResult:
     capacities: dict[int, str] = {}
     preempted = 0
 
+    # Our own deadline, not Prefect's timeout_seconds: a sync task's timeout cannot interrupt a
+    # blocking wait, while the launcher's wait(timeout) ends the attempt and its process tree.
+    deadline = (time.monotonic() + config.train_timeout_s) if config.train_timeout_s else None
+
     @task(name="attempt", cache_policy=NO_CACHE)
     def attempt_task(number: int, capacity_type: str) -> int:
         get_run_logger().info("attempt %d on %s capacity", number, capacity_type)
-        return launcher.run(spec_path, on_line=get_run_logger().info)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return launcher.run(spec_path, on_line=get_run_logger().info, timeout_s=left)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"train_timeout_s={config.train_timeout_s:g} s reached: job "
+                               f"{job_dir.name} stopped (process tree terminated)") from None
 
     def launch(number: int) -> int:
         capacities[number] = capacity_for(config, preempted)

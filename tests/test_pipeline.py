@@ -118,3 +118,75 @@ def test_missing_data_fails_before_training(harness, tmp_path, demo_repo):
         pipeline(config)
     assert not (work / "jobs").exists()  # no training started
     assert not Path(work / "mlflow.db").exists()
+
+
+def runtime_processes(marker: str) -> list:
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"])
+            if marker in " ".join(p.info["cmdline"] or []) and "stoker.runtime" in
+            " ".join(p.info["cmdline"] or [])]
+
+
+def test_killed_flow_process_leaves_nothing_and_rerun_resumes(harness, tmp_path):
+    """SIGTERM to the process running the flow (a worker cancelling it, or its node going away):
+    no training process survives, and running the same command again resumes the job."""
+    import os
+    import signal
+    import time
+
+    from prefect.settings import PREFECT_API_URL
+
+    from stoker.runtime.progress import read_events
+
+    work = tmp_path / "work"
+    command = [sys.executable, "-m", "stoker.cli", "run", f"work_dir={work}",
+               "train.epochs=6", "tracking.system_metrics_interval_s=null"]
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    job_dir = None
+    while time.monotonic() < deadline and process.poll() is None:
+        jobs = list((work / "jobs").glob("*")) if (work / "jobs").exists() else []
+        if jobs and any(e["event"] == "step" for e in read_events(jobs[0])):
+            job_dir = jobs[0]
+            break
+        time.sleep(0.05)
+    assert job_dir is not None, "training never started"
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=120)
+    time.sleep(1)
+    assert runtime_processes(str(work)) == []
+    events = read_events(job_dir)
+    stopped = [e for e in events if e["event"] == "end"][-1]
+    assert stopped["outcome"] == "preempted"  # the runtime checkpointed on the way out
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    events = read_events(job_dir)
+    starts = [e for e in events if e["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["resumed"] and starts[1]["step"] == stopped["step"]
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    run_id = (job_dir / "mlflow_run_id").read_text()
+    steps = sorted(m.step for m in client.get_metric_history(run_id, "train_loss"))
+    assert steps == list(range(1, 6 * 22 + 1))
+    assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) == 1
+
+
+def test_train_timeout_terminates_the_tree(harness, tmp_path):
+    from flows.pipeline import pipeline
+
+    work = tmp_path / "work"
+    config = load_pipeline_config(None, [f"work_dir={work}", "train.epochs=500",
+                                         "train_timeout_s=12",
+                                         "tracking.system_metrics_interval_s=null"])
+    with pytest.raises(TimeoutError, match="train_timeout_s=12 s reached"):
+        pipeline(config)
+    import time
+
+    time.sleep(1)
+    assert runtime_processes(str(work)) == []
+    run_id = next((work / "jobs").glob("*/mlflow_run_id")).read_text()
+    status = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id).info.status
+    assert status in ("KILLED", "FAILED")
