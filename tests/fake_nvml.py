@@ -28,7 +28,7 @@ NVML_DEVICE_MIG_ENABLE = pynvml.NVML_DEVICE_MIG_ENABLE
 @dataclass
 class Gpu:
     """One GPU (or MIG device) in one frame. ``processes``: (pid, MiB or None) pairs.
-    ``mig``: None: no MIG support; []: MIG capable, disabled; devices: MIG enabled."""
+    ``mig``: None: no MIG support; a list: MIG capable, with these MIG devices."""
 
     index: int = 0
     name: str = "NVIDIA H200"
@@ -38,6 +38,7 @@ class Gpu:
     memory_total_mib: float = 143_771
     processes: Sequence[tuple[int, float | None]] | BaseException = ()
     mig: list[Gpu] | None = None
+    mig_enabled: bool | None = None  # None: enabled when it has MIG devices
     is_mig_device: bool = False
 
     def __post_init__(self) -> None:
@@ -116,7 +117,8 @@ class FakeNvml:
     def nvmlDeviceGetMigMode(self, handle: Gpu):
         if handle.mig is None:
             raise NVMLError_NotSupported()
-        return [NVML_DEVICE_MIG_ENABLE if handle.mig else 0] * 2
+        enabled = bool(handle.mig) if handle.mig_enabled is None else handle.mig_enabled
+        return [NVML_DEVICE_MIG_ENABLE if enabled else 0] * 2
 
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: Gpu) -> int:
         return 7
@@ -132,5 +134,5 @@ def mig_gpu(index: int = 0, devices: int = 2, **fields) -> Gpu:
     children = [Gpu(index=index, name="NVIDIA A100-SXM4-80GB MIG 3g.40gb",
                     uuid=f"MIG-fake-{index}-{i}", is_mig_device=True, **fields)
                 for i in range(devices)]
-    return Gpu(index=index, name="NVIDIA A100-SXM4-80GB", mig=children,
+    return Gpu(index=index, name="NVIDIA A100-SXM4-80GB", mig=children, mig_enabled=True,
                utilization=NVMLError_NotSupported())

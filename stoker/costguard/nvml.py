@@ -79,6 +79,8 @@ class NvmlReader:
     """
 
     def __init__(self, nvml: ModuleType | Any | str, clock: Callable[[], float] = time.time):
+        if not isinstance(nvml, str) and not hasattr(nvml, "NVMLError"):
+            nvml = f"{getattr(nvml, '__name__', nvml)!r} is not an NVML binding (no NVMLError)"
         self.nvml = nvml
         self.clock = clock
         self._init_error: str | None = nvml if isinstance(nvml, str) else None

@@ -139,7 +139,7 @@ def judge(snapshots: list[Snapshot], resources: list[Resource], policy: Policy, 
     for key, readings in windows.items():
         progress = [r.last_progress for r in holders.get(key, []) if r.last_progress]
         evidence = Evidence(gpus={key: readings}, window_start=window_start,
-                            unknown=tuple(nvml_problems + problems[key]),
+                            unknown=(*nvml_problems, *(f"{key}: {p}" for p in problems[key])),
                             last_progress=max(progress, default=None),
                             idle_since=_idle_since(state, f"gpu:{key}", None))
         row = _row(f"gpu:{key}", "gpu", key, names[key], [key], names,
