@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +115,17 @@ def sample_window(reader: NvmlReader, policy: Policy,
 
 def judge(snapshots: list[Snapshot], resources: list[Resource], policy: Policy, now: float,
           state: Mapping[str, dict], prices: PriceTable, capacity: CapacityType) -> _Judgement:
-    """Decide every resource and every GPU over ``snapshots`` (no actions)."""
+    """Decide every resource and every GPU over ``snapshots`` (no actions).
+
+    Args:
+        snapshots: the window, oldest first; resources: what may be acted on.
+        policy: thresholds; now: Unix time of the decision (s).
+        state: idle streaks of earlier sweeps (see :func:`load_state`).
+        prices, capacity: for the $ per hour of idle or stalled GPUs.
+
+    Returns:
+        Rows by resource key, one row per GPU, and the resources by key.
+    """
     windows, nvml_problems = gpu_windows(snapshots)
     window_start = snapshots[0].time if snapshots else now
     owned_pids = {pid for r in resources for pid in r.pids}
@@ -134,7 +144,7 @@ def judge(snapshots: list[Snapshot], resources: list[Resource], policy: Policy, 
             holders.setdefault(key, []).append(resource)
         row = _row(resource.key, resource.kind, resource.id, resource.name, keys, names,
                    decide(evidence, policy, now), now, prices, capacity)
-        rows[resource.key] = Row(**{**row.__dict__, "flow_run_id": resource.flow_run_id})
+        rows[resource.key] = replace(row, flow_run_id=resource.flow_run_id)
     gpu_rows = []
     for key, readings in windows.items():
         progress = [r.last_progress for r in holders.get(key, []) if r.last_progress]
@@ -161,7 +171,7 @@ def _row(key: str, kind: str, id_: str, name: str, gpus: list[str], names: dict[
 
 
 def _with_action(row: Row, status: str, detail: str) -> Row:
-    return Row(**{**row.__dict__, "action_status": status, "action": detail})
+    return replace(row, action_status=status, action=detail)
 
 
 def _idle_since(state: Mapping[str, dict], key: str, started_at: float | None) -> float | None:
