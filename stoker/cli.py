@@ -57,6 +57,28 @@ def run(
     typer.echo(json.dumps(summary, indent=2, default=str))
 
 
+@app.command("cost-guard")
+def cost_guard(
+    overrides: Annotated[list[str] | None, typer.Argument(
+        help="Dotted overrides, e.g. dry_run=false policy.window_s=120")] = None,
+    config_file: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="YAML file with CostGuardConfig fields")] = None,
+) -> None:
+    """Run one cost-guard sweep: find idle GPUs and stalled jobs (dry run unless dry_run=false)."""
+    from stoker.config import load_config
+    from stoker.costguard.config import CostGuardConfig
+
+    try:
+        config = load_config(CostGuardConfig, config_file, overrides)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    quiet_telemetry(config.work_dir)
+    from flows.cost_guard import cost_guard as cost_guard_flow
+
+    typer.echo(json.dumps(cost_guard_flow(config), indent=2, default=str))
+
+
 @app.command("show-config")
 def show_config(
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides")] = None,

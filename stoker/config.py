@@ -240,6 +240,17 @@ def load_pipeline_config(
         ConfigError: the file is missing or not a mapping, an override is malformed, or a value
             fails validation (the message names the field).
     """
+    return load_config(PipelineConfig, config_file, overrides)
+
+
+def load_config(model: type[BaseModel], config_file: Path | None = None,
+                overrides: list[str] | None = None):
+    """Merge ``model``'s defaults, a YAML file and ``a.b=value`` overrides into a validated model.
+
+    Raises:
+        ConfigError: the file is missing or not a mapping, an override is malformed, or a value
+            fails validation (the message names the field).
+    """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -259,4 +270,4 @@ def load_pipeline_config(
         merged = OmegaConf.to_container(OmegaConf.merge(*layers) if layers else OmegaConf.create())
     except OmegaConfBaseException as e:
         raise ConfigError(f"config: {e}") from None
-    return validate(PipelineConfig, merged)
+    return validate(model, merged)

@@ -6,3 +6,5 @@ DOCKER_OWNER_LABEL = "dev.stoker.owned"
 DOCKER_JOB_LABEL = "dev.stoker.job"
 # Cloud instance tag (AWS EC2 and compatible APIs); value "true".
 CLOUD_OWNER_TAG = "stoker:owned"
+# Prefect flow run tag (deployments of Stoker flows set it; flow runs inherit deployment tags).
+PREFECT_OWNER_TAG = "stoker:owned"

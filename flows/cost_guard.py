@@ -1,0 +1,31 @@
+"""The cost guard: find idle GPUs and stalled jobs, stop Stoker-owned resources that waste them.
+
+Deploy it on each GPU host on a schedule (every 5 minutes, see README.cost-guard.md) or run it by
+hand with ``stoker cost-guard``. It is a dry run unless ``dry_run`` is false.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from stoker.costguard.config import CostGuardConfig
+from tasks.cost_guard import report, sweep
+
+DEFAULT_CONFIG = CostGuardConfig()
+
+
+@flow(name="cost-guard", log_prints=True)
+def cost_guard(config: CostGuardConfig = DEFAULT_CONFIG) -> dict:
+    """Sample GPUs over a window, judge each Stoker-owned resource, act (unless dry-run), report."""
+    result = sweep(config)
+    report(result)
+    return {
+        "dry_run": result.dry_run,
+        "idle_gpu_hours": result.idle_gpu_hours,
+        "usd_per_hour": result.usd_per_hour,
+        "resources": [{"resource": r.key, "verdict": str(r.decision.verdict),
+                       "action": r.action_status, "detail": r.action}
+                      for r in result.resources],
+        "gpus": [{"gpu": r.id, "verdict": str(r.decision.verdict)} for r in result.gpus],
+        "notes": list(result.notes),
+    }

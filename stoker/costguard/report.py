@@ -1,0 +1,77 @@
+"""Render a sweep as Markdown (the Prefect artifact) and as plain event payloads."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from stoker.costguard.sweep import Row, SweepReport
+
+
+def _fmt(value: float | int | None, unit: str = "", digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}{unit}"
+
+
+def _signals(row: Row) -> str:
+    s = row.decision.signals
+    parts = [f"util max {_fmt(s.get('max_utilization_percent'), '%')}",
+             f"mem max {_fmt(s.get('max_memory_mib'), ' MiB')}",
+             f"{s.get('samples', 0)} samples"]
+    if s.get("heartbeat_age_s") is not None:
+        parts.append(f"heartbeat {_fmt(s['heartbeat_age_s'], ' s')} ago")
+    if s.get("age_s") is not None:
+        parts.append(f"up {_fmt(s['age_s'] / 60, ' min')}")
+    return ", ".join(parts)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(rows: tuple[Row, ...], with_kind: bool) -> list[str]:
+    head = "| resource | GPUs | signals | verdict | reasons | action | idle GPU-h | $/h saved |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        name = f"{row.kind} `{row.name[:40]}`" if with_kind else f"`{row.id}` {row.name}"
+        gpus = ", ".join(f"`{g}`" for g in row.gpus) if with_kind else "1"
+        action = f"**{row.action_status}**" + (f": {row.action}" if row.action else "")
+        lines.append("| " + " | ".join(_cell(c) for c in [
+            name, gpus, _signals(row), f"**{row.decision.verdict}**",
+            "; ".join(row.decision.reasons), action, f"{row.idle_gpu_hours:.2f}",
+            f"{row.usd_per_hour:.2f}"]) + " |")
+    return lines
+
+
+def render_markdown(report: SweepReport) -> str:
+    """The sweep as Markdown: a summary, one table of GPUs, one of Stoker-owned resources."""
+    when = dt.datetime.fromtimestamp(report.started, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    mode = "**dry run**: nothing was stopped" if report.dry_run else "**act**: stops enabled"
+    wasteful = sum(1 for r in report.gpus if r.decision.verdict in ("idle", "stalled"))
+    lines = [
+        "# Stoker cost guard", "",
+        f"- Sweep at {when}, {report.samples} samples over {report.window_s:g} s; {mode}",
+        f"- Idle or stalled GPUs: {wasteful} "
+        f"of {len(report.gpus)}; {report.idle_gpu_hours:.2f} GPU-hours observed; "
+        f"${report.usd_per_hour:.2f}/hour ({report.capacity_type} prices) if released",
+        "",
+    ]
+    if report.notes:
+        lines += ["## Notes", "", *[f"- {_cell(n)}" for n in report.notes], ""]
+    lines += ["## GPUs", ""]
+    lines += _table(report.gpus, with_kind=False) if report.gpus else ["No GPU readings."]
+    lines += ["", "## Stoker-owned resources", ""]
+    lines += (_table(report.resources, with_kind=True) if report.resources
+              else ["No Stoker-owned resources found."])
+    return "\n".join(lines) + "\n"
+
+
+def event_payload(row: Row, dry_run: bool) -> dict:
+    """A JSON-able summary of one row for a Prefect event payload."""
+    return {
+        "kind": row.kind, "id": row.id, "name": row.name, "gpus": list(row.gpus),
+        "verdict": str(row.decision.verdict), "reasons": list(row.decision.reasons),
+        "signals": row.decision.signals, "action_status": row.action_status,
+        "action": row.action, "idle_gpu_hours": round(row.idle_gpu_hours, 4),
+        "usd_per_hour": round(row.usd_per_hour, 4), "dry_run": dry_run,
+    }

@@ -1,0 +1,329 @@
+"""One cost-guard sweep: sample every GPU over the window, judge each resource, re-check right
+before acting, act (or, in dry-run, only say what would be done) and report.
+
+``run_sweep`` takes its NVML reader, resource discovery and actors as arguments, so tests pass
+a fake NVML and real or recording actors; ``discover_all`` and ``standard_actors`` build the real
+ones from a :class:`CostGuardConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from stoker.costguard.actions import Actor, DockerActor, Ec2Actor
+from stoker.costguard.config import CostGuardConfig, Policy
+from stoker.costguard.decide import (
+    Decision,
+    Evidence,
+    Verdict,
+    decide,
+    evidence_for,
+    gpu_problems,
+    gpu_windows,
+)
+from stoker.costguard.inventory import (
+    Resource,
+    claimed_jobs,
+    discover_containers,
+    discover_jobs,
+    host_instance,
+    jobs_by_name,
+)
+from stoker.costguard.nvml import NvmlReader, Snapshot
+from stoker.costguard.signals import read_jobs
+from stoker.pricing import CapacityType, PriceTable
+
+log = logging.getLogger(__name__)
+
+Discover = Callable[[], tuple[list[Resource], list[str]]]
+_VERB = {"container": "stop container", "job": "cancel flow run", "instance": "stop instance"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the report: a GPU or a resource, its verdict and what was done.
+
+    ``action_status``: none (nothing to do), waiting, dry_run, skipped (the re-check changed the
+    verdict), or an :data:`ActionStatus`. ``idle_gpu_hours``: GPUs x hours idle or stalled as
+    observed. ``usd_per_hour``: what stopping it frees, from the price table.
+    """
+
+    key: str
+    kind: str
+    id: str
+    name: str
+    gpus: tuple[str, ...]
+    gpu_names: tuple[str, ...]
+    decision: Decision
+    action_status: str = "none"
+    action: str = ""
+    idle_gpu_hours: float = 0.0
+    usd_per_hour: float = 0.0
+    flow_run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    """The result of one sweep. Times are Unix seconds."""
+
+    started: float
+    finished: float
+    dry_run: bool
+    window_s: float
+    samples: int
+    gpus: tuple[Row, ...]
+    resources: tuple[Row, ...]
+    notes: tuple[str, ...] = ()
+    capacity_type: str = "on_demand"
+
+    @property
+    def idle_gpu_hours(self) -> float:
+        """Idle or stalled GPU-hours over all GPUs (each GPU counted once)."""
+        return sum(r.idle_gpu_hours for r in self.gpus)
+
+    @property
+    def usd_per_hour(self) -> float:
+        """What the idle or stalled GPUs cost per hour."""
+        return sum(r.usd_per_hour for r in self.gpus)
+
+
+@dataclass
+class _Judgement:
+    resources: dict[str, Resource]
+    rows: dict[str, Row]
+    gpu_rows: list[Row] = field(default_factory=list)
+
+
+def sample_window(reader: NvmlReader, policy: Policy,
+                  sleep: Callable[[float], None] = time.sleep) -> list[Snapshot]:
+    """``policy.samples_per_window`` snapshots, ``sample_interval_s`` apart."""
+    snapshots = []
+    for i in range(policy.samples_per_window):
+        if i:
+            sleep(policy.sample_interval_s)
+        snapshots.append(reader.snapshot())
+    return snapshots
+
+
+def judge(snapshots: list[Snapshot], resources: list[Resource], policy: Policy, now: float,
+          state: Mapping[str, dict], prices: PriceTable, capacity: CapacityType) -> _Judgement:
+    """Decide every resource and every GPU over ``snapshots`` (no actions).
+
+    Args:
+        snapshots: the window, oldest first; resources: what may be acted on.
+        policy: thresholds; now: Unix time of the decision (s).
+        state: idle streaks of earlier sweeps (see :func:`load_state`).
+        prices, capacity: for the $ per hour of idle or stalled GPUs.
+
+    Returns:
+        Rows by resource key, one row per GPU, and the resources by key.
+    """
+    windows, nvml_problems = gpu_windows(snapshots)
+    window_start = snapshots[0].time if snapshots else now
+    owned_pids = {pid for r in resources for pid in r.pids}
+
+    def known_pid(pid: int) -> bool:
+        return pid in owned_pids or psutil.pid_exists(pid)
+
+    problems = {k: gpu_problems(rs, len(snapshots), known_pid) for k, rs in windows.items()}
+    names = {k: rs[-1].name or k for k, rs in windows.items()}
+    rows: dict[str, Row] = {}
+    holders: dict[str, list[Resource]] = {}
+    for resource in resources:
+        keys, evidence = evidence_for(resource, windows, problems, nvml_problems, window_start,
+                                      _idle_since(state, resource.key, resource.started_at))
+        for key in keys:
+            holders.setdefault(key, []).append(resource)
+        row = _row(resource.key, resource.kind, resource.id, resource.name, keys, names,
+                   decide(evidence, policy, now), now, prices, capacity)
+        rows[resource.key] = replace(row, flow_run_id=resource.flow_run_id)
+    gpu_rows = []
+    for key, readings in windows.items():
+        progress = [r.last_progress for r in holders.get(key, []) if r.last_progress]
+        evidence = Evidence(gpus={key: readings}, window_start=window_start,
+                            unknown=(*nvml_problems, *(f"{key}: {p}" for p in problems[key])),
+                            last_progress=max(progress, default=None),
+                            idle_since=_idle_since(state, f"gpu:{key}", None))
+        row = _row(f"gpu:{key}", "gpu", key, names[key], [key], names,
+                   decide(evidence, policy, now), now, prices, capacity)
+        owners = ", ".join(r.key for r in holders.get(key, [])) or "no Stoker resource"
+        gpu_rows.append(_with_action(row, "none", f"held by {owners}"))
+    return _Judgement({r.key: r for r in resources}, rows, gpu_rows)
+
+
+def _row(key: str, kind: str, id_: str, name: str, gpus: list[str], names: dict[str, str],
+         decision: Decision, now: float, prices: PriceTable, capacity: CapacityType) -> Row:
+    wasteful = decision.verdict in (Verdict.IDLE, Verdict.STALLED)
+    hours = 0.0
+    if wasteful and decision.waste_since is not None:
+        hours = len(gpus) * max(0.0, now - decision.waste_since) / 3600
+    usd = sum(prices.price(names[k], capacity) for k in gpus) if wasteful else 0.0
+    return Row(key, kind, id_, name, tuple(gpus), tuple(names[k] for k in gpus), decision,
+               idle_gpu_hours=hours, usd_per_hour=usd)
+
+
+def _with_action(row: Row, status: str, detail: str) -> Row:
+    return replace(row, action_status=status, action=detail)
+
+
+def _idle_since(state: Mapping[str, dict], key: str, started_at: float | None) -> float | None:
+    entry = state.get(key)
+    if not entry or entry.get("started_at") != started_at:
+        return None  # never seen idle, or restarted since: a new streak
+    return entry.get("idle_since")
+
+
+def load_state(path: Path) -> dict[str, dict]:
+    """Idle streaks from earlier sweeps ({} when there is no readable state file)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as e:
+        log.warning("cost guard state %s unreadable (%s): idle streaks start over", path, e)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_state(path: Path, judgement: _Judgement) -> None:
+    """Remember when each idle resource and GPU was first seen idle (atomic write)."""
+    state = {}
+    for row in [*judgement.rows.values(), *judgement.gpu_rows]:
+        if row.decision.verdict == Verdict.IDLE:
+            resource = judgement.resources.get(row.key)
+            state[row.key] = {"idle_since": row.decision.waste_since,
+                              "started_at": resource.started_at if resource else None}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(path)
+
+
+def run_sweep(config: CostGuardConfig, reader: NvmlReader, discover: Discover,
+              actors: Mapping[str, Actor], clock: Callable[[], float] = time.time,
+              sleep: Callable[[float], None] = time.sleep) -> SweepReport:
+    """Sample, judge, re-check, act (unless dry-run) and report.
+
+    Args:
+        config: policy, dry-run switch, prices; ``config.state_file`` keeps idle streaks.
+        reader: an entered :class:`NvmlReader`.
+        discover: returns (resources, notes about what could not be listed).
+        actors: by resource kind; a kind without an actor is only reported.
+        clock: Unix time (s); sleep: waits between samples (s).
+
+    Returns:
+        The report; the state file is updated.
+    """
+    started = clock()
+    snapshots = sample_window(reader, config.policy, sleep)
+    resources, notes = discover()
+    state = load_state(config.state_file)
+    judgement = judge(snapshots, resources, config.policy, clock(), state, config.prices,
+                      config.capacity_type)
+    # Jobs and containers first: stopping the instance ends them anyway, but less gracefully.
+    order = {"job": 0, "container": 1, "instance": 2}
+    rows = []
+    for key in sorted(judgement.rows, key=lambda k: (order.get(judgement.rows[k].kind, 3), k)):
+        row = judgement.rows[key]
+        if row.decision.act:
+            status, detail = _act(config, row, judgement.resources[key], snapshots, reader,
+                                  discover, actors, state, clock)
+        elif row.decision.verdict == Verdict.IDLE and config.policy.stop_idle:
+            status, detail = "waiting", "idle, not yet for min_idle_s"
+        elif row.decision.verdict in (Verdict.IDLE, Verdict.STALLED):
+            status, detail = "none", "report only (policy)"
+        else:
+            status, detail = "none", ""
+        rows.append(_with_action(row, status, detail))
+    save_state(config.state_file, judgement)
+    return SweepReport(
+        started=started, finished=clock(), dry_run=config.dry_run,
+        window_s=config.policy.window_s, samples=len(snapshots),
+        gpus=tuple(judgement.gpu_rows), resources=tuple(rows),
+        notes=tuple(dict.fromkeys([*notes, *(s.error for s in snapshots if s.error)])),
+        capacity_type=config.capacity_type)
+
+
+def _act(config: CostGuardConfig, row: Row, resource: Resource, snapshots: list[Snapshot],
+         reader: NvmlReader, discover: Discover, actors: Mapping[str, Actor],
+         state: Mapping[str, dict], clock: Callable[[], float]) -> tuple[str, str]:
+    actor = actors.get(resource.kind)
+    verb = _VERB.get(resource.kind, "stop")
+    if actor is None:
+        return "none", f"no {resource.kind} actor enabled"
+    if config.dry_run:
+        return "dry_run", f"dry run: would {verb}"
+    # Re-check right before acting: a fresh sample, fresh heartbeats, the resource as it is now.
+    fresh = reader.snapshot()
+    resources, _ = discover()
+    again = judge([*snapshots, fresh], resources, config.policy, clock(), state, config.prices,
+                  config.capacity_type)
+    current = again.rows.get(resource.key)
+    if current is None:
+        return "gone", "gone before acting"
+    if not current.decision.act:
+        why = "; ".join(current.decision.reasons)
+        return "skipped", f"re-check: now {current.decision.verdict} ({why})"
+    result = actor.act(again.resources[resource.key])
+    log.info("%s %s: %s", resource.key, result.status, result.detail)
+    return result.status, result.detail
+
+
+def discover_all(config: CostGuardConfig, docker_client: Any | None) -> Discover:
+    """Discovery over this host: Stoker containers (if a client is given), local jobs and the
+    configured instance. Containers that cannot be listed become a note, not a failure."""
+
+    def discover() -> tuple[list[Resource], list[str]]:
+        jobs = read_jobs(config.work_dir, read_mlflow=config.read_mlflow)
+        notes = [f"job {j.name}: {n}" for j in jobs for n in j.notes]
+        resources: list[Resource] = []
+        if docker_client is not None:
+            import docker.errors
+            import requests
+
+            try:
+                resources += discover_containers(docker_client, config.docker.label_filters,
+                                                 jobs_by_name(jobs))
+            except (docker.errors.DockerException, requests.RequestException) as e:
+                notes.append(f"Docker containers not listed: {e}")
+        resources += discover_jobs(jobs, claimed_jobs(resources))
+        if config.ec2.instance_id:
+            resources.append(host_instance(config.ec2.instance_id, jobs))
+        return resources, notes
+
+    return discover
+
+
+def connect_docker(config: CostGuardConfig) -> tuple[Any | None, str | None]:
+    """A Docker client for ``config.docker`` (None when disabled), or why none could be made."""
+    if not config.docker.enabled:
+        return None, None
+    import docker
+    import requests
+
+    try:
+        client = (docker.DockerClient(base_url=config.docker.base_url) if config.docker.base_url
+                  else docker.from_env())
+        client.ping()
+    except (docker.errors.DockerException, requests.RequestException) as e:
+        return None, f"Docker Engine unreachable, containers not judged: {e}"
+    return client, None
+
+
+def standard_actors(config: CostGuardConfig, docker_client: Any | None) -> dict[str, Actor]:
+    """The Docker actor (if a client is given) and the EC2 actor (if an instance is set)."""
+    actors: dict[str, Actor] = {}
+    if docker_client is not None:
+        actors["container"] = DockerActor(docker_client, config.docker.stop_timeout_s)
+    if config.ec2.instance_id:
+        actors["instance"] = Ec2Actor.connect(config.ec2.region, config.ec2.endpoint_url)
+    return actors
