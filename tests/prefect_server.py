@@ -26,6 +26,8 @@ class PrefectServer:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
             "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{root / 'prefect.db'}",
             "PREFECT_UI_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+            # No scheduler: scheduled runs (cost-guard every 5 min) must not reach test workers.
+            "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
             "DVC_NO_ANALYTICS": "1",
         }
         self.process: subprocess.Popen | None = None

@@ -19,8 +19,7 @@ def deployed(tmp_path_factory):
     with PrefectServer(root) as server:
         server.prefect("work-pool", "create", "stoker-process", "--type", "process",
                        "--base-job-template", str(REPO / "infra/work-pools/process.json"))
-        server.prefect("--no-prompt", "deploy", "--name", "pipeline", "--name", "train",
-                       cwd=REPO, STOKER_CHECKOUT=str(REPO))
+        server.prefect("--no-prompt", "deploy", "--all", cwd=REPO, STOKER_CHECKOUT=str(REPO))
         yield server
 
 
@@ -45,6 +44,16 @@ def test_parameter_schema_is_a_usable_form(deployed):
     assert set(train["precision"]["enum"]) == {"fp32", "bf16", "fp16"}
     assert definitions["DataConfig"]["properties"]["rev"]["default"] == "v1"
     assert all(p.get("description") for p in train.values()), "every train field documented"
+
+
+def test_every_deployment_is_created_with_its_schedule(deployed):
+    pipeline = read_deployment(deployed, "pipeline/pipeline")
+    assert [s.active for s in pipeline.schedules] == [False]  # nightly example, off by default
+    assert "stoker:owned" in pipeline.tags
+    assert read_deployment(deployed, "train/train").entrypoint == "flows/train.py:train_only"
+    guard = read_deployment(deployed, "cost-guard/cost-guard")
+    assert guard.schedules[0].active and guard.schedules[0].schedule.interval.total_seconds() == 300
+    assert guard.parameters["config"]["dry_run"] is True
 
 
 def test_invalid_parameters_are_rejected_by_name(deployed):
