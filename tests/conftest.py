@@ -133,3 +133,15 @@ def mlflow_http(tmp_path_factory):
 
     with MlflowServer(tmp_path_factory.mktemp("mlflow-server")) as running:
         yield running
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu``-marked tests need CUDA: skipped with a reason without it (CI has no GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,192 @@
+"""Run the training image through the Docker Engine API: one container per node.
+
+Each container runs the image's entrypoint (``python -m stoker.runtime.launch``: torchrun with
+Stoker's exit codes) on the host network and IPC namespace (what NCCL wants), with NVIDIA GPUs
+through a device request, a large ``/dev/shm``, the dataset mounted read-only and the job folder
+read-write at the same paths as on the host (so the run spec's paths hold inside), and labels
+that mark it as Stoker's (the cost guard acts only on those). Several nodes on one host
+rendezvous over c10d on 127.0.0.1; on several hosts, point ``rdzv_endpoint`` at node 0.
+
+``docker stop`` sends SIGTERM to the entrypoint, which passes it to the workers: they commit a
+checkpoint and the container exits 75, which the retry policy resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
+from stoker.runtime import EXIT_PREEMPTED
+from stoker.runtime.spec import RunSpec
+
+
+class DockerLaunchError(RuntimeError):
+    """The Docker Engine is unreachable or refused to start a container (named in the message)."""
+
+
+@dataclass
+class DockerLauncher:
+    """Launch one attempt as ``nnodes`` containers of ``image``.
+
+    Attributes:
+        image: image reference (ideally by digest, as the build flow returns it).
+        nproc_per_node: worker processes per container (one per GPU on GPU hosts).
+        nnodes: containers (nodes) in the job; all on this Docker host.
+        gpus: GPUs per container: "all", a count, or 0 for CPU-only runs.
+        shm_size: /dev/shm size (DataLoader workers and NCCL need more than Docker's 64 MB).
+        user: ``uid:gid`` the container runs as; default the calling user, so files written to
+            the mounted job folder belong to them (the image's own default user is non-root).
+        shutdown_grace_s: seconds workers get to checkpoint after SIGTERM (torchrun
+            ``--shutdown-timeout``); ``docker stop`` waits 15 s longer before SIGKILL.
+        rdzv_endpoint: ``host:port`` of the c10d rendezvous (node 0's host).
+        extra_mounts: further host paths to mount at the same path (e.g. a sqlite MLflow store).
+        environment: extra environment variables for the containers.
+        docker_host: Docker Engine URL; None uses DOCKER_HOST or the local socket.
+    """
+
+    image: str
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    gpus: str | int = "all"
+    shm_size: str = "16g"
+    user: str | None = None
+    shutdown_grace_s: float = 25.0
+    rdzv_endpoint: str = "127.0.0.1:29400"
+    extra_mounts: list[str] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
+    docker_host: str | None = None
+    containers: list = field(default_factory=list, init=False)
+
+    def client(self):
+        import docker
+
+        try:
+            client = docker.DockerClient(base_url=self.docker_host) if self.docker_host \
+                else docker.from_env()
+            client.ping()
+        except Exception as e:  # docker raises several types for "no daemon"
+            where = self.docker_host or os.environ.get("DOCKER_HOST", "the local socket")
+            raise DockerLaunchError(f"Docker Engine at {where} unreachable: {e}") from None
+        return client
+
+    def command(self, spec: RunSpec, spec_path: Path, rdzv_id: str) -> list[str]:
+        """Arguments for the image's entrypoint (torchrun's CLI)."""
+        return [
+            f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}",
+            f"--rdzv-id={rdzv_id}", "--max-restarts=0",
+            f"--shutdown-timeout={int(self.shutdown_grace_s)}",
+            "-m", "stoker.runtime", str(spec_path),
+        ]
+
+    def _mounts(self, spec: RunSpec) -> list:
+        from docker.types import Mount
+
+        paths = {spec.job_dir: False, spec.data_dir: True}
+        for extra in self.extra_mounts:
+            paths.setdefault(extra, False)
+        return [Mount(target=p, source=p, type="bind", read_only=ro) for p, ro in paths.items()]
+
+    def _device_requests(self) -> list:
+        from docker.types import DeviceRequest
+
+        if self.gpus in (0, "0", None):
+            return []
+        count = -1 if self.gpus == "all" else int(self.gpus)
+        return [DeviceRequest(count=count, capabilities=[["gpu"]])]
+
+    def start(self, spec_path: Path) -> list:
+        """Start the containers of one attempt (detached) and return them."""
+        spec = RunSpec.load(spec_path)
+        client = self.client()
+        job = Path(spec.job_dir).name
+        rdzv_id = f"{job}-{uuid.uuid4().hex[:8]}"
+        user = self.user or f"{os.getuid()}:{os.getgid()}"
+        self.containers = []
+        for node in range(self.nnodes):
+            try:
+                self.containers.append(client.containers.run(
+                    self.image, command=self.command(spec, spec_path, rdzv_id), detach=True,
+                    name=f"stoker-{job[:40]}-n{node}-{uuid.uuid4().hex[:6]}",
+                    network_mode="host", ipc_mode="host", shm_size=self.shm_size, user=user,
+                    mounts=self._mounts(spec), device_requests=self._device_requests(),
+                    environment={"PYTHONUNBUFFERED": "1", **self.environment},
+                    labels={DOCKER_OWNER_LABEL: "true", DOCKER_JOB_LABEL: job,
+                            "dev.stoker.node_rank": str(node)},
+                    stop_signal="SIGTERM",
+                ))
+            except Exception as e:
+                self.stop(remove=True)
+                raise DockerLaunchError(f"cannot start node {node} of job {job} from image "
+                                        f"{self.image}: {e}") from e
+        return self.containers
+
+    def stop(self, remove: bool = False) -> None:
+        """``docker stop`` every container (SIGTERM, SIGKILL after the grace), then remove."""
+        timeout = int(self.shutdown_grace_s) + 15
+        for container in self.containers:
+            with contextlib.suppress(Exception):
+                container.stop(timeout=timeout)
+            if remove:
+                with contextlib.suppress(Exception):
+                    container.remove(force=True)
+
+    def run(self, spec_path: Path, on_line: Callable[[str], None] = print,
+            timeout_s: float | None = None) -> int:
+        """Run one attempt to its end and return its exit code (Stoker's contract).
+
+        The nodes' logs stream to ``on_line`` prefixed with ``[node N]``. The first node to fail
+        decides the code (137 when Docker reports it OOM-killed); when every node ends with 0 or
+        75, any 75 makes the attempt preempted. The containers are stopped (SIGTERM first) and
+        removed whatever happens, including timeouts and exceptions in the caller.
+
+        Raises:
+            DockerLaunchError: the engine is unreachable or a container cannot start.
+            TimeoutError: the attempt ran longer than ``timeout_s``.
+        """
+        containers = self.start(spec_path)
+        readers = [threading.Thread(target=_stream, args=(c, n, on_line), daemon=True)
+                   for n, c in enumerate(containers)]
+        for reader in readers:
+            reader.start()
+        codes: dict[int, int] = {}
+        try:
+            for node, container in enumerate(containers):
+                try:
+                    result = container.wait(timeout=timeout_s)
+                except Exception as e:  # requests' ReadTimeout on timeout
+                    if "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower():
+                        raise TimeoutError(f"attempt ran over {timeout_s} s") from None
+                    raise
+                container.reload()
+                oom = container.attrs.get("State", {}).get("OOMKilled", False)
+                codes[node] = 137 if oom else int(result.get("StatusCode", 1))
+        finally:
+            self.stop(remove=True)
+            for reader in readers:
+                reader.join(timeout=5)
+        return combine_exit_codes(list(codes.values()))
+
+
+def combine_exit_codes(codes: list[int]) -> int:
+    """One attempt code from the nodes' codes (see ``DockerLauncher.run``)."""
+    failed = [c for c in codes if c not in (0, EXIT_PREEMPTED)]
+    if failed:
+        return 137 if 137 in failed else failed[0]
+    return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
+
+
+def _stream(container, node: int, on_line: Callable[[str], None]) -> None:
+    with contextlib.suppress(Exception):
+        buffer = b""
+        for chunk in container.logs(stream=True, follow=True):
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                on_line(f"[node {node}] {line.decode(errors='replace')}")
