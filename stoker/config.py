@@ -171,6 +171,33 @@ class RetryConfig(_Frozen):
         "(recorded on the run; passed to launchers that can choose capacity).")
 
 
+class DockerLauncherConfig(_Frozen):
+    """How the docker launcher runs the training image (one container per node)."""
+
+    image: str | None = Field(
+        None, description="Training image reference; empty: build (or reuse) it from images/ "
+        "with the build-image flow and use its digest.")
+    nnodes: int = Field(1, ge=1, description="Containers (nodes) on this Docker host.")
+    gpus: str = Field("all", description="GPUs per container: 'all', a count, or '0' for CPU.")
+    shm_size: str = Field("16g", description="/dev/shm size per container.")
+    user: str | None = Field(None, description="uid:gid in the container; empty: yours.")
+    docker_host: str | None = Field(None, description="Docker Engine URL; empty: DOCKER_HOST "
+                                    "or the local socket.")
+    rdzv_port: int = Field(29400, gt=0, lt=65536, description="c10d rendezvous port (node 0).")
+
+
+class LauncherConfig(_Frozen):
+    """Where attempts run: local torchrun, Docker containers, or a Kubernetes job."""
+
+    kind: Literal["local", "docker", "kubernetes"] = Field(
+        "local", description="local: torchrun here; docker: the training image through the "
+        "Docker Engine; kubernetes: a Kubeflow TrainJob/PyTorchJob.")
+    docker: DockerLauncherConfig = DockerLauncherConfig()
+    kubernetes: dict[str, Any] = Field(
+        default_factory=dict, description="KubernetesLaunchConfig fields (stoker/kubernetes.py)"
+        "; validated when kind is kubernetes.")
+
+
 class CostConfig(_Frozen):
     """What the job's GPUs cost: capacity type and a price table (USD per GPU-hour)."""
 
@@ -200,6 +227,7 @@ class PipelineConfig(_Frozen):
     tracking: TrackingConfig = TrackingConfig()
     retry: RetryConfig = RetryConfig()
     cost: CostConfig = CostConfig()
+    launcher: LauncherConfig = LauncherConfig()
 
     def tracking_uri(self) -> str:
         """The MLflow tracking URI, defaulting to a sqlite store in the work directory."""

@@ -20,10 +20,19 @@ from stoker.config import PipelineConfig
 from stoker.cost import cost_report
 from stoker.dataset import DatasetRef
 from stoker.jobs import resolve_job_dir
-from stoker.launcher import Attempt, LocalLauncher, Outcome, run_with_retries
+from stoker.launcher import Attempt, Outcome, run_with_retries
+from stoker.launchers import make_launcher
 from stoker.lineage import code_version
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """The training image a job runs: registry reference and its digest (``sha256:...``)."""
+
+    reference: str
+    digest: str | None = None
 
 
 class TrainingFailed(RuntimeError):
@@ -51,16 +60,22 @@ def nproc(config: PipelineConfig) -> int:
     return torch.cuda.device_count() or 2
 
 
-def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int) -> dict[str, str]:
+def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
+                 image: ImageRef | None = None) -> dict[str, str]:
     """Tags every run carries: code version, dataset, orchestrator run, launcher, world size."""
     code = code_version()
     tags = {
         "mlflow.source.git.commit": code["git_commit"], "stoker.git_commit": code["git_commit"],
         "stoker.git_dirty": code["git_dirty"], "dvc.repo": dataset.repo_url,
         "dvc.rev": dataset.rev, "dvc.commit": dataset.commit, "dvc.path": dataset.path,
-        "dvc.md5": dataset.md5, "stoker.launcher": "local", "stoker.world_size": str(world_size),
-        "stoker.capacity_type": config.cost.capacity_type,
+        "dvc.md5": dataset.md5, "stoker.launcher": config.launcher.kind,
+        "stoker.world_size": str(world_size), "stoker.capacity_type": config.cost.capacity_type,
     }
+    if image is not None:
+        tags["stoker.image"] = image.reference
+        tags["stoker.image_digest"] = image.digest or ""
+    elif config.launcher.kind == "docker" and config.launcher.docker.image:
+        tags["stoker.image"] = config.launcher.docker.image
     run_id = flow_run.get_id()
     if run_id:
         tags["prefect.flow_run_id"] = str(run_id)
@@ -71,14 +86,14 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int) -
 
 
 def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
-               world_size: int) -> Path:
+               world_size: int, image: ImageRef | None = None) -> Path:
     """Write ``<job_dir>/spec.yaml`` for the runtime (rewritten each run with current lineage)."""
     spec = RunSpec(
         train=config.train, data_dir=dataset.local_path, job_dir=str(job_dir),
         tracking_uri=config.tracking_uri(), experiment=config.tracking.experiment,
         artifact_location=None if config.tracking.tracking_uri
         else (config.work_dir.resolve() / "mlartifacts").as_uri(),
-        run_name=job_dir.name, tags=lineage_tags(config, dataset, world_size),
+        run_name=job_dir.name, tags=lineage_tags(config, dataset, world_size, image),
         system_metrics_interval_s=config.tracking.system_metrics_interval_s,
     )
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +149,8 @@ def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train(config: PipelineConfig, dataset: DatasetRef) -> TrainResult:
+def train(config: PipelineConfig, dataset: DatasetRef, image: ImageRef | None = None
+          ) -> TrainResult:
     """Train (or resume) the job for ``config`` on ``dataset`` with torchrun.
 
     Each attempt runs as a nested task run ``attempt-N`` (visible in the Prefect UI with its exit
@@ -147,9 +163,9 @@ def train(config: PipelineConfig, dataset: DatasetRef) -> TrainResult:
     logger = get_run_logger()
     world_size = nproc(config)
     job_dir = resolve_job_dir(config, dataset.md5)
-    spec_path = write_spec(config, dataset, job_dir, world_size)
+    spec_path = write_spec(config, dataset, job_dir, world_size, image)
     logger.info("job %s: %d process(es) per node, spec %s", job_dir.name, world_size, spec_path)
-    launcher = LocalLauncher(world_size, shutdown_grace_s=config.train.preemption_grace_s)
+    launcher = make_launcher(config, world_size, image.reference if image else None)
     client = MlflowClient(config.tracking_uri())
     run_file = job_dir / "mlflow_run_id"
     capacities: dict[int, str] = {}
@@ -165,7 +181,7 @@ def train(config: PipelineConfig, dataset: DatasetRef) -> TrainResult:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return launcher.run(spec_path, on_line=get_run_logger().info, timeout_s=left)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, TimeoutError):
             raise TimeoutError(f"train_timeout_s={config.train_timeout_s:g} s reached: job "
                                f"{job_dir.name} stopped (process tree terminated)") from None
 

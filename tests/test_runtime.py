@@ -104,6 +104,15 @@ def test_preempted_twice_resumes_bitwise_exact(reference, make_spec):
                                   f"attributes.run_name = '{spec.parent.name}'")) == 1
 
 
+def test_async_checkpoints_resume_bitwise_exact(reference, make_spec):
+    spec = make_spec("async", epochs=3, async_checkpoint=True)
+    attempts, output, _ = launch(spec, preempt=[{"at_step": 25, "target": "tree"}])
+    assert [a.outcome for a in attempts] == [Outcome.PREEMPTED, Outcome.COMPLETED], output
+    blocking = [e["blocking_s"] for e in events(spec.parent) if e["event"] == "checkpoint"]
+    assert blocking and all(b >= 0 for b in blocking)
+    assert_bitwise_equal(final_weights(spec), final_weights(reference))
+
+
 def test_kill_during_save_resumes_from_previous_checkpoint(reference, make_spec):
     spec = make_spec("killed", epochs=3)
     attempts, output, fired = launch(

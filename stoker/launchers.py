@@ -1,0 +1,73 @@
+"""Pick the launcher the config asks for. Every launcher has the same interface:
+``run(spec_path, on_line, timeout_s) -> exit code`` with the runtime's exit-code contract."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from stoker.config import ConfigError, PipelineConfig
+
+
+class Launcher(Protocol):
+    def run(self, spec_path: Path, on_line: Callable[[str], None] = print,
+            timeout_s: float | None = None) -> int: ...
+
+
+class KubernetesAdapter:
+    """Runs a spec file as a Kubernetes job named after the job folder."""
+
+    def __init__(self, launcher):
+        self.launcher = launcher
+
+    def run(self, spec_path: Path, on_line: Callable[[str], None] = print,
+            timeout_s: float | None = None) -> int:
+        from stoker.kubernetes import kubernetes_name
+        from stoker.runtime.spec import RunSpec
+
+        spec = RunSpec.load(spec_path)
+        name = kubernetes_name(Path(spec.job_dir).name)
+        on_line(f"submitting Kubernetes job {name}")
+        return self.launcher.run(spec, name, timeout_s=timeout_s)
+
+
+def make_launcher(config: PipelineConfig, world_size: int, image: str | None = None) -> Launcher:
+    """The launcher for ``config.launcher.kind``.
+
+    Args:
+        world_size: processes per node (local, docker) or per pod (kubernetes).
+        image: training image reference for docker/kubernetes (overrides the config's).
+
+    Raises:
+        ConfigError: docker/kubernetes without an image, or invalid kubernetes fields (named).
+    """
+    kind = config.launcher.kind
+    grace = config.train.preemption_grace_s
+    if kind == "local":
+        from stoker.launcher import LocalLauncher
+
+        return LocalLauncher(world_size, shutdown_grace_s=grace)
+    if kind == "docker":
+        from stoker.docker_launcher import DockerLauncher
+
+        docker = config.launcher.docker
+        image = image or docker.image
+        if not image:
+            raise ConfigError("launcher.docker.image: empty, and no image was built")
+        return DockerLauncher(
+            image=image, nproc_per_node=world_size, nnodes=docker.nnodes, gpus=docker.gpus,
+            shm_size=docker.shm_size, user=docker.user, shutdown_grace_s=grace,
+            rdzv_endpoint=f"127.0.0.1:{docker.rdzv_port}", docker_host=docker.docker_host,
+            extra_mounts=[str(config.work_dir.resolve())],
+        )
+    from stoker.config import validate
+    from stoker.kubernetes import KubernetesLaunchConfig
+    from stoker.kubernetes_api import KubernetesLauncher, api_client
+
+    fields = dict(config.launcher.kubernetes)
+    if image:
+        fields["image"] = image
+    fields.setdefault("nproc_per_node", world_size)
+    k8s = validate(KubernetesLaunchConfig, fields, prefix="launcher.kubernetes.")
+    return KubernetesAdapter(KubernetesLauncher(k8s, api_client()))
