@@ -1,0 +1,73 @@
+"""The docker launcher against a real Docker Engine, running the real training image."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from conftest import events
+
+from stoker.docker_launcher import DockerLauncher, combine_exit_codes
+from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
+
+pytestmark = pytest.mark.integration
+
+
+def test_node_exit_codes_combine_into_one():
+    assert combine_exit_codes([0, 0]) == 0
+    assert combine_exit_codes([75, 0]) == 75
+    assert combine_exit_codes([75, 137]) == 137
+    assert combine_exit_codes([1, 75]) == 1
+
+
+def launcher_for(image: str, **kwargs) -> DockerLauncher:
+    from image_support import free_port
+
+    return DockerLauncher(image=image, gpus=0, shm_size="256m", shutdown_grace_s=20,
+                          rdzv_endpoint=f"127.0.0.1:{free_port()}", **kwargs)
+
+
+def test_two_nodes_as_two_containers(training_image, make_spec, docker_engine):
+    spec = make_spec("two-nodes", epochs=1)
+    launcher = launcher_for(training_image.ref, nnodes=2, nproc_per_node=1)
+    lines: list[str] = []
+    code = launcher.run(spec, on_line=lines.append, timeout_s=600)
+    assert code == 0, "\n".join(lines[-60:])
+    result = json.loads((spec.parent / "result.json").read_text())
+    assert result["world_size"] == 2 and result["step"] == 22
+    assert any(line.startswith("[node 1]") for line in lines)
+    assert not docker_engine.containers.list(all=True, filters={
+        "label": f"{DOCKER_JOB_LABEL}={spec.parent.name}"})  # removed afterwards
+
+
+def test_docker_stop_checkpoints_and_the_next_attempt_resumes(training_image, make_spec,
+                                                              docker_engine):
+    spec = make_spec("stopped", epochs=6)
+    launcher = launcher_for(training_image.ref, nproc_per_node=2)
+    (container,) = launcher.start(spec)
+    try:
+        labels = docker_engine.containers.get(container.id).labels
+        assert labels[DOCKER_OWNER_LABEL] == "true"
+        assert labels[DOCKER_JOB_LABEL] == spec.parent.name
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(
+                e["event"] == "step" and e["step"] >= 5 for e in events(spec.parent)):
+            container.reload()
+            assert container.status in ("created", "running"), container.logs()[-3000:]
+            time.sleep(0.1)
+        container.stop(timeout=40)  # `docker stop`: SIGTERM, SIGKILL after 40 s
+        status = container.wait(timeout=60)
+        logs = container.logs().decode()
+    finally:
+        container.remove(force=True)
+    assert status["StatusCode"] == 75, logs[-3000:]
+    stopped = [e for e in events(spec.parent) if e["event"] == "end"][-1]
+    assert stopped["outcome"] == "preempted"
+    assert (spec.parent / "checkpoints" / f"step-{stopped['step']:09d}" / "COMMITTED").exists()
+
+    lines: list[str] = []
+    assert launcher.run(spec, on_line=lines.append, timeout_s=600) == 0, "\n".join(lines[-60:])
+    starts = [e for e in events(spec.parent) if e["event"] == "start"]
+    assert starts[-1]["resumed"] and starts[-1]["step"] == stopped["step"]
+    assert json.loads((spec.parent / "result.json").read_text())["step"] == 6 * 22
