@@ -32,6 +32,8 @@ CONTEXT_FORMAT = "stoker-image-context/1"
 TAG_HEX_CHARS = 32  # 128 bits of the sha256: unique in practice, short enough to read
 
 _MAJOR_MINOR = re.compile(r"^\d+\.\d+$")
+_REGISTRY = re.compile(r"^[A-Za-z0-9.-]+(:\d+)?$")
+_REPOSITORY = re.compile(r"^[a-z0-9]+(?:[._-]+[a-z0-9]+)*(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*$")
 
 
 class MatrixEntry(_Frozen):
@@ -119,11 +121,18 @@ class ImageSpec(_Frozen):
         "stoker.wheelhouse.fill_wheelhouse).")
     source_root: Path = Field(SOURCE_ROOT, description="Checkout holding images/ and stoker/.")
 
-    @field_validator("registry", "repository")
+    @field_validator("registry")
     @classmethod
-    def _no_tag(cls, value: str) -> str:
-        if not value.strip() or value.endswith("/") or "@" in value or value != value.lower():
-            raise ValueError("must be a lower-case name without tag or digest")
+    def _host(cls, value: str) -> str:
+        if not _REGISTRY.match(value):
+            raise ValueError("must be host[:port] without scheme or path, e.g. 127.0.0.1:5000")
+        return value
+
+    @field_validator("repository")
+    @classmethod
+    def _repository(cls, value: str) -> str:
+        if not _REPOSITORY.match(value):
+            raise ValueError("must be a lower-case path without tag or digest, e.g. stoker/train")
         return value
 
     @model_validator(mode="after")
