@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import httpx
 import pytest
 
 REGISTRY = os.environ.get("STOKER_TEST_REGISTRY", "127.0.0.1:5000")
+STANDIN_BASE = "stoker-test/base:bookworm"
+ENTRY = "cpu-py311"  # Debian 12 + CPU torch: what the stand-in base and a CPU wheel can build
 MANIFEST_TYPES = ", ".join([
     "application/vnd.docker.distribution.manifest.v2+json",
     "application/vnd.oci.image.manifest.v1+json",
@@ -37,13 +40,68 @@ def skip_or_fail(reason: str) -> None:
 def docker_client():
     """A Docker SDK client for the local engine, or skip/fail with the reason."""
     import docker
+    import requests
 
     try:
         client = docker.from_env(timeout=600)
         client.ping()
-    except Exception as e:  # noqa: BLE001 - any failure means "no engine here"
+    except (docker.errors.DockerException, requests.RequestException) as e:
         skip_or_fail(f"no Docker Engine reachable: {e}")
     return client
+
+
+def ensure_standin_base(client) -> str:
+    """Stands in for the public base images (unreachable here): Debian 12, like debian:*-slim.
+    Made once with debootstrap (one to three minutes), then reused by its tag."""
+    from stoker.debian_base import DebianBaseError, ensure_debian_base
+
+    try:
+        ensure_debian_base(client, STANDIN_BASE)
+    except DebianBaseError as e:
+        skip_or_fail(f"cannot make the stand-in base image: {e}")
+    return STANDIN_BASE
+
+
+def local_cpu_torch_wheel(version: str) -> Path | None:
+    """A CPU build of torch for this Python, from PIP_FIND_LINKS (or /opt/wheels)."""
+    folders = os.environ.get("PIP_FIND_LINKS", "").split() + ["/opt/wheels"]
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    for folder in folders:
+        path = Path(folder.removeprefix("file://"))
+        found = sorted(path.glob(f"torch-{version}+cpu-{tag}-{tag}-*.whl")) if path.is_dir() else []
+        if found:
+            return found[-1]
+    return None
+
+
+def ensure_wheelhouse(folder: Path, entry_name: str) -> Path:
+    """Wheels for ``entry_name`` in ``folder``, filled once per lock and torch wheel.
+
+    Inside builds no package index is reachable here, so the image installs from these; torch
+    is the local CPU wheel (no index serves it to the build).
+    """
+    import hashlib
+
+    from stoker.imagespec import SOURCE_ROOT, load_matrix
+    from stoker.wheelhouse import fill_wheelhouse
+
+    entry = load_matrix().entry(entry_name)
+    if f"{sys.version_info.major}.{sys.version_info.minor}" != entry.python:
+        skip_or_fail(f"the {entry_name} image needs Python {entry.python} wheels; "
+                     f"this is Python {sys.version.split()[0]}")
+    wheel = local_cpu_torch_wheel(entry.torch)
+    if wheel is None:
+        skip_or_fail(f"no local CPU wheel of torch {entry.torch} (PIP_FIND_LINKS, /opt/wheels)")
+    lock = SOURCE_ROOT / "images/requirements-runtime.txt"
+    key = hashlib.sha256(lock.read_bytes() + wheel.name.encode()).hexdigest()[:16]
+    marker = folder / f".filled-{key}"
+    if not marker.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        fill_wheelhouse(folder, entry.model_copy(update={"torch_index_url": None}),
+                        torch=str(wheel), on_log=lambda line: None)
+        marker.touch()
+    return folder
 
 
 def require_registry(registry: str = REGISTRY) -> str:
@@ -109,7 +167,9 @@ def mlflow_server(tmp: Path) -> Iterator[str]:
     """A real MLflow tracking server on a free loopback port; yields its URI."""
     port = free_port()
     tmp.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    # No background job runner: it starts several worker processes that a smoke test never uses.
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true",
+           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = (tmp / "mlflow.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),

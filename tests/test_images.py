@@ -12,7 +12,6 @@ import io
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 import time
 import uuid
@@ -22,14 +21,16 @@ from types import SimpleNamespace
 
 import pytest
 from image_support import (
+    ENTRY,
     delete_repository,
     docker_client,
+    ensure_standin_base,
+    ensure_wheelhouse,
     extra_registry,
     make_image_folder,
     manifest_digest,
     mlflow_server,
     require_registry,
-    skip_or_fail,
 )
 
 from stoker.config import ConfigError
@@ -56,9 +57,7 @@ from stoker.imagespec import (
 )
 from stoker.preflight import CudaDriverTooOldError, PreflightError, preflight_cuda
 
-STANDIN_BASE = "stoker-test/base:bookworm"
 CACHE_TAG = "stoker-test/train-cache:latest"  # keeps the build's layers for the next session
-ENTRY = "cpu-py311"  # Debian 12 + CPU torch: what the stand-in base and a CPU wheel can build
 SESSION = uuid.uuid4().hex[:10]
 
 
@@ -265,18 +264,6 @@ def test_preflight_with_the_real_nvml_library():
 
 # --- integration: real Docker Engine and registry -------------------------------------------------
 
-def _local_cpu_torch_wheel(version: str) -> Path | None:
-    """A CPU build of torch for this Python, from PIP_FIND_LINKS (or /opt/wheels)."""
-    folders = os.environ.get("PIP_FIND_LINKS", "").split() + ["/opt/wheels"]
-    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-    for folder in folders:
-        folder = folder.removeprefix("file://")
-        found = sorted(Path(folder).glob(f"torch-{version}+cpu-{tag}-{tag}-*.whl"))
-        if Path(folder).is_dir() and found:
-            return found[-1]
-    return None
-
-
 @pytest.fixture(scope="module")
 def engine():
     client = docker_client()
@@ -287,38 +274,12 @@ def engine():
 
 @pytest.fixture(scope="module")
 def standin_base(engine) -> str:
-    """Stands in for the public base images (unreachable here): Debian 12, as debian:*-slim."""
-    from stoker.debian_base import ensure_debian_base
-
-    ensure_debian_base(engine, STANDIN_BASE)
-    return STANDIN_BASE
+    return ensure_standin_base(engine)
 
 
 @pytest.fixture(scope="module")
 def wheelhouse(request) -> Path:
-    """Wheels for the cpu entry, filled once and cached across sessions (pytest cache)."""
-    import hashlib
-
-    from stoker.wheelhouse import fill_wheelhouse
-
-    entry = load_matrix().entry(ENTRY)
-    if f"{sys.version_info.major}.{sys.version_info.minor}" != entry.python:
-        skip_or_fail(f"the {ENTRY} image needs Python {entry.python} wheels; this is {sys.version}")
-    wheel = _local_cpu_torch_wheel(entry.torch)
-    if wheel is None:
-        skip_or_fail(f"no local CPU wheel of torch {entry.torch} (PIP_FIND_LINKS, /opt/wheels)")
-    folder = request.config.cache.mkdir("stoker-image-wheelhouse")
-    lock = SOURCE_ROOT / "images/requirements-runtime.txt"
-    key = hashlib.sha256(lock.read_bytes() + wheel.name.encode()).hexdigest()[:16]
-    marker = folder / f".filled-{key}"
-    if not marker.exists():
-        shutil.rmtree(folder)
-        folder.mkdir()
-        # No index serves this CPU wheel to the build: the local file is the requirement.
-        fill_wheelhouse(folder, entry.model_copy(update={"torch_index_url": None}),
-                        torch=str(wheel), on_log=lambda line: None)
-        marker.touch()
-    return folder
+    return ensure_wheelhouse(request.config.cache.mkdir("stoker-image-wheelhouse"), ENTRY)
 
 
 @pytest.fixture(scope="module")
