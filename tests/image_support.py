@@ -20,7 +20,10 @@ import httpx
 import pytest
 
 REGISTRY = os.environ.get("STOKER_TEST_REGISTRY", "127.0.0.1:5000")
-STANDIN_BASE = "stoker-test/base:bookworm"
+# STOKER_TEST_BASE picks another tag, e.g. to time a first run without disturbing the cached one.
+STANDIN_BASE = os.environ.get("STOKER_TEST_BASE", "stoker-test/base:bookworm")
+# Keeps the last build's layers (per base) so the next session's build is served from the cache.
+CACHE_TAG = f"stoker-test/train-cache:{STANDIN_BASE.rsplit(':', 1)[-1]}"
 ENTRY = "cpu-py311"  # Debian 12 + CPU torch: what the stand-in base and a CPU wheel can build
 MANIFEST_TYPES = ", ".join([
     "application/vnd.docker.distribution.manifest.v2+json",

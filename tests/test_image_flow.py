@@ -26,7 +26,7 @@ from image_support import (
 from stoker.images import RegistryCredentialsMissingError, connect, registry_digest
 from stoker.imagespec import SOURCE_ROOT, ImageRequest, content_hash, image_ref
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 SESSION = uuid.uuid4().hex[:10]
 
 

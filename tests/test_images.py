@@ -8,6 +8,7 @@ and runs the image: its help, and one short CPU training job logging to a real M
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -19,8 +20,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 
+import docker.errors
 import pytest
 from image_support import (
+    CACHE_TAG,
     ENTRY,
     delete_repository,
     docker_client,
@@ -57,8 +60,9 @@ from stoker.imagespec import (
 )
 from stoker.preflight import CudaDriverTooOldError, PreflightError, preflight_cuda
 
-CACHE_TAG = "stoker-test/train-cache:latest"  # keeps the build's layers for the next session
 SESSION = uuid.uuid4().hex[:10]
+# The first session builds the image from scratch (a few minutes, in the first test's setup).
+pytestmark = pytest.mark.timeout(1500)
 
 
 # --- unit: content hash, context, matrix --------------------------------------------------------
@@ -296,17 +300,23 @@ def built(engine, spec):
     result = build_and_push(spec, on_log=lines.append)
     previous = _image_id(engine, CACHE_TAG)
     engine.images.get(result.ref).tag(CACHE_TAG)
-    if previous and previous != engine.images.get(CACHE_TAG).id:
-        engine.images.remove(previous, noprune=False)
+    if previous and previous != engine.images.get(CACHE_TAG).id and not _tags(engine, previous):
+        with contextlib.suppress(docker.errors.APIError):  # e.g. still used by a container
+            engine.images.remove(previous)
     yield result, lines
     delete_repository(spec.registry, spec.repository)
     if _image_id(engine, result.ref):
         engine.images.remove(result.ref)
 
 
-def _image_id(engine, ref: str) -> str | None:
-    import docker.errors
+def _tags(engine, image_id: str) -> list[str]:
+    try:
+        return engine.images.get(image_id).tags
+    except docker.errors.ImageNotFound:
+        return []
 
+
+def _image_id(engine, ref: str) -> str | None:
     try:
         return engine.images.get(ref).id
     except docker.errors.ImageNotFound:
