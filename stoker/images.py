@@ -38,6 +38,9 @@ USERNAME_ENV = "STOKER_REGISTRY_USERNAME"
 PASSWORD_ENV = "STOKER_REGISTRY_PASSWORD"
 DEFAULT_DOCKER_HOST = "unix:///var/run/docker.sock"
 PROBE_TIMEOUT_S = 10.0
+# Pull/push statuses repeated for every chunk of every layer: not worth a log line each.
+_PROGRESS = {"Preparing", "Waiting", "Pushing", "Downloading", "Extracting",
+             "Verifying Checksum", "Pulling fs layer"}
 
 
 class ImageError(RuntimeError):
@@ -217,11 +220,20 @@ def registry_digest(api: docker.APIClient, ref: str,
     return found["Descriptor"]["digest"]
 
 
-def check_base_image(api: docker.APIClient, base_image: str) -> None:
-    """Make sure the build can start FROM ``base_image``: present locally, or in its registry.
+def ensure_base_image(api: docker.APIClient, base_image: str,
+                      credentials: RegistryCredentials | None = None,
+                      on_log: Callable[[str], None] = print) -> None:
+    """Make sure the build can start FROM ``base_image``: present locally, else pulled now.
+
+    Pulling before the build gives a missing tag its own error (instead of a failed build step)
+    and lets a base in a private registry use ``credentials``.
+
+    Args:
+        credentials: login for the base's registry (None: Docker's config file, or anonymous).
 
     Raises:
-        BaseImageNotFoundError: neither (names the tag, its registry and the registry's answer).
+        BaseImageNotFoundError: not on this engine and the registry does not have it (or does
+            not answer); names the tag, its registry and the registry's answer.
     """
     try:
         api.inspect_image(base_image)
@@ -229,8 +241,16 @@ def check_base_image(api: docker.APIClient, base_image: str) -> None:
     except docker.errors.ImageNotFound:
         pass
     registry = registry_of(base_image)
+    auth = credentials.auth_config(registry) if credentials else None
     try:
-        api.inspect_distribution(base_image)
+        api.inspect_distribution(base_image, auth_config=auth)
+        repository, tag = parse_repository_tag(base_image)
+        on_log(f"pulling base image {base_image}")
+        for chunk in api.pull(repository, tag=tag, stream=True, decode=True, auth_config=auth):
+            if "error" in chunk:
+                raise docker.errors.APIError(chunk["error"])
+            for line in _lines(chunk):
+                on_log(line)
     except docker.errors.APIError as e:
         raise BaseImageNotFoundError(
             f"base image {base_image}: not on this engine and not found in registry {registry} "
@@ -292,8 +312,8 @@ def push(api: docker.APIClient, ref: str, credentials: RegistryCredentials | Non
             if _is_auth_failure(error):
                 raise _auth_error(registry, credentials, error)
             raise PushRejectedError(f"registry {registry} rejected the push of {ref}: {error}")
-        if chunk.get("status") not in (None, "Preparing", "Waiting", "Pushing"):
-            on_log(f"{chunk.get('id', '')} {chunk['status']}".strip())
+        for line in _lines(chunk):
+            on_log(line)
         digest = chunk.get("aux", {}).get("Digest", digest)
     if digest is None:
         raise PushRejectedError(f"registry {registry}: push of {ref} returned no digest")
@@ -345,7 +365,9 @@ def build_and_push(spec: ImageSpec, credentials: RegistryCredentials | None = No
             on_log(f"{ref} is already in the registry ({digest}): nothing to build")
             return ImageResult(ref, digest, hash_hex, False, _local_size(api, ref, digest),
                                time.monotonic() - started)
-        check_base_image(api, spec.entry.base_image)
+        same_registry = registry_of(spec.entry.base_image) == spec.registry
+        ensure_base_image(api, spec.entry.base_image, credentials if same_registry else None,
+                          on_log)
         on_log(f"building {ref} from {spec.entry.base_image}")
         build(api, spec, ref, build_labels(spec, hash_hex), on_log)
         digest = push(api, ref, credentials, on_log)
@@ -359,7 +381,7 @@ def build_and_push(spec: ImageSpec, credentials: RegistryCredentials | None = No
 def _lines(chunk: dict) -> Iterator[str]:
     if "stream" in chunk:
         yield from (line for line in chunk["stream"].splitlines() if line.strip())
-    elif "status" in chunk:  # pulling the base image
+    elif chunk.get("status") and chunk["status"] not in _PROGRESS:  # pull and push
         yield f"{chunk.get('id', '')} {chunk['status']}".strip()
 
 
