@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from urllib.parse import urlsplit, urlunsplit
 
 import docker
 import docker.errors
@@ -402,5 +403,13 @@ def _source_url(spec: ImageSpec) -> str:
     except (OSError, subprocess.TimeoutExpired):
         out = None
     if out is not None and out.returncode == 0 and out.stdout.strip():
-        return out.stdout.strip()
+        return without_userinfo(out.stdout.strip())
     return spec.source_root.resolve().as_uri()
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` without ``user:token@`` (a remote URL may carry a token; labels are public)."""
+    parts = urlsplit(url)
+    if parts.scheme and "@" in parts.netloc:
+        return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    return url

@@ -45,6 +45,7 @@ from stoker.images import (
     credentials_from_env,
     ensure_base_image,
     registry_digest,
+    without_userinfo,
 )
 from stoker.imagespec import (
     SOURCE_ROOT,
@@ -67,6 +68,14 @@ def test_missing_engine_skips_but_fails_under_ci(monkeypatch):
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception, match="no Docker Engine"):
         skip_or_fail("no Docker Engine reachable")
+
+
+@pytest.mark.parametrize(("remote", "label"), [
+    ("https://ci:ghp_secret@github.com/org/stoker.git", "https://github.com/org/stoker.git"),
+    ("git@github.com:org/stoker.git", "git@github.com:org/stoker.git"),
+    ("/srv/git/stoker", "/srv/git/stoker")])
+def test_source_label_never_carries_a_token(remote, label):
+    assert without_userinfo(remote) == label
 
 
 def test_credentials_from_env_name_the_missing_variable():
