@@ -7,6 +7,7 @@ wheelhouse), so an image tagged with the hash was built from precisely those inp
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import re
 import tarfile
@@ -23,9 +24,9 @@ IMAGES_DIR = "images"
 MATRIX_FILE = f"{IMAGES_DIR}/matrix.yaml"
 # Files taken from images/ into the root of the build context.
 IMAGE_FILES = ("Dockerfile", "verify_image.py", "requirements-runtime.txt")
-# The runtime: stoker/runtime imports only stoker/config.py (and stoker/__init__.py) of Stoker.
-RUNTIME_FILES = ("stoker/__init__.py", "stoker/config.py")
-RUNTIME_DIRS = ("stoker/runtime",)
+# The runtime package; the Stoker modules it imports (stoker/config.py, ...) are found by
+# reading its import statements (runtime_sources), so a new import cannot be left out.
+RUNTIME_PACKAGE = "stoker/runtime"
 WHEELHOUSE_DIR = "wheelhouse"
 # Bump when the layout of the build context changes, so that old tags are not reused.
 CONTEXT_FORMAT = "stoker-image-context/1"
@@ -176,10 +177,7 @@ class ImageSpec(_Frozen):
         """
         root = self.source_root
         files = [(name, root / IMAGES_DIR / name) for name in IMAGE_FILES]
-        files += [(name, root / name) for name in RUNTIME_FILES]
-        for folder in RUNTIME_DIRS:
-            files += [(p.relative_to(root).as_posix(), p) for p in (root / folder).rglob("*.py")
-                      if "__pycache__" not in p.parts]
+        files += [(p.relative_to(root).as_posix(), p) for p in runtime_sources(root)]
         if self.pip_install_from == "wheelhouse":
             files += [(f"{WHEELHOUSE_DIR}/{p.name}", p) for p in self.wheelhouse.iterdir()
                       if p.is_file() and not p.name.startswith(".")]
@@ -187,6 +185,61 @@ class ImageSpec(_Frozen):
         if missing:
             raise ConfigError(f"image sources missing under {root}: {', '.join(missing)}")
         return sorted(files)
+
+
+def runtime_sources(root: Path) -> list[Path]:
+    """The runtime package's files plus every Stoker module they import, transitively.
+
+    Reads ``import stoker.x`` / ``from stoker.x import y`` / ``from stoker import x`` anywhere
+    in the files (also inside functions), so lazy imports are included too.
+
+    Raises:
+        ConfigError: an imported Stoker module has no file under ``root``.
+    """
+    package = root / "stoker"
+    found = {package / "__init__.py"}
+    found.update(p for p in (root / RUNTIME_PACKAGE).rglob("*.py") if "__pycache__" not in p.parts)
+    pending = sorted(found)
+    while pending:
+        path = pending.pop()
+        for module in _stoker_imports(path, package):
+            parts = module.split(".")[1:]
+            candidates = [package.joinpath(*parts).with_suffix(".py"),
+                          package.joinpath(*parts, "__init__.py")] if parts else []
+            target = next((c for c in candidates if c.is_file()), None)
+            if parts and target is None:
+                raise ConfigError(f"{path}: imports {module}, which has no file under {root}")
+            if target is not None and target not in found:
+                found.add(target)
+                pending.append(target)
+    return sorted(found)
+
+
+def _stoker_imports(path: Path, package: Path) -> set[str]:
+    """Dotted names of the ``stoker`` modules that ``path`` imports (``package``: stoker/)."""
+    modules: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            modules.update(a.name for a in node.names if a.name.split(".")[0] == "stoker")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "stoker":  # `from stoker import x`: x is a module or a name
+                modules.update(f"stoker.{a.name}" for a in node.names
+                               if (package / f"{a.name}.py").is_file()
+                               or (package / a.name / "__init__.py").is_file())
+            elif node.module.split(".")[0] == "stoker":
+                modules.add(node.module)
+        elif isinstance(node, ast.ImportFrom):  # relative: from .x import y, from .. import x
+            base = path.parent
+            for _ in range(node.level - 1):
+                base = base.parent
+            prefix = ".".join(("stoker", *base.relative_to(package).parts))
+            if node.module:
+                modules.add(f"{prefix}.{node.module}")
+            else:
+                modules.update(f"{prefix}.{a.name}" for a in node.names
+                               if (base / f"{a.name}.py").is_file()
+                               or (base / a.name / "__init__.py").is_file())
+    return modules
 
 
 def content_hash(spec: ImageSpec) -> str:

@@ -165,30 +165,6 @@ def extra_registry(tmp: Path, htpasswd: str | None = None,
         log.close()
 
 
-@contextlib.contextmanager
-def mlflow_server(tmp: Path) -> Iterator[str]:
-    """A real MLflow tracking server on a free loopback port; yields its URI."""
-    port = free_port()
-    tmp.mkdir(parents=True, exist_ok=True)
-    # No background job runner: it starts several worker processes that a smoke test never uses.
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true",
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    log = (tmp / "mlflow.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}",
-         "--default-artifact-root", (tmp / "artifacts").as_uri(), "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", 90)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 15)
-        proc.wait(timeout=20)
-        log.close()
-
-
 def manifest_digest(registry: str, repository: str, tag: str) -> str | None:
     """The registry's own answer (HTTP API v2) for a tag's manifest digest."""
     response = httpx.head(f"http://{registry}/v2/{repository}/manifests/{tag}",

@@ -28,10 +28,10 @@ from image_support import (
     extra_registry,
     make_image_folder,
     manifest_digest,
-    mlflow_server,
     require_registry,
     skip_or_fail,
 )
+from mlflow_server import MlflowServer
 
 from stoker.images import (
     BaseImageNotFoundError,
@@ -244,7 +244,8 @@ def test_one_cpu_training_job_in_the_image_logs_to_mlflow(engine, built, tmp_pat
     job = tmp_path / "job"
     make_image_folder(job / "data")
     (job / "out").mkdir(parents=True)
-    with mlflow_server(tmp_path / "mlflow") as tracking_uri:
+    with MlflowServer(tmp_path / "mlflow") as server:
+        tracking_uri = server.uri
         RunSpec(train=TrainConfig(epochs=1, global_batch_size=4, checkpoint_every_steps=2,
                                   keep_latest_k=1),
                 data_dir="/job/data", job_dir="/job/out", tracking_uri=tracking_uri,

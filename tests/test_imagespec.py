@@ -26,11 +26,9 @@ from stoker.imagespec import (
 @pytest.fixture
 def source_copy(tmp_path) -> Path:
     """A copy of the files that make the image, so tests can edit them."""
-    for part in ("images", "stoker/runtime"):
+    for part in ("images", "stoker"):
         shutil.copytree(SOURCE_ROOT / part, tmp_path / part,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("stoker/__init__.py", "stoker/config.py"):
-        shutil.copy2(SOURCE_ROOT / name, tmp_path / name)
     return tmp_path
 
 
@@ -55,7 +53,8 @@ def test_hash_is_stable_and_ignores_names_times_and_caches(source_copy):
 
 
 @pytest.mark.parametrize("change", [
-    "dockerfile", "lock", "runtime_source", "new_runtime_file", "config", "verify_script"])
+    "dockerfile", "lock", "runtime_source", "new_runtime_file", "config", "verify_script",
+    "imported_by_config"])
 def test_hash_changes_with_every_input_file(source_copy, change):
     spec = _spec(source_copy)
     before = content_hash(spec)
@@ -63,6 +62,7 @@ def test_hash_changes_with_every_input_file(source_copy, change):
         "dockerfile": "images/Dockerfile", "lock": "images/requirements-runtime.txt",
         "runtime_source": "stoker/runtime/launch.py", "new_runtime_file": "stoker/runtime/x.py",
         "config": "stoker/config.py", "verify_script": "images/verify_image.py",
+        "imported_by_config": "stoker/pricing.py",
     }[change]
     target = source_copy / path
     target.write_text((target.read_text() if target.exists() else "") + "\n# changed\n")
@@ -76,6 +76,26 @@ def test_hash_changes_with_build_arguments(source_copy, update):
     spec = _spec(source_copy)
     changed = spec.model_copy(update={"entry": spec.entry.model_copy(update=update)})
     assert content_hash(changed) != content_hash(spec)
+
+
+def test_context_follows_the_runtime_imports(source_copy):
+    spec = _spec(source_copy)
+    names = {name for name, _ in spec.context_files()}
+    assert {"stoker/config.py", "stoker/pricing.py", "stoker/runtime/trainer.py"} <= names
+    assert "stoker/launcher.py" not in names and "stoker/images.py" not in names
+    before = content_hash(spec)
+    (source_copy / "stoker/launcher.py").write_text("# not part of the image\n")
+    assert content_hash(spec) == before
+    # A new import (absolute, `from stoker import`, or relative) brings its module along.
+    for statement, module in [("import stoker.jobs", "jobs"),
+                              ("from stoker import launcher", "launcher"),
+                              ("from ..lineage import code_version", "lineage")]:
+        (source_copy / "stoker/runtime/extra.py").write_text(
+            f"def f():\n    {statement}\n")
+        assert f"stoker/{module}.py" in {name for name, _ in spec.context_files()}
+    (source_copy / "stoker/runtime/extra.py").write_text("from stoker.nowhere import x\n")
+    with pytest.raises(ConfigError, match="imports stoker.nowhere, which has no file"):
+        spec.context_files()
 
 
 def test_hash_covers_the_wheelhouse_by_name_and_size(source_copy, tmp_path):

@@ -2,32 +2,33 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import pytest
+from fake_nvml import FakeNvml, Gpu, NVMLError_LibraryNotFound
 
 from stoker.preflight import CudaDriverTooOldError, PreflightError, preflight_cuda
 
 
-class FakeNVMLError(Exception):
-    pass
+@dataclass
+class DriverNvml(FakeNvml):
+    """The cost guard's NVML stand-in plus the two system queries the preflight makes."""
+
+    cuda_driver_version: int = 12040  # nvmlSystemGetCudaDriverVersion: 12040 is CUDA 12.4
+    driver_version: str = "550.54.15"
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return self.cuda_driver_version
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.driver_version
 
 
-def fake_nvml(cuda: int | None, driver: str = "550.54.15", devices: int = 1):
-    """Same function names as pynvml; ``cuda=None`` means no driver (nvmlInit fails)."""
-    calls: list[str] = []
-
-    def init():
-        calls.append("init")
-        if cuda is None:
-            raise FakeNVMLError("NVML Shared Library Not Found")
-
-    return SimpleNamespace(
-        NVMLError=FakeNVMLError, calls=calls, nvmlInit=init,
-        nvmlShutdown=lambda: calls.append("shutdown"),
-        nvmlSystemGetCudaDriverVersion=lambda: cuda,
-        nvmlSystemGetDriverVersion=lambda: driver,
-        nvmlDeviceGetCount=lambda: devices)
+def fake_nvml(cuda: int | None, devices: int = 1) -> DriverNvml:
+    """``cuda=None``: no driver (nvmlInit raises the real NVMLError_LibraryNotFound)."""
+    return DriverNvml(frames=[[Gpu(index=i) for i in range(devices)]],
+                      init_error=NVMLError_LibraryNotFound() if cuda is None else None,
+                      cuda_driver_version=cuda or 0)
 
 
 def test_preflight_refuses_a_driver_too_old_naming_both_versions():
