@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -57,10 +59,14 @@ def prepare(registry: str, wheelhouse: Path) -> ImageSpec:
     ensure_debian_base(client, BASE)
     client.close()
     entry = load_matrix().entry(ENTRY)
-    marker = wheelhouse / ".filled"
-    if not marker.exists():
+    wheel = torch_wheel(entry.torch)
+    lock = ROOT / "images/requirements-runtime.txt"
+    key = hashlib.sha256(lock.read_bytes() + wheel.name.encode()).hexdigest()[:16]
+    marker = wheelhouse / f".filled-{key}"
+    if not marker.exists():  # first run, or the lock changed: start from an empty folder
+        shutil.rmtree(wheelhouse, ignore_errors=True)
         fill_wheelhouse(wheelhouse, entry.model_copy(update={"torch_index_url": None}),
-                        torch=str(torch_wheel(entry.torch)), on_log=lambda line: None)
+                        torch=str(wheel), on_log=lambda line: None)
         marker.touch()
     return ImageSpec.from_matrix(ENTRY, base_image=BASE, registry=registry,
                                  repository=REPOSITORY, pip_install_from="wheelhouse",
