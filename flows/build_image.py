@@ -1,0 +1,17 @@
+"""Build the training image for a matrix entry, unless the registry already holds it."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from stoker.imagespec import ImageRequest
+from tasks.images import build_image
+
+DEFAULT_REQUEST = ImageRequest()
+
+
+@flow(name="build-image", log_prints=True)
+def build_image_flow(request: ImageRequest = DEFAULT_REQUEST) -> dict:
+    """Content-addressed build: returns image, digest and whether anything was built."""
+    image = build_image(request)
+    return image.to_dict()
