@@ -18,6 +18,8 @@ os.environ["DVC_NO_ANALYTICS"] = "1"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
+pytest_plugins = ["image_fixtures"]  # the training image, shared by image and docker tests
+
 from stoker.config import TrainConfig  # noqa: E402
 from stoker.dataset import pull_dataset  # noqa: E402
 from stoker.demo_data import ensure_demo_repo  # noqa: E402

@@ -13,22 +13,17 @@ import subprocess
 import time
 import uuid
 from datetime import UTC, datetime
-from pathlib import Path
 
 import docker.errors
 import pytest
+from image_fixtures import SESSION  # noqa: E402
 from image_support import (
-    CACHE_TAG,
     ENTRY,
     REGISTRY,
     delete_repository,
-    docker_client,
-    ensure_standin_base,
-    ensure_wheelhouse,
     extra_registry,
     make_image_folder,
     manifest_digest,
-    require_registry,
     skip_or_fail,
 )
 from mlflow_server import MlflowServer
@@ -54,7 +49,6 @@ from stoker.imagespec import (
     image_ref,
 )
 
-SESSION = uuid.uuid4().hex[:10]
 # The first session builds the image from scratch (a few minutes, in the first test's setup).
 pytestmark = pytest.mark.timeout(1500)
 
@@ -98,51 +92,6 @@ def test_unreachable_daemon_fails_fast_naming_it(host):
 
 
 # --- integration: real Docker Engine and registry -------------------------------------------------
-
-@pytest.fixture(scope="module")
-def engine():
-    client = docker_client()
-    require_registry()
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def standin_base(engine) -> str:
-    return ensure_standin_base(engine)
-
-
-@pytest.fixture(scope="module")
-def wheelhouse(request) -> Path:
-    return ensure_wheelhouse(request.config.cache.mkdir("stoker-image-wheelhouse"), ENTRY)
-
-
-@pytest.fixture(scope="module")
-def spec(standin_base, wheelhouse) -> ImageSpec:
-    return ImageSpec.from_matrix(ENTRY, base_image=standin_base,
-                                 repository=f"stoker-test/train-{SESSION}",
-                                 pip_install_from="wheelhouse", wheelhouse=wheelhouse)
-
-
-@pytest.fixture(scope="module")
-def built(engine, spec):
-    """The real images/Dockerfile, built and pushed once for this module.
-
-    Yields (result, build log lines, the git commit checked out when the build started).
-    """
-    lines: list[str] = []
-    head = _git_head()
-    result = build_and_push(spec, on_log=lines.append)
-    previous = _image_id(engine, CACHE_TAG)
-    engine.images.get(result.ref).tag(CACHE_TAG)
-    if previous and previous != engine.images.get(CACHE_TAG).id and not _tags(engine, previous):
-        with contextlib.suppress(docker.errors.APIError):  # e.g. still used by a container
-            engine.images.remove(previous)
-    yield result, lines, head
-    delete_repository(spec.registry, spec.repository)
-    if _image_id(engine, result.ref):
-        engine.images.remove(result.ref)
-
 
 def _tags(engine, image_id: str) -> list[str]:
     try:
