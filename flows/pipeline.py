@@ -8,20 +8,25 @@ from pathlib import Path
 from prefect import flow
 
 from stoker.config import PipelineConfig
+from stoker.imagespec import ImageRequest
 from stoker.jobs import mark_done
 from tasks.data import pull
+from tasks.images import build_image, needs_image
 from tasks.registry import register
 from tasks.report import report
 from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()
+DEFAULT_IMAGE = ImageRequest()
 
 
 @flow(name="pipeline", log_prints=True)
-def pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
-    """Pull data at a pinned revision, train (resuming any unfinished job), register, report."""
+def pipeline(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE) -> dict:
+    """Pull data at a pinned revision, build the training image when training runs in
+    containers, train (resuming any unfinished job), register, report."""
     dataset = pull(config)
-    trained = train(config, dataset)
+    training_image = build_image(image) if needs_image(config) else None
+    trained = train(config, dataset, training_image)
     registration = register(config, dataset, trained)
     report(dataset, trained, registration, config.tracking, config.tracking_uri())
     summary = {"dataset": asdict(dataset), "run_id": trained.run_id,

@@ -5,16 +5,21 @@ from __future__ import annotations
 from prefect import flow
 
 from stoker.config import PipelineConfig
+from stoker.imagespec import ImageRequest
 from tasks.data import pull
+from tasks.images import build_image, needs_image
 from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()
+DEFAULT_IMAGE = ImageRequest()
 
 
 @flow(name="train", log_prints=True)
-def train_only(config: PipelineConfig = DEFAULT_CONFIG) -> dict:
+def train_only(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE
+               ) -> dict:
     """Pull data at a pinned revision and train; returns the MLflow run id, metrics and cost."""
     dataset = pull(config)
-    trained = train(config, dataset)
+    training_image = build_image(image) if needs_image(config) else None
+    trained = train(config, dataset, training_image)
     return {"run_id": trained.run_id, "metrics": trained.metrics, "cost": trained.cost,
             "job_dir": trained.job_dir}

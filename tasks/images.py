@@ -11,7 +11,7 @@ from prefect.blocks.system import Secret
 from prefect.cache_policies import NO_CACHE
 from pydantic import ValidationError
 
-from stoker.config import validate
+from stoker.config import PipelineConfig, validate
 from stoker.images import (
     ImageResult,
     RegistryCredentials,
@@ -41,6 +41,16 @@ def registry_credentials(secret_block: str | None) -> RegistryCredentials | None
         raise RegistryCredentialsMissingError(
             f"Secret block {secret_block!r} must hold JSON with username and password; "
             f"missing or invalid: {', '.join(fields) or 'the whole value'}") from None
+
+
+def needs_image(config: PipelineConfig) -> bool:
+    """Whether training runs in containers without an image given explicitly."""
+    launcher = config.launcher
+    if launcher.kind == "docker":
+        return not launcher.docker.image
+    if launcher.kind == "kubernetes":
+        return not launcher.kubernetes.get("image")
+    return False
 
 
 @task(name="build-image", cache_policy=NO_CACHE)

@@ -19,20 +19,14 @@ from prefect.runtime import flow_run
 from stoker.config import PipelineConfig
 from stoker.cost import cost_report
 from stoker.dataset import DatasetRef
+from stoker.images import ImageResult
 from stoker.jobs import resolve_job_dir
 from stoker.launcher import Attempt, Outcome, run_with_retries
 from stoker.launchers import make_launcher
 from stoker.lineage import code_version
+from stoker.preflight import preflight_image
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """The training image a job runs: registry reference and its digest (``sha256:...``)."""
-
-    reference: str
-    digest: str | None = None
 
 
 class TrainingFailed(RuntimeError):
@@ -61,7 +55,7 @@ def nproc(config: PipelineConfig) -> int:
 
 
 def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
-                 image: ImageRef | None = None) -> dict[str, str]:
+                 image: ImageResult | None = None) -> dict[str, str]:
     """Tags every run carries: code version, dataset, orchestrator run, launcher, world size."""
     code = code_version()
     tags = {
@@ -72,8 +66,7 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
         "stoker.world_size": str(world_size), "stoker.capacity_type": config.cost.capacity_type,
     }
     if image is not None:
-        tags["stoker.image"] = image.reference
-        tags["stoker.image_digest"] = image.digest or ""
+        tags.update(image.lineage_tags())
     elif config.launcher.kind == "docker" and config.launcher.docker.image:
         tags["stoker.image"] = config.launcher.docker.image
     run_id = flow_run.get_id()
@@ -86,7 +79,7 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
 
 
 def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
-               world_size: int, image: ImageRef | None = None) -> Path:
+               world_size: int, image: ImageResult | None = None) -> Path:
     """Write ``<job_dir>/spec.yaml`` for the runtime (rewritten each run with current lineage)."""
     spec = RunSpec(
         train=config.train, data_dir=dataset.local_path, job_dir=str(job_dir),
@@ -149,7 +142,7 @@ def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train(config: PipelineConfig, dataset: DatasetRef, image: ImageRef | None = None
+def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None = None
           ) -> TrainResult:
     """Train (or resume) the job for ``config`` on ``dataset`` with torchrun.
 
@@ -165,7 +158,12 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageRef | None = 
     job_dir = resolve_job_dir(config, dataset.md5)
     spec_path = write_spec(config, dataset, job_dir, world_size, image)
     logger.info("job %s: %d process(es) per node, spec %s", job_dir.name, world_size, spec_path)
-    launcher = make_launcher(config, world_size, image.reference if image else None)
+    if image is not None and config.launcher.kind == "docker" \
+            and config.launcher.docker.gpus not in ("0", "none"):
+        # Refuse before any GPU is rented: the host driver must run the image's CUDA version.
+        host = preflight_image(image.ref, docker_host=config.launcher.docker.docker_host)
+        logger.info("preflight: image CUDA fits the host driver (%s)", host)
+    launcher = make_launcher(config, world_size, image.pinned_ref if image else None)
     client = MlflowClient(config.tracking_uri())
     run_file = job_dir / "mlflow_run_id"
     capacities: dict[int, str] = {}

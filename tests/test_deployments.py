@@ -19,7 +19,10 @@ def deployed(tmp_path_factory):
     with PrefectServer(root) as server:
         server.prefect("work-pool", "create", "stoker-process", "--type", "process",
                        "--base-job-template", str(REPO / "infra/work-pools/process.json"))
-        server.prefect("--no-prompt", "deploy", "--all", cwd=REPO, STOKER_CHECKOUT=str(REPO))
+        # Everything but pipeline-docker, whose build step needs a Docker Engine (tested with
+        # the images: tests/test_image_flow.py runs the same step).
+        server.prefect("--no-prompt", "deploy", "--name", "pipeline", "--name", "train",
+                       "--name", "cost-guard", cwd=REPO, STOKER_CHECKOUT=str(REPO))
         yield server
 
 
@@ -44,6 +47,18 @@ def test_parameter_schema_is_a_usable_form(deployed):
     assert set(train["precision"]["enum"]) == {"fp32", "bf16", "fp16"}
     assert definitions["DataConfig"]["properties"]["rev"]["default"] == "v1"
     assert all(p.get("description") for p in train.values()), "every train field documented"
+
+
+def test_prefect_yaml_declares_the_docker_deployment_with_the_image_build_step():
+    import yaml
+
+    deployments = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())
+                   ["deployments"]}
+    docker = deployments["pipeline-docker"]
+    (step,) = docker["build"]
+    assert "tasks.images.prefect_build_step" in step
+    assert docker["parameters"]["config"]["launcher"]["docker"]["image"] == \
+        "{{ build-training-image.pinned_image }}"
 
 
 def test_every_deployment_is_created_with_its_schedule(deployed):
