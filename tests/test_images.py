@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 
 import docker.errors
 import pytest
-from image_fixtures import SESSION  # noqa: E402
+from image_fixtures import SESSION, _image_id  # noqa: E402
 from image_support import (
     ENTRY,
     REGISTRY,
@@ -92,20 +92,6 @@ def test_unreachable_daemon_fails_fast_naming_it(host):
 
 
 # --- integration: real Docker Engine and registry -------------------------------------------------
-
-def _tags(engine, image_id: str) -> list[str]:
-    try:
-        return engine.images.get(image_id).tags
-    except docker.errors.ImageNotFound:
-        return []
-
-
-def _image_id(engine, ref: str) -> str | None:
-    try:
-        return engine.images.get(ref).id
-    except docker.errors.ImageNotFound:
-        return None
-
 
 def _local(engine, ref: str):
     """The image for ``ref`` on this engine, pulled from the registry when not present."""
