@@ -85,3 +85,15 @@ def test_fsspec_url_location():
     save_all_ranks(location, 5, world_size=1)
     loaded = Checkpointer(location, 0, 1).load_latest()
     assert loaded.step == 5 and loaded.path.endswith("step-000000005")
+
+
+def test_retention_also_keeps_the_best_by_metric(tmp_path):
+    accuracy = {10: 0.80, 20: 0.95, 30: 0.90, 40: 0.85, 50: 0.70}
+    for step, value in accuracy.items():
+        ckpt = Checkpointer(str(tmp_path), 0, 1, keep_latest_k=2,
+                            keep_best=("val_accuracy", "max"))
+        ckpt.save(step, state(step), {"rng": 0}, metrics={"val_accuracy": value})
+    assert ckpt.committed_steps() == [20, 40, 50]  # latest two plus the best (step 20)
+    assert ckpt.best_step() == 20
+    low = Checkpointer(str(tmp_path), 0, 1, keep_best=("val_accuracy", "min"))
+    assert low.best_step() == 50

@@ -90,3 +90,17 @@ def test_launcher_kills_the_tree_on_timeout(tmp_path, make_spec):
     leftovers = [p for p in psutil.process_iter(["cmdline"])
                  if str(spec) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
+
+
+def test_spot_falls_back_to_on_demand_after_n_preemptions():
+    from stoker.config import load_pipeline_config
+    from tasks.train import capacity_for
+
+    config = load_pipeline_config(None, ["cost.capacity_type=spot",
+                                         "retry.on_demand_after_preemptions=2"])
+    assert [capacity_for(config, n) for n in range(4)] == ["spot", "spot", "on_demand",
+                                                          "on_demand"]
+    on_demand = load_pipeline_config(None, ["retry.on_demand_after_preemptions=1"])
+    assert capacity_for(on_demand, 5) == "on_demand"
+    never = load_pipeline_config(None, ["cost.capacity_type=spot"])
+    assert capacity_for(never, 10) == "spot"

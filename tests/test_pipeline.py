@@ -80,6 +80,9 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["stoker-pipeline"])))
     assert artifacts and first["run_id"] in artifacts[0].data
     assert first["dataset"]["md5"] in artifacts[0].data
+    with get_client(sync_client=True) as prefect:
+        progress = [a for a in prefect.read_artifacts() if a.type == "progress"]
+    assert progress and max(a.data for a in progress) == 100.0  # training progress in the UI
 
     second = pipeline(config)  # same config: new job, reused dataset, new version
     assert second["run_id"] != first["run_id"]

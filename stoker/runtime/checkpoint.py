@@ -70,17 +70,21 @@ class Checkpointer:
         location: folder path or fsspec URL; created if missing.
         rank, world_size: this process's place in the job.
         keep_latest_k: committed checkpoints kept after each commit (older ones are deleted).
+        keep_best: (metric, "max"|"min"): also keep the committed checkpoint whose ``metrics``
+            (given to ``save``, recorded in COMMITTED) has the best value of that metric.
         async_save: write in a background thread after a host copy; ``wait()`` joins it.
         commit_timeout_s: how long rank 0 waits for the other ranks' files before giving up.
     """
 
     def __init__(self, location: str, rank: int, world_size: int, keep_latest_k: int = 3,
-                 async_save: bool = False, commit_timeout_s: float = 120.0):
+                 async_save: bool = False, commit_timeout_s: float = 120.0,
+                 keep_best: tuple[str, str] | None = None):
         self.fs, self.root = fsspec.core.url_to_fs(location)
         self.root = self.root.rstrip("/")
         self.rank = rank
         self.world_size = world_size
         self.keep_latest_k = keep_latest_k
+        self.keep_best = keep_best
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
         self._pending: threading.Thread | None = None
@@ -126,7 +130,8 @@ class Checkpointer:
         torch.save(obj, buffer)
         return buffer.getvalue()
 
-    def save(self, step: int, shared: dict[str, Any] | None, rank_state: dict[str, Any]) -> None:
+    def save(self, step: int, shared: dict[str, Any] | None, rank_state: dict[str, Any],
+             metrics: dict[str, float] | None = None) -> None:
         """Save this rank's part of checkpoint ``step``; rank 0 also writes ``shared`` and commits.
 
         Every rank calls it at the same step. With ``async_save`` only the host copy blocks;
@@ -137,7 +142,8 @@ class Checkpointer:
         """
         started = time.perf_counter()
         self.wait()
-        snapshot = (_to_cpu(shared) if shared is not None else None, _to_cpu(rank_state))
+        snapshot = (_to_cpu(shared) if shared is not None else None, _to_cpu(rank_state),
+                    dict(metrics or {}))
         if self.async_save:
             self._pending = threading.Thread(
                 target=self._run_guarded, args=(step, *snapshot), name=f"ckpt-{step}",
@@ -148,13 +154,15 @@ class Checkpointer:
             self._write_step(step, *snapshot)
         self.last_blocking_s = time.perf_counter() - started
 
-    def _run_guarded(self, step: int, shared: dict | None, rank_state: dict) -> None:
+    def _run_guarded(self, step: int, shared: dict | None, rank_state: dict,
+                     metrics: dict) -> None:
         try:
-            self._write_step(step, shared, rank_state)
+            self._write_step(step, shared, rank_state, metrics)
         except BaseException as e:  # re-raised in the training thread by wait()
             self._error = e
 
-    def _write_step(self, step: int, shared: dict | None, rank_state: dict) -> None:
+    def _write_step(self, step: int, shared: dict | None, rank_state: dict,
+                    metrics: dict | None = None) -> None:
         folder = self.step_dir(step)
         self.fs.makedirs(folder, exist_ok=True)
         rank_file = f"rank-{self.rank:05d}.pt"
@@ -175,7 +183,7 @@ class Checkpointer:
             with self.fs.open(path, "rb") as f:
                 hashes[f"rank-{r:05d}.pt"] = hashlib.sha256(f.read()).hexdigest()
         marker = {"step": step, "world_size": self.world_size, "files": hashes,
-                  "time": time.time()}
+                  "metrics": metrics or {}, "time": time.time()}
         self._write(f"{folder}/{MARKER}", json.dumps(marker, indent=1).encode())
         self._purge(step)
 
@@ -193,9 +201,25 @@ class Checkpointer:
         steps = self._steps()
         committed = [s for s, c in steps if c]
         keep = set(committed[-self.keep_latest_k:])
+        best = self.best_step(committed)
+        if best is not None:
+            keep.add(best)
         for step, _ in steps:
             if step <= latest and step not in keep:
                 self.fs.rm(self.step_dir(step), recursive=True)
+
+    def best_step(self, committed: list[int] | None = None) -> int | None:
+        """The committed step with the best ``keep_best`` metric (None: not configured/none)."""
+        if self.keep_best is None:
+            return None
+        metric, direction = self.keep_best
+        scored = []
+        for step in committed if committed is not None else self.committed_steps():
+            with self.fs.open(f"{self.step_dir(step)}/{MARKER}", "rb") as f:
+                value = json.loads(f.read()).get("metrics", {}).get(metric)
+            if value is not None:
+                scored.append((value if direction == "max" else -value, step))
+        return max(scored)[1] if scored else None
 
     # -- reading ------------------------------------------------------------------------------
     def _verify_and_read(self, step: int) -> tuple[dict, dict[str, bytes]]:

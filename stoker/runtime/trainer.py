@@ -76,7 +76,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=self.cfg.precision == "fp16")
         self.ckpt = Checkpointer(spec.checkpoint_location, env.rank, env.world_size,
                                  self.cfg.keep_latest_k, self.cfg.async_checkpoint,
-                                 commit_timeout_s=max(60.0, self.cfg.preemption_grace_s))
+                                 commit_timeout_s=max(60.0, self.cfg.preemption_grace_s),
+                                 keep_best=(self.cfg.keep_best_metric,
+                                            self.cfg.keep_best_direction)
+                                 if self.cfg.keep_best_metric else None)
         self.step = 0
         self._step_flops: float | None = None
         self.train_time_s = 0.0  # time in committed training steps, summed over attempts
@@ -412,7 +415,8 @@ class Trainer:
             self.tracker.flush()
         shared = self.state_dict() if self.env.is_main else None
         self.ckpt.save(self.step, shared, {"rng": self._rng_state(),
-                                           "world_size": self.env.world_size})
+                                           "world_size": self.env.world_size},
+                       metrics={k: v for k, v in self.metrics.items() if k != "epoch"})
         self._last_save = time.monotonic()
         self.timings["checkpoint"] += time.perf_counter() - t0
         self._event("checkpoint", path=self.ckpt.step_dir(self.step),
