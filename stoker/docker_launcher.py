@@ -5,7 +5,8 @@ Stoker's exit codes) on the host network and IPC namespace (what NCCL wants), wi
 through a device request, a large ``/dev/shm``, the dataset mounted read-only and the job folder
 read-write at the same paths as on the host (so the run spec's paths hold inside), and labels
 that mark it as Stoker's (the cost guard acts only on those). Several nodes on one host
-rendezvous over c10d on 127.0.0.1; on several hosts, point ``rdzv_endpoint`` at node 0.
+rendezvous on 127.0.0.1 (node 0 hosts the store); on several hosts, point ``rdzv_endpoint``
+at node 0.
 
 ``docker stop`` sends SIGTERM to the entrypoint, which passes it to the workers: they commit a
 checkpoint and the container exits 75, which the retry policy resumes.
@@ -75,13 +76,23 @@ class DockerLauncher:
             raise DockerLaunchError(f"Docker Engine at {where} unreachable: {e}") from None
         return client
 
-    def command(self, spec: RunSpec, spec_path: Path, rdzv_id: str) -> list[str]:
-        """Arguments for the image's entrypoint (torchrun's CLI)."""
+    def command(self, spec_path: Path, node_rank: int, rdzv_id: str) -> list[str]:
+        """Arguments for the image's entrypoint (torchrun's CLI) on node ``node_rank``.
+
+        One node: c10d rendezvous on a free loopback port. Several: static rendezvous, node 0
+        hosts the store at ``rdzv_endpoint`` (c10d would have every container on the host
+        network claim the store, as they all match 127.0.0.1).
+        """
+        if self.nnodes == 1:
+            rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+                          f"--rdzv-id={rdzv_id}", "--local-addr=127.0.0.1"]
+        else:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            rendezvous = ["--rdzv-backend=static", f"--master-addr={host}",
+                          f"--master-port={port}", f"--node-rank={node_rank}"]
         return [
-            f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_endpoint}",
-            f"--rdzv-id={rdzv_id}", "--max-restarts=0",
-            f"--shutdown-timeout={int(self.shutdown_grace_s)}",
+            f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}", *rendezvous,
+            "--max-restarts=0", f"--shutdown-timeout={int(self.shutdown_grace_s)}",
             "-m", "stoker.runtime", str(spec_path),
         ]
 
@@ -112,7 +123,7 @@ class DockerLauncher:
         for node in range(self.nnodes):
             try:
                 self.containers.append(client.containers.run(
-                    self.image, command=self.command(spec, spec_path, rdzv_id), detach=True,
+                    self.image, command=self.command(spec_path, node, rdzv_id), detach=True,
                     name=f"stoker-{job[:40]}-n{node}-{uuid.uuid4().hex[:6]}",
                     network_mode="host", ipc_mode="host", shm_size=self.shm_size, user=user,
                     mounts=self._mounts(spec), device_requests=self._device_requests(),

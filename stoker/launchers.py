@@ -52,6 +52,11 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
         from stoker.docker_launcher import DockerLauncher
 
         docker = config.launcher.docker
+        if not config.tracking_uri().startswith(("http://", "https://")):
+            raise ConfigError(
+                "tracking.tracking_uri: the training image logs to an MLflow tracking server "
+                "over HTTP (it has no sqlite store); start one (`mlflow server --host 127.0.0.1` "
+                "or infra/compose.yaml) and set tracking.tracking_uri=http://127.0.0.1:5000")
         image = image or docker.image
         if not image:
             raise ConfigError("launcher.docker.image: empty, and no image was built")

@@ -47,13 +47,15 @@ def dataset(demo_repo, session_dir):
 def make_spec(dataset, tmp_path):
     """Write a run spec for a small job in tmp_path and return its path."""
 
-    def make(job: str = "job", tracking: bool = True, **train) -> Path:
+    def make(job: str = "job", tracking: bool = True, tracking_uri: str | None = None,
+             **train) -> Path:
         fields = {"epochs": 2, "checkpoint_every_steps": 10, "keep_latest_k": 2, **train}
         job_dir = tmp_path / job
         job_dir.mkdir(parents=True, exist_ok=True)
         spec = RunSpec(
             train=TrainConfig(**fields), data_dir=dataset.local_path, job_dir=str(job_dir),
-            tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}" if tracking else None,
+            tracking_uri=(tracking_uri or f"sqlite:///{tmp_path / 'mlflow.db'}") if tracking
+            else None,
             artifact_location=(tmp_path / "mlartifacts").as_uri(), run_name=job,
             tags={"dvc.md5": dataset.md5},
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import pytest
 from conftest import events
@@ -28,22 +29,23 @@ def launcher_for(image: str, **kwargs) -> DockerLauncher:
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", **kwargs)
 
 
-def test_two_nodes_as_two_containers(training_image, make_spec, docker_engine):
-    spec = make_spec("two-nodes", epochs=1)
+def test_two_nodes_as_two_containers(training_image, make_spec, docker_engine, mlflow_http):
+    # The image carries mlflow-skinny: it logs to a tracking server over HTTP.
+    spec = make_spec(f"two-nodes-{uuid.uuid4().hex[:8]}", epochs=1, tracking_uri=mlflow_http.uri)
     launcher = launcher_for(training_image.ref, nnodes=2, nproc_per_node=1)
     lines: list[str] = []
     code = launcher.run(spec, on_line=lines.append, timeout_s=600)
     assert code == 0, "\n".join(lines[-60:])
     result = json.loads((spec.parent / "result.json").read_text())
     assert result["world_size"] == 2 and result["step"] == 22
-    assert any(line.startswith("[node 1]") for line in lines)
+    assert any(line.startswith("[node 0]") for line in lines)  # logs streamed per node
     assert not docker_engine.containers.list(all=True, filters={
         "label": f"{DOCKER_JOB_LABEL}={spec.parent.name}"})  # removed afterwards
 
 
 def test_docker_stop_checkpoints_and_the_next_attempt_resumes(training_image, make_spec,
-                                                              docker_engine):
-    spec = make_spec("stopped", epochs=6)
+                                                              docker_engine, mlflow_http):
+    spec = make_spec(f"stopped-{uuid.uuid4().hex[:8]}", epochs=6, tracking_uri=mlflow_http.uri)
     launcher = launcher_for(training_image.ref, nproc_per_node=2)
     (container,) = launcher.start(spec)
     try:

@@ -104,3 +104,24 @@ def test_spot_falls_back_to_on_demand_after_n_preemptions():
     assert capacity_for(on_demand, 5) == "on_demand"
     never = load_pipeline_config(None, ["cost.capacity_type=spot"])
     assert capacity_for(never, 10) == "spot"
+
+
+def test_launcher_choice_and_its_errors():
+    from stoker.config import ConfigError, load_pipeline_config
+    from stoker.docker_launcher import DockerLauncher
+    from stoker.launchers import make_launcher
+
+    assert isinstance(make_launcher(load_pipeline_config(None, []), 2), LocalLauncher)
+    docker = load_pipeline_config(None, ["launcher.kind=docker"])
+    with pytest.raises(ConfigError, match="tracking.tracking_uri: the training image logs"):
+        make_launcher(docker, 2, image="127.0.0.1:5000/stoker/train@sha256:abc")
+    docker = load_pipeline_config(None, ["launcher.kind=docker",
+                                         "tracking.tracking_uri=http://127.0.0.1:5000"])
+    with pytest.raises(ConfigError, match="launcher.docker.image: empty"):
+        make_launcher(docker, 2)
+    launcher = make_launcher(docker, 2, image="127.0.0.1:5000/stoker/train@sha256:abc")
+    assert isinstance(launcher, DockerLauncher) and launcher.nproc_per_node == 2
+    k8s = load_pipeline_config(None, ["launcher.kind=kubernetes",
+                                      "launcher.kubernetes.num_nodes=0"])
+    with pytest.raises(ConfigError, match="launcher.kubernetes.num_nodes"):
+        make_launcher(k8s, 8, image="registry.example/stoker/train@sha256:abc")
