@@ -92,6 +92,9 @@ def ensure_demo_repo(base: Path) -> DemoRepo:
             conf["remote"]["local"] = {"url": str(remote_dir)}
             conf["core"]["remote"] = "local"
             conf["core"]["analytics"] = False
+            conf["core"]["autostage"] = True  # dvc add stages its files: no "git add" hint
+        dvc.close()
+        dvc = Repo(str(staging))  # re-read the config just written
         export_digits(staging / DEMO_PATH)
         dvc.add(str(staging / DEMO_PATH))
         dvc.push()
