@@ -284,6 +284,7 @@ def load_config(model: type[BaseModel], config_file: Path | None = None,
         ConfigError: the file is missing or not a mapping, an override is malformed, or a value
             fails validation (the message names the field).
     """
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -291,7 +292,10 @@ def load_config(model: type[BaseModel], config_file: Path | None = None,
     if config_file is not None:
         if not Path(config_file).is_file():
             raise ConfigError(f"config file {config_file}: not found")
-        loaded = OmegaConf.load(config_file)
+        try:
+            loaded = OmegaConf.load(config_file)
+        except (yaml.YAMLError, OmegaConfBaseException) as e:
+            raise ConfigError(f"config file {config_file}: not valid YAML: {e}") from None
         if not OmegaConf.is_dict(loaded):
             raise ConfigError(f"config file {config_file}: must hold a mapping of fields")
         layers.append(loaded)

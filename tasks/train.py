@@ -228,7 +228,7 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
         tags=[RunTag("stoker.capacity_types", ",".join(report.capacity_types)),
               RunTag("stoker.attempts", str(report.attempts)),
               RunTag("stoker.preemptions", str(report.preemptions))])
-    logger.info("cost: %.4f GPU-hours on %s, $%.4f, goodput %.2f, %d preemption(s), "
+    logger.info("cost: %.4f device-hours on %s, $%.4f, goodput %.2f, %d preemption(s), "
                 "%d step(s) lost", report.gpu_hours, report.gpu_model, report.cost_usd,
                 report.goodput, report.preemptions, report.steps_lost)
     return TrainResult(str(job_dir), result["run_id"], result["metrics"], result, history,

@@ -45,6 +45,10 @@ def test_malformed_override_and_missing_file(tmp_path):
         load_pipeline_config(None, ["train.epochs"])
     with pytest.raises(ConfigError, match="not found"):
         load_pipeline_config(tmp_path / "nope.yaml", [])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train: {epochs: 3\n  lr: [\n")
+    with pytest.raises(ConfigError, match="broken.yaml: not valid YAML"):
+        load_pipeline_config(broken, [])
     bad = tmp_path / "list.yaml"
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):

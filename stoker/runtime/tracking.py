@@ -49,6 +49,7 @@ class RunTracker:
         self.client = MlflowClient(tracking_uri)
         self.flush_every_s = flush_every_s
         self._buffer: list = []
+        self._pending: list = []
         self._last_flush = time.monotonic()
         if run_id is None:
             experiment_id = self._experiment_id(experiment, artifact_location)
@@ -120,13 +121,24 @@ class RunTracker:
             if not self._already_logged(key, step):
                 self._buffer.append(Metric(key, float(value), now_ms, step))
         if time.monotonic() - self._last_flush >= self.flush_every_s:
-            self.flush()
+            self.flush(wait=False)
 
-    def flush(self) -> None:
-        """Send buffered metrics (log_batch takes at most 1000 per call)."""
+    def flush(self, wait: bool = True) -> None:
+        """Send buffered metrics (log_batch takes at most 1000 per call).
+
+        Periodic flushes are asynchronous (MLflow's background logging queue, so the training
+        step does not wait for the store); ``wait=True`` (at checkpoints and at the end) also
+        waits for every queued batch, so what a checkpoint covers is durable in MLflow.
+        """
         while self._buffer:
             chunk, self._buffer = self._buffer[:1000], self._buffer[1000:]
-            self.client.log_batch(self.run_id, metrics=chunk)
+            self._pending.append(self.client.log_batch(self.run_id, metrics=chunk,
+                                                       synchronous=False))
+        if wait:
+            for operation in self._pending:
+                if operation is not None:
+                    operation.wait()
+            self._pending = []
         self._last_flush = time.monotonic()
 
     def set_tags(self, tags: dict[str, str]) -> None:
