@@ -26,6 +26,7 @@ PYTHON = sys.executable
 TELEMETRY_OFF = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
                  "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1"}
 os.environ.update(TELEMETRY_OFF)
+DATA_DIR_ENV = "STOKER_BENCH_DATA_DIR"
 
 
 def parser(description: str, repeats: int) -> argparse.ArgumentParser:
@@ -42,6 +43,10 @@ def parser(description: str, repeats: int) -> argparse.ArgumentParser:
                    help=f"baseline/candidate pairs, alternated (default {repeats}; 1 with --quick)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="keep all state under this folder (default: a temporary folder, removed)")
+    p.add_argument("--data-dir", type=Path, default=os.environ.get(DATA_DIR_ENV) or None,
+                   help="folder for the demo data repository and its pulled copy, kept and "
+                        f"shared between benchmarks (default: ${DATA_DIR_ENV}, else inside the "
+                        "work folder)")
     p.set_defaults(default_repeats=repeats)
     return p
 
@@ -118,18 +123,23 @@ def check(name: str, figure: float, unit: str, target: Target) -> dict[str, Any]
 
 
 def emit(benchmark: str, *, metric: str, baseline: dict | None, candidate: dict | None,
-         ratio: float | None, target: Target | None, checks: list[dict] | None = None,
+         ratio: float | None, target: Target | str | None, checks: list[dict] | None = None,
          notes: list[str] | None = None, details: dict | None = None, quick: bool = False,
          status: str = "ok", reason: str | None = None) -> dict[str, Any]:
     """Print the human summary and then the result as one JSON line (the last line of output).
 
-    ``target_met`` is true when the ratio meets its target and every check meets its own.
+    ``target`` is the ratio's Target, or a text naming the absolute targets of ``checks`` when
+    the ratio is informative only. ``target_met`` is true when the ratio meets its Target (if
+    it has one) and every check meets its own; None when skipped or nothing has a target.
     The JSON keys end with ``ratio``, ``target`` and ``target_met``.
     """
     checks = checks or []
     met = None
-    if status == "ok" and ratio is not None and target is not None:
-        met = target.met(ratio) and all(c["met"] for c in checks)
+    if status == "ok" and ratio is not None:
+        verdicts = [c["met"] for c in checks]
+        if isinstance(target, Target):
+            verdicts.append(target.met(ratio))
+        met = all(verdicts) if verdicts else None
     result: dict[str, Any] = {"benchmark": benchmark, "status": status, "quick": quick,
                               "metric": metric}
     if reason:
@@ -150,7 +160,7 @@ def emit(benchmark: str, *, metric: str, baseline: dict | None, candidate: dict 
     if status != "ok":
         print(f"{benchmark}: {status}: {reason}")
     elif ratio is not None:
-        verdict = "met" if met else "MISSED"
+        verdict = {True: "met", False: "MISSED", None: "no target"}[met]
         print(f"ratio ({metric}): {ratio:.4g} (target {target}: {verdict})")
     print(json.dumps(result), flush=True)
     return result
