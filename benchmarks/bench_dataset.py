@@ -13,7 +13,7 @@ first), so neither pays DVC's import time.
   ``.dvc`` file read, no DVC call). Target <= 0.5 s. For comparison the notes give a no-op
   ``dvc pull`` in an up-to-date raw clone.
 
-With ``--quick`` (or ``--files N``) the repository holds N small random files instead of the
+With ``--quick`` (or ``--files N``) the repository holds N small random PNG files instead of the
 digits (same layout, same tag), so that a smoke run takes seconds.
 
     python benchmarks/bench_dataset.py [--quick] [--repeats N] [--files N]
@@ -21,7 +21,6 @@ digits (same layout, same tag), so that a smoke run takes seconds.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -42,37 +41,12 @@ from benchmarks.common import (  # noqa: E402
     repeats_of,
     stats,
 )
+from benchmarks.jobs import tiny_image_repo  # noqa: E402
 from stoker.dataset import pull_dataset  # noqa: E402
-from stoker.demo_data import DEMO_PATH, DEMO_TAG, ensure_demo_repo, git  # noqa: E402
+from stoker.demo_data import DEMO_PATH, DEMO_TAG, ensure_demo_repo  # noqa: E402
 
 TARGET = Target(">=", 0.9)
 WARM_TARGET = Target("<=", 0.5)
-
-
-def small_repo(base: Path, nfiles: int) -> Path:
-    """A git + DVC repository like the demo one, with ``nfiles`` random 1 KB files under
-    ``data/digits/<class>/`` (10 classes), tagged ``v1``, pushed to a local DVC remote."""
-    from dvc.repo import Repo
-
-    repo = base / "repo"
-    if (repo / f"{DEMO_PATH}.dvc").is_file():
-        return repo
-    repo.mkdir(parents=True)
-    git(repo, "init", "-q", "-b", "main")
-    with Repo.init(str(repo)) as dvc:
-        with dvc.config.edit() as conf:
-            conf["remote"]["local"] = {"url": str(base / "remote")}
-            conf["core"]["remote"] = "local"
-        for i in range(nfiles):
-            path = repo / DEMO_PATH / str(i % 10) / f"{i:04d}.bin"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(os.urandom(1024))
-        dvc.add(str(repo / DEMO_PATH))
-        dvc.push()
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "data")
-    git(repo, "tag", DEMO_TAG)
-    return repo
 
 
 def raw_pull(repo: Path, dest: Path) -> Path:
@@ -107,7 +81,9 @@ def main() -> None:
     nfiles = args.files or (50 if args.quick else None)
     with Workdir(args.workdir, "bench-dataset") as work:
         if nfiles:
-            repo = small_repo(work / "small-data", nfiles)
+            per_class = max(1, nfiles // 10)
+            repo = tiny_image_repo(work / f"small-data-{per_class}", per_class=per_class)
+            nfiles = per_class * 10
         else:
             repo = ensure_demo_repo(work / "demo-data").repo
         expected = nfiles or 1797
@@ -166,7 +142,7 @@ def main() -> None:
     warm = stats(warm_cand, "s", "warm: Stoker pull_dataset (same hash)")
     warm_raw_s = stats(warm_base, "s", "warm: dvc pull in an up-to-date clone")
     ratio = b["median"] / c["median"]
-    notes = [f"data: {expected} files ({'random 1 KB files' if nfiles else 'the demo digits'})",
+    notes = [f"data: {expected} files ({'random 8x8 PNGs' if nfiles else 'the demo digits'})",
              f"warm pull {warm['median']:.3f} s (target <= 0.5 s); a no-op dvc pull in an "
              f"up-to-date raw clone takes {warm_raw_s['median']:.3f} s",
              "Stoker's cold pull also copies the files from the clone's workspace into a "

@@ -42,7 +42,7 @@ from benchmarks.common import (  # noqa: E402
     repeats_of,
     stats,
 )
-from benchmarks.jobs import demo_dataset, write_spec  # noqa: E402
+from benchmarks.jobs import demo_dataset, steps_per_epoch, write_spec  # noqa: E402
 from stoker.config import RetryConfig, TrainConfig  # noqa: E402
 from stoker.launcher import LocalLauncher, Outcome, run_with_retries  # noqa: E402
 from stoker.runtime.progress import read_events  # noqa: E402
@@ -145,9 +145,10 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0], repeats=3)
     args = p.parse_args()
     repeats = repeats_of(args)
-    epochs, at_step = (2, 8) if args.quick else (3, 20)
+    epochs, at_step = (10, 4) if args.quick else (3, 20)
     with Workdir(args.workdir, "bench-recovery") as work:
-        dataset = demo_dataset(args.data_dir or work)
+        dataset = demo_dataset(args.data_dir or work, quick=args.quick)
+        per_epoch = steps_per_epoch(dataset, TrainConfig().global_batch_size)
         results = []
         for i in range(repeats):
             results.append(trial(work, dataset.local_path, i, epochs, at_step))
@@ -164,7 +165,8 @@ def main() -> None:
     parts = {k: column(k, "s", k) for k in ("stop_and_save_s", "exit_s", "backoff_s",
                                              "restart_to_step_s")}
     ratio = c["median"] / b["median"]
-    notes = [f"job: {epochs} epochs of 22 steps, SIGTERM once step {at_step} is reached; "
+    notes = [f"job: {epochs} epochs of {per_epoch} steps, SIGTERM once step {at_step} is "
+             "reached; "
              "tracking to sqlite; default retry policy",
              "recovery = " + " + ".join(f"{k.removesuffix('_s').replace('_', ' ')} "
                                         f"{v['median']:.2f} s" for k, v in parts.items())

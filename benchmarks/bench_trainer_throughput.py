@@ -41,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
     torchrun,
 )
 from benchmarks.jobs import demo_dataset, steady_window, write_spec  # noqa: E402
+from benchmarks.jobs import steps_per_epoch as epoch_steps  # noqa: E402
 
 TARGET = Target(">=", 0.98)
 GLOBAL_BATCH = 64
@@ -51,14 +52,14 @@ TIMEOUT_S = 1800
 def main() -> None:
     p = parser(__doc__.splitlines()[0], repeats=3)
     p.add_argument("--epochs", type=int, default=None,
-                   help="epochs per run (default 30, about 20 s of training on 2 CPU cores; "
+                   help="epochs per run (default 15, about 10 s of training on 2 CPU cores; "
                         "2 with --quick)")
     args = p.parse_args()
     repeats = repeats_of(args)
-    epochs = args.epochs or (2 if args.quick else 30)
+    epochs = args.epochs or (2 if args.quick else 15)
     with Workdir(args.workdir, "bench-throughput") as work:
-        dataset = demo_dataset(args.data_dir or work)
-        steps_per_epoch = (dataset.nfiles - round(dataset.nfiles * 0.2)) // GLOBAL_BATCH
+        dataset = demo_dataset(args.data_dir or work, quick=args.quick)
+        steps_per_epoch = epoch_steps(dataset, GLOBAL_BATCH)
         first_step = steps_per_epoch  # skip the first epoch: start-up, first-touch costs
         evals, profiles, all_in = [], [], []
 

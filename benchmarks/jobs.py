@@ -2,21 +2,64 @@
 
 from __future__ import annotations
 
+import shutil
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from stoker.config import TrainConfig
 from stoker.dataset import DatasetRef, pull_dataset
-from stoker.demo_data import DEMO_PATH, DEMO_TAG, ensure_demo_repo
+from stoker.demo_data import DEMO_PATH, DEMO_TAG, ensure_demo_repo, git
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
 
 
-def demo_dataset(base: Path) -> DatasetRef:
-    """The demo digits repository under ``base/demo-data``, pulled into ``base/datasets``."""
-    demo = ensure_demo_repo(base / "demo-data")
-    return pull_dataset(str(demo.repo), DEMO_TAG, DEMO_PATH, base / "datasets")
+def demo_dataset(base: Path, quick: bool = False) -> DatasetRef:
+    """The demo digits repository under ``base/demo-data``, pulled into ``base/datasets``.
+
+    With ``quick``, a tiny repository of the same shape instead (``tiny_image_repo``), which
+    takes a second to make rather than many: for smoke runs only.
+    """
+    repo = tiny_image_repo(base / "tiny-data") if quick else \
+        ensure_demo_repo(base / "demo-data").repo
+    return pull_dataset(str(repo), DEMO_TAG, DEMO_PATH, base / "datasets")
+
+
+def tiny_image_repo(base: Path, per_class: int = 32, classes: int = 10) -> Path:
+    """A git + DVC repository shaped like the demo one: ``data/digits/<class>/<i>.png``
+    (random 8x8 grayscale images), tagged ``v1``, pushed to the local DVC remote
+    ``base/remote``. Made once; returns ``base/repo``."""
+    import numpy as np
+    from dvc.repo import Repo
+    from PIL import Image
+
+    repo = base / "repo"
+    if (repo / f"{DEMO_PATH}.dvc").is_file():
+        return repo
+    shutil.rmtree(repo, ignore_errors=True)  # a leftover of an interrupted attempt
+    repo.mkdir(parents=True)
+    git(repo, "init", "-q", "-b", "main")
+    rng = np.random.default_rng(0)
+    with Repo.init(str(repo)) as dvc:
+        with dvc.config.edit() as conf:
+            conf["remote"]["local"] = {"url": str(base / "remote")}
+            conf["core"]["remote"] = "local"
+        for i in range(per_class * classes):
+            path = repo / DEMO_PATH / str(i % classes) / f"{i:04d}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), mode="L").save(path)
+        dvc.add(str(repo / DEMO_PATH))
+        dvc.push()
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "tiny image dataset")
+    git(repo, "tag", DEMO_TAG)
+    return repo
+
+
+def steps_per_epoch(dataset: DatasetRef, global_batch_size: int,
+                    val_fraction: float = 0.2) -> int:
+    """Optimizer steps per epoch on ``dataset`` as the runtime computes them."""
+    return (dataset.nfiles - round(dataset.nfiles * val_fraction)) // global_batch_size
 
 
 def write_spec(job_dir: Path, data_dir: str, tracking_uri: str | None = None,
