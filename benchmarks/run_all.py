@@ -111,21 +111,26 @@ def run_one(stem: str, path: Path, args: argparse.Namespace, logs: Path,
         if not supports(path, "--repeats"):
             return {"status": "skipped", "reason": "the script has no --repeats option"}
         cmd += ["--repeats", str(args.repeats)]
-    print(f"== {stem}: {' '.join(cmd[1:])}", flush=True)
+    log_path = logs / f"{stem}.log"
+    print(f"== {stem}: {' '.join(cmd[1:])} (progress: {log_path})", flush=True)
     started = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False,
-                              env=env({DATA_DIR_ENV: data_dir}), timeout=args.timeout_s)
-        stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        stderr, code = f"timed out after {args.timeout_s} s", None
+    with open(log_path, "w") as log:  # progress (stderr) lands here as it happens
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+                                  check=False, env=env({DATA_DIR_ENV: data_dir}),
+                                  timeout=args.timeout_s)
+            stdout, code = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            code = None
+        log.write(f"--- stdout ---\n{stdout}")
     wall_s = time.perf_counter() - started
-    (logs / f"{stem}.log").write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr}")
     result = parse_result(stdout) if code == 0 else None
     if code != 0:
         reason = "timed out" if code is None else f"exit {code}"
-        result = {"status": "failed", "reason": f"{reason}; see {logs / f'{stem}.log'}"}
+        result = {"status": "failed", "reason": f"{reason}; see {log_path}"}
     elif result is None:
         result = unstructured(stdout)
     result["wall_s"] = round(wall_s, 1)
