@@ -41,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
     emit,
     log,
     parser,
+    ratio_range,
     repeats_of,
     run_timed,
     stats,
@@ -135,7 +136,7 @@ def main() -> None:
         notes.append("one GPU present: no scaling efficiency to measure")
     emit("gpu_resnet", metric="Stoker images/s / bare loop images/s (1 GPU)", baseline=b,
          candidate=c, ratio=ratio, target="none set (reported)", quick=args.quick,
-         notes=notes, details=details)
+         notes=notes, details=details, spread=ratio_range(lambda x, y: y / x, b, c))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import resource
 import statistics
 import sys
 import time
@@ -39,6 +40,7 @@ from benchmarks.common import (  # noqa: E402
     emit,
     log,
     parser,
+    ratio_range,
     repeats_of,
     run_timed,
     stats,
@@ -66,12 +68,17 @@ def training_s(job_dir: Path) -> float:
     return end - start
 
 
-def epoch_s(job_dir: Path, epochs: int) -> float:
-    """Seconds per epoch after the first (steps, evaluation, checkpoints), from the events."""
-    events = read_events(job_dir)
-    first_eval = next(e["time"] for e in events if e["event"] == "eval")
-    end = next(e["time"] for e in reversed(events) if e["event"] == "end")
-    return (end - first_eval) / (epochs - 1)
+def epoch_s(job_dir: Path) -> float:
+    """Median seconds per epoch after the first (steps, evaluation, checkpoints): the time
+    between consecutive ``eval`` events (a median, so a burst of load does not skew it)."""
+    evals = [e["time"] for e in read_events(job_dir) if e["event"] == "eval"]
+    return statistics.median(b - a for a, b in zip(evals, evals[1:], strict=False))
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of all waited-for child processes of this one, so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 # Where the pipeline's time goes, from the timestamps of Prefect's console log: each phase ends
@@ -154,12 +161,15 @@ def main() -> None:
         base_train_s: list[float] = []
         cand_train_s: list[float] = []
         run_phases: list[dict[str, float]] = []
+        cpu_s: dict[str, list[float]] = {"torchrun": [], "pipeline": []}
 
         def baseline(i: int, epochs: int) -> float:
             job = runs / f"torchrun-{i}"
             spec = write_spec(job, dataset.local_path, epochs=epochs)
+            cpu = children_cpu_s()
             wall = run_timed(torchrun(world, "-m", "stoker.runtime", str(spec)),
                              runs / f"torchrun-{i}.log", TIMEOUT_S)
+            cpu_s["torchrun"].append(children_cpu_s() - cpu)
             base_train_s.append(training_s(job))
             return wall
 
@@ -170,9 +180,11 @@ def main() -> None:
             log_path = runs / f"pipeline-{i}.log"
             started = time.time()
             run_env = {"PREFECT_HOME": str(work_dir / ".prefect"), **stores_env}
+            cpu = children_cpu_s()
             wall = run_timed([PYTHON, "-m", "stoker.cli", "run", f"work_dir={work_dir}",
                               f"train.epochs={epochs}", *overrides],
                              log_path, TIMEOUT_S, extra_env=run_env, cwd=work_dir)
+            cpu_s["pipeline"].append(children_cpu_s() - cpu)
             run_phases.append(phases(log_path.read_text(), started, time.time()))
             (job,) = (work_dir / "jobs").iterdir()
             if not (job / "pipeline_done.json").is_file():
@@ -186,11 +198,11 @@ def main() -> None:
         epochs = args.epochs or (1 if args.quick else None)
         if epochs is None:
             log("calibration: an untimed torchrun run and an untimed pipeline run (warm-up)")
-            baseline(-1, 5)
-            base_train_s.pop()
-            epochs = max(1, math.ceil(args.train_s / epoch_s(runs / "torchrun--1", 5)))
+            baseline(-1, 10)
+            base_train_s.pop(), cpu_s["torchrun"].pop()
+            epochs = max(1, math.ceil(args.train_s / epoch_s(runs / "torchrun--1")))
             candidate(-1, 1)
-            attempt_s.pop(), run_phases.pop(), cand_train_s.pop()
+            attempt_s.pop(), run_phases.pop(), cand_train_s.pop(), cpu_s["pipeline"].pop()
         log(f"{epochs} epoch(s) per run, {world} processes")
         base, cand = alternate(lambda i: baseline(i, epochs), lambda i: candidate(i, epochs),
                                repeats)
@@ -212,7 +224,11 @@ def main() -> None:
              f"report, server shutdown); the attempt takes {attempt['median']:.1f} s, "
              f"{attempt['median'] - b['median']:+.1f} s against the whole bare torchrun run",
              "the fixed part weighs less as training grows; the slowdown of training itself "
-             "does not"]
+             "does not",
+             f"CPU time of the whole process tree: {statistics.median(cpu_s['pipeline']):.0f} s "
+             f"for the pipeline, {statistics.median(cpu_s['torchrun']):.0f} s for torchrun "
+             f"(on {os.cpu_count()} cores, CPU the orchestrator uses while the ranks train is "
+             "taken from them)"]
     timed = [ph for ph in run_phases if ph]
     phase_medians = {k: round(statistics.median(ph[k] for ph in timed), 3)
                      for k in timed[0]} if timed else {}
@@ -225,9 +241,11 @@ def main() -> None:
                      if args.quick else "epochs fixed by --epochs")
     emit("pipeline_overhead", metric="pipeline wall time / bare torchrun wall time",
          baseline=b, candidate=c, ratio=ratio, target=TARGET, quick=args.quick, notes=notes,
+         spread=ratio_range(lambda x, y: y / x, b, c),
          details={"epochs": epochs, "processes": world, "baseline_training_s": train,
                   "pipeline_training_s": cand_train, "pipeline_attempt_s": attempt,
-                  "pipeline_phases_s": phase_medians, "pipeline_phases_per_run": run_phases})
+                  "pipeline_phases_s": phase_medians, "pipeline_phases_per_run": run_phases,
+                  "cpu_s": cpu_s})
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from benchmarks.common import (  # noqa: E402
     env,
     log,
     parser,
+    ratio_range,
     repeats_of,
     stats,
 )
@@ -177,7 +178,9 @@ def main() -> None:
     emit("recovery", metric="recovery time / cold start time (informative)", baseline=b,
          candidate=c, ratio=ratio, target="recovery <= 10 s and steps lost <= 1 (absolute)",
          quick=args.quick, notes=notes,
-         checks=[check("recovery time (median)", c["median"], "s", TIME_TARGET),
+         spread=ratio_range(lambda x, y: y / x, b, c),
+         checks=[check("recovery time (median)", c["median"], "s", TIME_TARGET,
+                       spread=(c["min"], c["max"])),
                  check("steps lost (max)", lost["max"], "steps", STEPS_TARGET)],
          details={"steps_lost": lost, "parts": parts, "trials": results})
 

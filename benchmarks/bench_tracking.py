@@ -32,6 +32,7 @@ from benchmarks.common import (  # noqa: E402
     emit,
     log,
     parser,
+    ratio_range,
     repeats_of,
     run_timed,
     stats,
@@ -100,6 +101,7 @@ def main() -> None:
              "waits for it at the next all-reduce)"]
     emit("tracking", metric="(step time with tracking - without) / without", baseline=b,
          candidate=c, ratio=ratio, target=TARGET, quick=args.quick, notes=notes,
+         spread=ratio_range(lambda x, y: (y - x) / x, b, c),
          details={"epochs": epochs, "median_interval_without_ms": med_b,
                   "median_interval_with_ms": med_c})
 

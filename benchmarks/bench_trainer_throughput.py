@@ -35,6 +35,7 @@ from benchmarks.common import (  # noqa: E402
     emit,
     log,
     parser,
+    ratio_range,
     repeats_of,
     run_timed,
     stats,
@@ -104,6 +105,7 @@ def main() -> None:
              f"where Stoker's time went (median run, whole attempt): {shares}"]
     emit("trainer_throughput", metric="Stoker samples/s / hand-written DDP loop samples/s",
          baseline=b, candidate=c, ratio=ratio, target=TARGET, quick=args.quick, notes=notes,
+         spread=ratio_range(lambda x, y: y / x, b, c),
          details={"epochs": epochs, "steps_per_epoch": steps_per_epoch,
                   "first_step": first_step, "stoker_profile": profile,
                   "stoker_with_eval_samples_per_s": stats(all_in, "samples/s",

@@ -116,37 +116,63 @@ class Target:
         return f"{self.op} {self.value:g}"
 
 
-def check(name: str, figure: float, unit: str, target: Target) -> dict[str, Any]:
-    """One measured figure against its target (for benchmarks with more than the ratio)."""
-    return {"name": name, "value": _round(figure), "unit": unit, "target": str(target),
-            "met": target.met(figure)}
+def check(name: str, figure: float, unit: str, target: Target,
+          spread: tuple[float, float] | None = None) -> dict[str, Any]:
+    """One measured figure against its target (for benchmarks with more than the ratio).
+
+    ``spread`` is the figure's (min, max) over the runs; ``decided`` then says whether both
+    ends give the same verdict.
+    """
+    out = {"name": name, "value": _round(figure), "unit": unit, "target": str(target),
+           "met": target.met(figure)}
+    if spread is not None:
+        out |= {"range": [_round(spread[0]), _round(spread[1])],
+                "decided": target.met(spread[0]) == target.met(spread[1])}
+    return out
+
+
+def ratio_range(fn: Callable[[float, float], float], baseline: dict,
+                candidate: dict) -> tuple[float, float]:
+    """The ratio ``fn(baseline, candidate)`` at the extremes of both sides: (lowest, highest)
+    over the four (min/max, min/max) pairs. A target between them is within the noise."""
+    corners = [fn(b, c) for b in (baseline["min"], baseline["max"])
+               for c in (candidate["min"], candidate["max"])]
+    return min(corners), max(corners)
 
 
 def emit(benchmark: str, *, metric: str, baseline: dict | None, candidate: dict | None,
          ratio: float | None, target: Target | str | None, checks: list[dict] | None = None,
          notes: list[str] | None = None, details: dict | None = None, quick: bool = False,
-         status: str = "ok", reason: str | None = None) -> dict[str, Any]:
+         status: str = "ok", reason: str | None = None,
+         spread: tuple[float, float] | None = None) -> dict[str, Any]:
     """Print the human summary and then the result as one JSON line (the last line of output).
 
     ``target`` is the ratio's Target, or a text naming the absolute targets of ``checks`` when
     the ratio is informative only. ``target_met`` is true when the ratio meets its Target (if
     it has one) and every check meets its own; None when skipped or nothing has a target.
+    ``spread`` is the ratio's range (``ratio_range``); ``decided`` is false when the verdict
+    of the ratio or of a check flips within its range (the noise could change it).
     The JSON keys end with ``ratio``, ``target`` and ``target_met``.
     """
     checks = checks or []
-    met = None
+    met = decided = None
     if status == "ok" and ratio is not None:
         verdicts = [c["met"] for c in checks]
+        settled = [c["decided"] for c in checks if "decided" in c]
         if isinstance(target, Target):
             verdicts.append(target.met(ratio))
+            if spread is not None:
+                settled.append(target.met(spread[0]) == target.met(spread[1]))
         met = all(verdicts) if verdicts else None
+        decided = all(settled) if settled and met is not None else None
     result: dict[str, Any] = {"benchmark": benchmark, "status": status, "quick": quick,
                               "metric": metric}
     if reason:
         result["reason"] = reason
     result |= {"baseline": baseline, "candidate": candidate, "checks": checks,
                "notes": notes or [], "details": details or {},
-               "ratio": None if ratio is None else _round(ratio),
+               "ratio_range": None if spread is None else [_round(v) for v in spread],
+               "decided": decided, "ratio": None if ratio is None else _round(ratio),
                "target": None if target is None else str(target), "target_met": met}
     for side in (baseline, candidate):
         if side:
@@ -161,7 +187,10 @@ def emit(benchmark: str, *, metric: str, baseline: dict | None, candidate: dict 
         print(f"{benchmark}: {status}: {reason}")
     elif ratio is not None:
         verdict = {True: "met", False: "MISSED", None: "no target"}[met]
-        print(f"ratio ({metric}): {ratio:.4g} (target {target}: {verdict})")
+        if decided is False:
+            verdict += ", within the noise"
+        span = f", range {spread[0]:.4g} to {spread[1]:.4g}" if spread else ""
+        print(f"ratio ({metric}): {ratio:.4g}{span} (target {target}: {verdict})")
     print(json.dumps(result), flush=True)
     return result
 

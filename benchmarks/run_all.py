@@ -207,7 +207,15 @@ def verdict(result: dict) -> str:
     status = result.get("status")
     if status != "ok":
         return f"{status}: {result['reason']}" if result.get("reason") else str(status)
-    return {True: "met", False: "**missed**", None: "no verdict"}[result.get("target_met")]
+    text = {True: "met", False: "**missed**", None: "no verdict"}[result.get("target_met")]
+    if result.get("decided") is False:
+        text += " (within the noise: the spread straddles a target)"
+    return text
+
+
+def _ratio(result: dict) -> str:
+    span = result.get("ratio_range")
+    return _fmt(result.get("ratio")) + (f" ({_fmt(span[0])}–{_fmt(span[1])})" if span else "")
 
 
 def render(rows: list[tuple[str, str, str, dict]], info: dict[str, str], quick: bool,
@@ -219,31 +227,36 @@ def render(rows: list[tuple[str, str, str, dict]], info: dict[str, str], quick: 
               if quick else "Full size."),
            "",
            "Each benchmark measures a baseline and Stoker in the same run, alternately, and "
-           "reports the median and min–max of each; the ratio compares the medians. A missed "
-           "target is reported with the measured figure, never hidden: the notes under each "
-           "measure say where the time goes. See README.benchmarks.md for what each measures.",
+           "reports the median and min–max of each; the ratio compares the medians, and its "
+           "range is the ratio at the extremes of both sides. A verdict whose range straddles "
+           "the target is marked as within the noise. A missed target is reported with the "
+           "measured figure, never hidden: the notes under each measure say where the time "
+           "goes. See README.benchmarks.md for what each measures.",
            "", "## Machine", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in info.items()]
     out += ["", "## Summary", "",
-            "| # | measure | baseline | Stoker | ratio | target | verdict |",
+            "| # | measure | baseline | Stoker | ratio (range) | target | verdict |",
             "|---|---|---|---|---|---|---|"]
     for n, (_, title, target, result) in enumerate(rows, 1):
         out.append(f"| {n} | {title} | {_side(result.get('baseline'))} | "
-                   f"{_side(result.get('candidate'))} | {_fmt(result.get('ratio'))} | "
+                   f"{_side(result.get('candidate'))} | {_ratio(result)} | "
                    f"{target} | {verdict(result)} |")
     out += ["", "## Details", ""]
     for n, (stem, title, _, result) in enumerate(rows, 1):
         out += [f"### {n}. {title} (`{stem}.py`)", ""]
         if result.get("metric"):
-            out.append(f"Ratio: {result['metric']} = **{_fmt(result.get('ratio'))}** "
+            out.append(f"Ratio: {result['metric']} = **{_ratio(result)}** "
                        f"(target {result.get('target')}: {verdict(result)}). "
                        f"Ran in {_fmt(result.get('wall_s'))} s.")
         else:
             out.append(f"{verdict(result)}.")
         out.append("")
         for c in result.get("checks") or []:
-            out.append(f"- {c['name']}: {_fmt(c['value'])} {c['unit']} (target {c['target']}: "
-                       f"{'met' if c['met'] else '**missed**'})")
+            span = (f", range {_fmt(c['range'][0])}–{_fmt(c['range'][1])}"
+                    if c.get("range") else "")
+            noise = ", within the noise" if c.get("decided") is False else ""
+            out.append(f"- {c['name']}: {_fmt(c['value'])} {c['unit']}{span} (target "
+                       f"{c['target']}: {'met' if c['met'] else '**missed**'}{noise})")
         out += [f"- {note}" for note in result.get("notes") or []]
         out.append("")
     return "\n".join(out)

@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` (not `python -m pytest`) leaves 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_pipeline_overhead import phases  # noqa: E402
-from benchmarks.common import Target, alternate, check, emit  # noqa: E402
+from benchmarks.common import Target, alternate, check, emit, ratio_range, stats  # noqa: E402
 from benchmarks.jobs import steady_window  # noqa: E402
 from benchmarks.run_all import MEASURES, parse_result, supports, unstructured  # noqa: E402
 
@@ -83,6 +83,18 @@ def test_informative_ratio_takes_its_verdict_from_the_checks(capsys):
     emit("demo", metric="a / b", baseline=None, candidate=None, ratio=1.2,
          target="recovery <= 10 s", checks=[check("recovery", 8.0, "s", Target("<=", 10))])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["target_met"] is True
+
+
+def test_a_verdict_that_the_spread_could_flip_is_marked_undecided(capsys):
+    base, cand = stats([8.0, 10.0, 12.0], "s", "a"), stats([9.0, 10.2, 11.0], "s", "b")
+    spread = ratio_range(lambda b, c: c / b, base, cand)
+    assert spread == pytest.approx((9 / 12, 11 / 8))
+    emit("demo", metric="b / a", baseline=base, candidate=cand, ratio=1.02,
+         target=Target("<=", 1.05), spread=spread,
+         checks=[check("warm", 0.1, "s", Target("<=", 0.5), spread=(0.05, 0.2))])
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["target_met"] is True and result["decided"] is False
+    assert result["checks"][0]["decided"] is True and result["ratio_range"] == [0.75, 1.375]
 
 
 def test_pipeline_phases_from_prefect_log_lines():
