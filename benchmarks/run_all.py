@@ -1,0 +1,306 @@
+"""Run every benchmark (``benchmarks/bench_*.py``) one after another and write a results table.
+
+Each script runs in its own process; its last output line is its JSON result. The table, the
+machine description (CPU, cores, memory, GPUs, versions, date, load) and every script's notes
+go to ``benchmarks/RESULTS.md`` (``benchmarks/out/RESULTS-quick.md`` with ``--quick``, so a
+smoke run never overwrites the published figures); all results also go to a JSON file beside
+it, and each script's output to ``benchmarks/out/logs/``. A measure whose script is absent is
+listed as "not present"; a script without ``--quick`` is skipped in a quick run.
+
+    python benchmarks/run_all.py                 # full size: about 25 minutes on 2 CPU cores
+    python benchmarks/run_all.py --quick         # smoke run: every script once, tiny
+    python benchmarks/run_all.py --only bench_checkpoint,bench_dataset
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import DATA_DIR_ENV, PYTHON, env  # noqa: E402
+
+HERE = ROOT / "benchmarks"
+
+# The measures of the benchmark issue, in its order: (script stem, title, target as stated).
+MEASURES = (
+    ("bench_pipeline_overhead", "Pipeline overhead: whole flow vs bare torchrun",
+     "ratio <= 1.05"),
+    ("bench_trainer_throughput", "Trainer throughput vs a hand-written DDP loop",
+     "ratio >= 0.98"),
+    ("bench_checkpoint", "Checkpoint stall: async save vs synchronous torch.save",
+     "ratio <= 0.05"),
+    ("bench_recovery", "Preemption recovery: SIGTERM -> first resumed step",
+     "<= 10 s, <= 1 step lost"),
+    ("bench_image_decision", "Image: unchanged-image decision vs cached docker build",
+     "<= 1 s, no build"),
+    ("bench_dataset", "Dataset: cold pull vs raw dvc pull; warm pull",
+     "ratio >= 0.9; warm <= 0.5 s"),
+    ("bench_tracking", "Tracking overhead per step", "<= 1 % (ratio <= 0.01)"),
+    ("bench_gpu_resnet", "GPU: ResNet-50 images/s (bf16, channels-last), scaling",
+     "none set (reported)"),
+)
+
+
+def scripts(only: set[str] | None) -> list[tuple[str, str, str, Path | None]]:
+    """(stem, title, target, path or None when absent) for the known measures, then any other
+    ``bench_*.py`` present."""
+    known = {stem for stem, _, _ in MEASURES}
+    rows = [(stem, title, target, HERE / f"{stem}.py" if (HERE / f"{stem}.py").is_file()
+             else None) for stem, title, target in MEASURES]
+    rows += [(p.stem, p.stem, "see script", p) for p in sorted(HERE.glob("bench_*.py"))
+             if p.stem not in known]
+    return [r for r in rows if only is None or r[0] in only]
+
+
+def supports(path: Path, option: str) -> bool:
+    """Whether a script takes ``option``: the common parser's, or its own literal."""
+    text = path.read_text()
+    return ("benchmarks.common import" in text and "parser(" in text) or f'"{option}"' in text
+
+
+def parse_result(stdout: str) -> dict | None:
+    """The last JSON object line with a ``benchmark`` key, or None."""
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(result, dict) and "benchmark" in result:
+                return result
+    return None
+
+
+def unstructured(stdout: str) -> dict:
+    """A result for a script that prints text only: its last ``ratio ...: <number>`` line."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    ratio = None
+    for line in reversed(lines):
+        found = re.search(r"ratio[^:]*:\s*([-+0-9.eE]+)", line)
+        if found:
+            ratio = float(found.group(1))
+            break
+    return {"status": "ok" if ratio is not None else "no result", "ratio": ratio,
+            "target_met": None, "baseline": None, "candidate": None, "checks": [],
+            "notes": ["no JSON result line; its last lines: " + " / ".join(lines[-3:])]}
+
+
+def run_one(stem: str, path: Path, args: argparse.Namespace, logs: Path,
+            data_dir: str) -> dict:
+    cmd = [PYTHON, str(path)]
+    if args.quick:
+        if not supports(path, "--quick"):
+            return {"status": "skipped", "reason": "the script has no --quick option (it "
+                    "would run at full size)"}
+        cmd.append("--quick")
+    if args.repeats is not None:
+        if not supports(path, "--repeats"):
+            return {"status": "skipped", "reason": "the script has no --repeats option"}
+        cmd += ["--repeats", str(args.repeats)]
+    log_path = logs / f"{stem}.log"
+    print(f"== {stem}: {' '.join(cmd[1:])} (progress: {log_path})", flush=True)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:  # progress (stderr) lands here as it happens
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+                                  check=False, env=env({DATA_DIR_ENV: data_dir}),
+                                  timeout=args.timeout_s)
+            stdout, code = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            code = None
+        log.write(f"--- stdout ---\n{stdout}")
+    wall_s = time.perf_counter() - started
+    result = parse_result(stdout) if code == 0 else None
+    if code != 0:
+        reason = "timed out" if code is None else f"exit {code}"
+        result = {"status": "failed", "reason": f"{reason}; see {log_path}"}
+    elif result is None:
+        result = unstructured(stdout)
+    result["wall_s"] = round(wall_s, 1)
+    print(f"   {result.get('status')} in {wall_s:.0f} s: ratio {result.get('ratio')}, "
+          f"target met {result.get('target_met')}", flush=True)
+    return result
+
+
+def machine() -> dict[str, str]:
+    """What the figures were measured on."""
+    import psutil
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M)
+        cpu = names[0] if names else cpu
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if torch.cuda.is_available():
+        gpus = ", ".join(
+            f"{torch.cuda.get_device_name(i)} "
+            f"({torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB)"
+            for i in range(torch.cuda.device_count()))
+        gpus += f"; CUDA {torch.version.cuda}"
+    else:
+        gpus = "none (torch.cuda.is_available() is False)"
+    versions = ", ".join(f"{name} {_version(name)}" for name in
+                         ("torch", "prefect", "mlflow", "dvc", "torchvision"))
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=False).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"],
+                           capture_output=True, text=True, check=False).stdout.strip()
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "CPU": cpu,
+        "cores": f"{psutil.cpu_count(logical=False)} physical, {os.cpu_count()} logical"
+                 + (f", {usable} usable by this process" if usable else ""),
+        "memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+        "GPUs": gpus,
+        "OS": platform.platform(),
+        "Python": platform.python_version(),
+        "packages": versions,
+        "Stoker commit": (commit or "unknown") + (" (uncommitted changes)" if dirty else ""),
+        "load average (1 min) at start": f"{os.getloadavg()[0]:.2f}",
+    }
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _side(side: dict | None) -> str:
+    if not side:
+        return "-"
+    return (f"{_fmt(side['median'])} {side['unit']} ({_fmt(side['min'])}–{_fmt(side['max'])}, "
+            f"n={side['n']})")
+
+
+def verdict(result: dict) -> str:
+    status = result.get("status")
+    if status != "ok":
+        return f"{status}: {result['reason']}" if result.get("reason") else str(status)
+    text = {True: "met", False: "**missed**", None: "no verdict"}[result.get("target_met")]
+    if result.get("decided") is False:
+        text += " (within the noise: the spread straddles a target)"
+    return text
+
+
+def _ratio(result: dict) -> str:
+    span = result.get("ratio_range")
+    return _fmt(result.get("ratio")) + (f" ({_fmt(span[0])}–{_fmt(span[1])})" if span else "")
+
+
+def render(rows: list[tuple[str, str, str, dict]], info: dict[str, str], quick: bool,
+           wall_s: float) -> str:
+    out = ["# Stoker benchmark results", "",
+           f"Written by `python benchmarks/run_all.py{' --quick' if quick else ''}` on "
+           f"{info['date']} in {wall_s / 60:.1f} minutes. "
+           + ("**Quick smoke run: tiny sizes, one pair each; the figures mean little.**"
+              if quick else "Full size."),
+           "",
+           "Each benchmark measures a baseline and Stoker in the same run, alternately, and "
+           "reports the median and min–max of each; the ratio compares the medians, and its "
+           "range is the ratio at the extremes of both sides. A verdict whose range straddles "
+           "the target is marked as within the noise. A missed target is reported with the "
+           "measured figure, never hidden: the notes under each measure say where the time "
+           "goes. See README.benchmarks.md for what each measures.",
+           "", "## Machine", "", "| | |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in info.items()]
+    out += ["", "## Summary", "",
+            "| # | measure | baseline | Stoker | ratio (range) | target | verdict |",
+            "|---|---|---|---|---|---|---|"]
+    for n, (_, title, target, result) in enumerate(rows, 1):
+        out.append(f"| {n} | {title} | {_side(result.get('baseline'))} | "
+                   f"{_side(result.get('candidate'))} | {_ratio(result)} | "
+                   f"{target} | {verdict(result)} |")
+    out += ["", "## Details", ""]
+    for n, (stem, title, _, result) in enumerate(rows, 1):
+        out += [f"### {n}. {title} (`{stem}.py`)", ""]
+        if result.get("metric"):
+            out.append(f"Ratio: {result['metric']} = **{_ratio(result)}** "
+                       f"(target {result.get('target')}: {verdict(result)}). "
+                       f"Ran in {_fmt(result.get('wall_s'))} s.")
+        else:
+            out.append(f"{verdict(result)}.")
+        out.append("")
+        for c in result.get("checks") or []:
+            span = (f", range {_fmt(c['range'][0])}–{_fmt(c['range'][1])}"
+                    if c.get("range") else "")
+            noise = ", within the noise" if c.get("decided") is False else ""
+            out.append(f"- {c['name']}: {_fmt(c['value'])} {c['unit']}{span} (target "
+                       f"{c['target']}: {'met' if c['met'] else '**missed**'}{noise})")
+        out += [f"- {note}" for note in result.get("notes") or []]
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="every script once at a tiny size")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="pass --repeats N to every script (default: each script's own)")
+    p.add_argument("--only", default=None, help="comma-separated script names to run")
+    p.add_argument("--output", type=Path, default=None,
+                   help="results table (default benchmarks/RESULTS.md; "
+                        "benchmarks/out/RESULTS-quick.md with --quick)")
+    p.add_argument("--logs", type=Path, default=HERE / "out" / "logs",
+                   help="folder for each script's output")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="per script (default 3600; 600 with --quick)")
+    args = p.parse_args()
+    args.timeout_s = args.timeout_s or (600 if args.quick else 3600)
+    output = args.output or (HERE / "out" / "RESULTS-quick.md" if args.quick
+                             else HERE / "RESULTS.md")
+    only = set(args.only.split(",")) if args.only else None
+    args.logs.mkdir(parents=True, exist_ok=True)
+    output.parent.mkdir(parents=True, exist_ok=True)
+
+    info = machine()
+    started = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-data-") as tmp:
+        data_dir = os.environ.get(DATA_DIR_ENV) or tmp
+        for stem, title, target, path in scripts(only):
+            result = (run_one(stem, path, args, args.logs, data_dir) if path is not None
+                      else {"status": "not present",
+                            "reason": f"benchmarks/{stem}.py is not in this checkout"})
+            rows.append((stem, title, target, result))
+    wall_s = time.perf_counter() - started
+    info["load average (1 min) at end"] = f"{os.getloadavg()[0]:.2f}"
+    output.write_text(render(rows, info, args.quick, wall_s) + "\n")
+    results = {"machine": info, "quick": args.quick, "wall_s": round(wall_s, 1),
+               "results": {stem: result for stem, _, _, result in rows}}
+    output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {output} and {output.with_suffix('.json')} ({wall_s:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
