@@ -22,7 +22,8 @@ class ConfigError(ValueError):
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No inf/NaN floats: `train.lr=inf` must be refused, not train to NaN.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class DataConfig(_Frozen):
@@ -115,6 +116,16 @@ class TrainConfig(_Frozen):
     fail_at_step: int | None = Field(
         None, gt=0, description="Testing aid: raise a RuntimeError at this step (simulated bug)."
     )
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        builtin = ("small_cnn", "resnet18", "resnet34", "resnet50")
+        module, _, attr = value.partition(":")
+        if value not in builtin and not (module and attr):
+            raise ValueError(f"unknown model {value!r}: use {', '.join(builtin)} or "
+                             "'module:callable'")
+        return value
 
     @field_validator("nproc_per_node")
     @classmethod
@@ -294,7 +305,7 @@ def load_config(model: type[BaseModel], config_file: Path | None = None,
             raise ConfigError(f"config file {config_file}: not found")
         try:
             loaded = OmegaConf.load(config_file)
-        except (yaml.YAMLError, OmegaConfBaseException) as e:
+        except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError, OSError) as e:
             raise ConfigError(f"config file {config_file}: not valid YAML: {e}") from None
         if not OmegaConf.is_dict(loaded):
             raise ConfigError(f"config file {config_file}: must hold a mapping of fields")

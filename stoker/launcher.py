@@ -25,6 +25,7 @@ from tenacity import Retrying, retry_if_result, stop_never, wait_exponential
 
 from stoker.config import RetryConfig
 from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
+from stoker.runtime.preemption import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class LocalLauncher:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             self.command(spec_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=env, start_new_session=True,
+            env=env, start_new_session=True, preexec_fn=die_with_parent,
         )
         reader = threading.Thread(target=_pump, args=(self.process.stdout, on_line), daemon=True)
         reader.start()

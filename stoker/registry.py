@@ -79,16 +79,21 @@ def log_and_register(tracking_uri: str, run_id: str, registered_model: str, mode
     client = MlflowClient(tracking_uri)
     with torch.no_grad():
         output = model(torch.as_tensor(input_example)).numpy()
-    status = client.get_run(run_id).info.status
-    with mlflow.start_run(run_id=run_id):
-        info = mlflow.pytorch.log_model(
-            model, name="model", signature=infer_signature(input_example, output),
-            input_example=input_example, pip_requirements=pip_requirements(),
-            code_paths=[str(Path(stoker.__file__).parent)],
-            registered_model_name=registered_model,
-        )
-    client.set_terminated(run_id, status=status)  # reopening must not change how the run ended
-    version = str(info.registered_model_version)
+    existing = client.search_model_versions(f"name='{registered_model}' and run_id='{run_id}'")
+    if existing:  # an earlier, interrupted registration of this run: finish that version
+        version = str(max(int(v.version) for v in existing))
+    else:
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pytorch.log_model(
+                model, name="model", signature=infer_signature(input_example, output),
+                input_example=input_example, pip_requirements=pip_requirements(),
+                code_paths=[str(Path(stoker.__file__).parent)],
+                registered_model_name=registered_model,
+            )
+        version = str(info.registered_model_version)
+    # Only completed training is registered: reopening the run must leave it FINISHED, also
+    # when an earlier interrupted registration left it FAILED.
+    client.set_terminated(run_id, status="FINISHED")
     for key, tag in tags.items():
         client.set_model_version_tag(registered_model, version, key, tag)
     client.set_model_version_tag(registered_model, version, metric, str(value))

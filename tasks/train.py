@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
 from mlflow import MlflowClient
 from mlflow.entities import Metric, RunTag
 from prefect import get_run_logger, task
@@ -27,6 +28,10 @@ from stoker.lineage import code_version
 from stoker.preflight import preflight_image
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
+
+
+class JobBusy(RuntimeError):
+    """Another process holds the job's lock: it is training this job right now."""
 
 
 class TrainingFailed(RuntimeError):
@@ -200,6 +205,14 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
         if attempt.outcome == Outcome.INFRASTRUCTURE and run_file.exists():
             finish_run(client, run_file.read_text().strip(), "KILLED")
 
+    # One trainer per job: a second `stoker run` of the same config must not train it at once.
+    lock = FileLock(job_dir / ".train.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise JobBusy(f"job {job_dir.name} is being trained by another process (lock "
+                      f"{lock.lock_file}); wait for it, or set job_id to start another job") \
+            from None
     watcher = ProgressWatcher(job_dir, logger)
     watcher.start()
     try:
@@ -210,6 +223,7 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
         raise
     finally:
         watcher.stop()
+        lock.release()
     history = [json.loads(line) for line in (job_dir / "attempts.jsonl").read_text().splitlines()]
     history = history[-len(attempts):]  # this run's attempts (earlier runs of the job precede)
     if attempts[-1].outcome != Outcome.COMPLETED:

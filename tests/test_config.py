@@ -64,3 +64,13 @@ def test_configs_are_frozen():
     config = PipelineConfig()
     with pytest.raises(ValueError):
         config.train.epochs = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("train.lr=inf", "train.lr"), ("train.lr=nan", "train.lr"),
+    ("train.model=bogus", "train.model"),
+])
+def test_infinite_rates_and_unknown_models_are_refused_before_anything_runs(override, field):
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(None, [override])
+    assert str(info.value).startswith(f"{field}:")

@@ -193,3 +193,18 @@ def test_train_timeout_terminates_the_tree(harness, tmp_path):
     run_id = next((work / "jobs").glob("*/mlflow_run_id")).read_text()
     status = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id).info.status
     assert status in ("KILLED", "FAILED")
+
+
+def test_a_job_trains_in_one_process_at_a_time(harness, tmp_path):
+    from filelock import FileLock
+
+    from flows.pipeline import pipeline
+    from tasks.train import JobBusy
+
+    work = tmp_path / "work"
+    job = work / "jobs" / "busy"
+    job.mkdir(parents=True)
+    config = load_pipeline_config(None, [f"work_dir={work}", "job_id=busy", "train.epochs=1"])
+    with FileLock(job / ".train.lock"), pytest.raises(JobBusy, match="job busy is being trained"):
+        pipeline(config)
+    assert not (job / "attempts.jsonl").exists()  # nothing was launched

@@ -13,6 +13,20 @@ import threading
 log = logging.getLogger(__name__)
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` to this process when its parent dies (PR_SET_PDEATHSIG).
+
+    A SIGKILLed orchestrator or torchrun cannot clean up; with this, its children still get
+    SIGTERM (the runtime checkpoints and exits) instead of training on as orphans. No-op where
+    prctl is unavailable.
+    """
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 class StopFlag:
     """Set once a stop was requested; ``reason`` says by whom (e.g. ``SIGTERM``)."""
 

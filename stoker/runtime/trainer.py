@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 import resource
@@ -30,7 +31,7 @@ from stoker.runtime.checkpoint import Checkpointer, CheckpointError, Loaded
 from stoker.runtime.data import DataError, StepBatchSampler, build_splits, check_divisible
 from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, teardown
 from stoker.runtime.models import build_model
-from stoker.runtime.preemption import StopFlag
+from stoker.runtime.preemption import StopFlag, die_with_parent
 from stoker.runtime.progress import ProgressWriter
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import RunTracker, flatten
@@ -363,7 +364,12 @@ class Trainer:
         self.timings["sync"] += time.perf_counter() - t0
         every = self.cfg.checkpoint_every_steps
         due = bool(flags[2] > 0) or (every is not None and self.step % every == 0)
-        return bool(flags[1] > 0), due, float(flags[0]) / self.env.world_size
+        mean_loss = float(flags[0]) / self.env.world_size
+        if not math.isfinite(mean_loss):
+            raise FloatingPointError(
+                f"train loss is {mean_loss} at step {self.step}: training diverged (check "
+                f"train.lr={self.cfg.lr}, train.precision={self.cfg.precision})")
+        return bool(flags[1] > 0), due, mean_loss
 
     def evaluate(self, epoch: int, epoch_time_s: float) -> dict[str, float]:
         """Validation over all ranks (each takes every world_size-th sample); logs and returns
@@ -537,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", e)
         return 2
     stop = StopFlag().install()
+    die_with_parent()  # torchrun SIGKILLed: stop (and checkpoint) instead of training on orphaned
     env = init_distributed()
     trainer: Trainer | None = None
     outcome = "failed"
