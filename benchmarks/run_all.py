@@ -244,7 +244,7 @@ def render(rows: list[tuple[str, str, str, dict]], info: dict[str, str], quick: 
     out += ["", "## Details", ""]
     for n, (stem, title, _, result) in enumerate(rows, 1):
         out += [f"### {n}. {title} (`{stem}.py`)", ""]
-        if result.get("metric"):
+        if result.get("metric") and result.get("status") == "ok":
             out.append(f"Ratio: {result['metric']} = **{_ratio(result)}** "
                        f"(target {result.get('target')}: {verdict(result)}). "
                        f"Ran in {_fmt(result.get('wall_s'))} s.")
