@@ -107,10 +107,12 @@ def run_one(stem: str, path: Path, args: argparse.Namespace, logs: Path,
             return {"status": "skipped", "reason": "the script has no --quick option (it "
                     "would run at full size)"}
         cmd.append("--quick")
+    notes = []
     if args.repeats is not None:
-        if not supports(path, "--repeats"):
-            return {"status": "skipped", "reason": "the script has no --repeats option"}
-        cmd += ["--repeats", str(args.repeats)]
+        if supports(path, "--repeats"):
+            cmd += ["--repeats", str(args.repeats)]
+        else:
+            notes.append("run with its own number of repetitions (it has no --repeats option)")
     log_path = logs / f"{stem}.log"
     print(f"== {stem}: {' '.join(cmd[1:])} (progress: {log_path})", flush=True)
     started = time.perf_counter()
@@ -133,6 +135,7 @@ def run_one(stem: str, path: Path, args: argparse.Namespace, logs: Path,
         result = {"status": "failed", "reason": f"{reason}; see {log_path}"}
     elif result is None:
         result = unstructured(stdout)
+    result["notes"] = notes + (result.get("notes") or [])
     result["wall_s"] = round(wall_s, 1)
     print(f"   {result.get('status')} in {wall_s:.0f} s: ratio {result.get('ratio')}, "
           f"target met {result.get('target_met')}", flush=True)
@@ -244,7 +247,7 @@ def render(rows: list[tuple[str, str, str, dict]], info: dict[str, str], quick: 
     out += ["", "## Details", ""]
     for n, (stem, title, _, result) in enumerate(rows, 1):
         out += [f"### {n}. {title} (`{stem}.py`)", ""]
-        if result.get("metric"):
+        if result.get("metric") and result.get("status") == "ok":
             out.append(f"Ratio: {result['metric']} = **{_ratio(result)}** "
                        f"(target {result.get('target')}: {verdict(result)}). "
                        f"Ran in {_fmt(result.get('wall_s'))} s.")
