@@ -169,8 +169,9 @@ def run_with_retries(launch: Callable[[int], int], policy: RetryConfig,
                      sleep: Callable[[float], None] = time.sleep) -> list[Attempt]:
     """Call ``launch(attempt_number)`` until it completes or a retry budget is spent.
 
-    Each outcome has its own budget (``policy``); waits between attempts grow exponentially
-    from ``policy.backoff_s`` up to ``policy.backoff_max_s`` seconds.
+    Each outcome has its own budget (``policy``). A preempted attempt is resumed at once; after
+    failures the wait grows exponentially from ``policy.backoff_s`` up to
+    ``policy.backoff_max_s`` seconds.
 
     Returns:
         All attempts, oldest first; the last one's outcome is the job's.
@@ -192,9 +193,15 @@ def run_with_retries(launch: Callable[[int], int], policy: RetryConfig,
         used = sum(1 for a in attempts if a.outcome == attempt.outcome)
         return used <= budget_for(policy, attempt.outcome)
 
-    retrying = Retrying(
-        retry=retry_if_result(should_retry), stop=stop_never, sleep=sleep,
-        wait=wait_exponential(multiplier=policy.backoff_s, max=policy.backoff_max_s),
-    )
+    backoff = wait_exponential(multiplier=policy.backoff_s, max=policy.backoff_max_s)
+
+    def wait(state) -> float:
+        # A preempted attempt committed its checkpoint: resume at once. Failures back off.
+        if state.outcome.result().outcome == Outcome.PREEMPTED:
+            return 0.0
+        return backoff(state)
+
+    retrying = Retrying(retry=retry_if_result(should_retry), stop=stop_never, sleep=sleep,
+                        wait=wait)
     retrying(once)
     return attempts

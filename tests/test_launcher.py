@@ -51,11 +51,12 @@ def test_budgets_are_separate():
     assert attempts[-1].outcome is Outcome.INFRASTRUCTURE
 
 
-def test_backoff_grows():
+def test_backoff_grows_after_failures_and_preemptions_resume_at_once():
     waits = []
-    launch, _ = scripted([75, 75, 75, 0])
-    run_with_retries(launch, RetryConfig(backoff_s=1, backoff_max_s=3), sleep=waits.append)
-    assert waits == [1, 2, 3]
+    launch, _ = scripted([137, 137, 75, 137, 0])
+    policy = RetryConfig(backoff_s=1, backoff_max_s=3, max_infra_failures=5)
+    run_with_retries(launch, policy, sleep=waits.append)
+    assert waits == [1, 2, 0, 3]
 
 
 def test_terminate_tree_leaves_no_descendant(tmp_path):
