@@ -6,7 +6,7 @@ first), so neither pays DVC's import time.
 
 * Cold, baseline: ``git clone`` into a fresh folder, ``git checkout v1``, then
   ``dvc.repo.Repo.pull()`` (the default cache inside the clone). What a user types by hand.
-* Cold, candidate: ``stoker.dataset.pull_dataset`` into a fresh datasets folder (clone, resolve
+* Cold, candidate: ``stoker.data.pull.pull_dataset`` into a fresh datasets folder (clone, resolve
   the revision, DVC pull into a fresh shared cache, stage and rename into place).
   Ratio = baseline time / Stoker time; target >= 0.9 (Stoker at most about 10 % slower).
 * Warm: ``pull_dataset`` again on the already-pulled hash (one ``git fetch`` of the clone, the
@@ -43,8 +43,8 @@ from benchmarks.common import (  # noqa: E402
     stats,
 )
 from benchmarks.jobs import tiny_image_repo  # noqa: E402
-from stoker.dataset import pull_dataset  # noqa: E402
-from stoker.demo_data import DEMO_PATH, DEMO_TAG, ensure_demo_repo  # noqa: E402
+from stoker.data.demo import DEMO_PATH, DEMO_TAG, ensure_demo_repo  # noqa: E402
+from stoker.data.pull import pull_dataset  # noqa: E402
 
 TARGET = Target(">=", 0.9)
 WARM_TARGET = Target("<=", 0.5)

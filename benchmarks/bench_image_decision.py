@@ -33,10 +33,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stoker.debian_base import ensure_debian_base  # noqa: E402
-from stoker.images import build, build_and_push, build_labels, connect  # noqa: E402
-from stoker.imagespec import ImageSpec, content_hash, load_matrix  # noqa: E402
-from stoker.wheelhouse import fill_wheelhouse  # noqa: E402
+from stoker.images.base import ensure_debian_base  # noqa: E402
+from stoker.images.build import build, build_and_push, build_labels, connect  # noqa: E402
+from stoker.images.spec import ImageSpec, content_hash, load_matrix  # noqa: E402
+from stoker.images.wheelhouse import fill_wheelhouse  # noqa: E402
 
 ENTRY = "cpu-py311"
 BASE = "stoker-test/base:bookworm"

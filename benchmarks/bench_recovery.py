@@ -45,7 +45,8 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.jobs import demo_dataset, steps_per_epoch, write_spec  # noqa: E402
 from stoker.config import RetryConfig, TrainConfig  # noqa: E402
-from stoker.launcher import LocalLauncher, Outcome, run_with_retries  # noqa: E402
+from stoker.launch.local import LocalLauncher  # noqa: E402
+from stoker.launch.retry import Outcome, run_with_retries  # noqa: E402
 from stoker.runtime.progress import read_events  # noqa: E402
 
 TIME_TARGET = Target("<=", 10.0)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stoker.config import TrainConfig
-from stoker.dataset import DatasetRef, pull_dataset
-from stoker.demo_data import DEMO_PATH, DEMO_TAG, ensure_demo_repo, git
+from stoker.data.demo import DEMO_PATH, DEMO_TAG, ensure_demo_repo
+from stoker.data.git import git
+from stoker.data.pull import DatasetRef, pull_dataset
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from stoker.imagespec import ImageRequest
+from stoker.images.spec import ImageRequest
 from tasks.images import build_image
 
 DEFAULT_REQUEST = ImageRequest()

@@ -8,10 +8,11 @@ from pathlib import Path
 from prefect import flow
 
 from stoker.config import PipelineConfig
-from stoker.imagespec import ImageRequest
-from stoker.jobs import mark_done
+from stoker.images.spec import ImageRequest
+from stoker.launch.factory import needs_image
+from stoker.launch.job import mark_done
 from tasks.data import pull
-from tasks.images import build_image, needs_image
+from tasks.images import build_image
 from tasks.registry import register
 from tasks.report import report
 from tasks.train import train

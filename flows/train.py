@@ -5,9 +5,10 @@ from __future__ import annotations
 from prefect import flow
 
 from stoker.config import PipelineConfig
-from stoker.imagespec import ImageRequest
+from stoker.images.spec import ImageRequest
+from stoker.launch.factory import needs_image
 from tasks.data import pull
-from tasks.images import build_image, needs_image
+from tasks.images import build_image
 from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()

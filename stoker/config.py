@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from stoker.pricing import PriceTable
+from stoker.tracking.pricing import PriceTable
 
 
 class ConfigError(ValueError):
@@ -210,7 +210,8 @@ class LauncherConfig(_Frozen):
         "Docker Engine; kubernetes: a Kubeflow TrainJob/PyTorchJob.")
     docker: DockerLauncherConfig = DockerLauncherConfig()
     kubernetes: dict[str, Any] = Field(
-        default_factory=dict, description="KubernetesLaunchConfig fields (stoker/kubernetes.py)"
+        default_factory=dict,
+        description="KubernetesLaunchConfig fields (stoker/launch/kubeflow.py)"
         "; validated when kind is kubernetes.")
 
 

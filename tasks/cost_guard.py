@@ -23,9 +23,8 @@ from stoker.costguard.actions import ActionResult
 from stoker.costguard.config import CostGuardConfig
 from stoker.costguard.inventory import Resource
 from stoker.costguard.nvml import NvmlReader, load_nvml
-from stoker.costguard.report import event_payload, render_markdown
+from stoker.costguard.report import event_payload, event_resource, render_markdown
 from stoker.costguard.sweep import (
-    Row,
     SweepReport,
     connect_docker,
     discover_all,
@@ -96,11 +95,6 @@ def sweep(config: CostGuardConfig) -> SweepReport:
     return report
 
 
-def _event_resource(row: Row) -> dict[str, str]:
-    return {"prefect.resource.id": f"stoker.{row.kind}.{row.id}",
-            "prefect.resource.name": row.name, "stoker.kind": row.kind}
-
-
 def emit_events(report: SweepReport) -> list:
     """One event per idle or stalled GPU/resource, one per action taken, one for the sweep.
 
@@ -113,11 +107,11 @@ def emit_events(report: SweepReport) -> list:
         related = ([{"prefect.resource.id": f"prefect.flow-run.{row.flow_run_id}",
                      "prefect.resource.role": "stoker-job"}] if row.flow_run_id else None)
         if verdict in ("idle", "stalled"):
-            emitted.append(emit_event(f"{EVENT_PREFIX}.{verdict}", resource=_event_resource(row),
+            emitted.append(emit_event(f"{EVENT_PREFIX}.{verdict}", resource=event_resource(row),
                                       related=related,
                                       payload=event_payload(row, report.dry_run)))
         if row.action_status in _ACTED:
-            emitted.append(emit_event(f"{EVENT_PREFIX}.action", resource=_event_resource(row),
+            emitted.append(emit_event(f"{EVENT_PREFIX}.action", resource=event_resource(row),
                                       related=related,
                                       payload=event_payload(row, report.dry_run)))
     emitted.append(emit_event(f"{EVENT_PREFIX}.swept", resource={

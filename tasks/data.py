@@ -8,8 +8,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from stoker.config import PipelineConfig
-from stoker.dataset import DatasetRef, pull_dataset
-from stoker.demo_data import ensure_demo_repo
+from stoker.data.demo import ensure_demo_repo
+from stoker.data.pull import DatasetRef, pull_dataset
 
 
 @task(name="pull-dataset", cache_policy=NO_CACHE)

@@ -1,7 +1,7 @@
 """Training-image tasks: build (only if missing) and push, with registry credentials from Prefect.
 
 Also the prefect.yaml build step, so ``prefect deploy`` and the ``build-image`` flow compute the
-same content-hash tag for the same inputs (both call ``stoker.images.build_and_push``).
+same content-hash tag for the same inputs (both call ``stoker.images.build.build_and_push``).
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from prefect.blocks.system import Secret
 from prefect.cache_policies import NO_CACHE
 from pydantic import ValidationError
 
-from stoker.config import PipelineConfig, validate
-from stoker.images import (
+from stoker.config import validate
+from stoker.images.build import (
     ImageResult,
     RegistryCredentials,
     RegistryCredentialsMissingError,
     build_and_push,
     credentials_from_env,
 )
-from stoker.imagespec import ImageRequest
+from stoker.images.spec import ImageRequest
 
 
 def registry_credentials(secret_block: str | None) -> RegistryCredentials | None:
@@ -41,16 +41,6 @@ def registry_credentials(secret_block: str | None) -> RegistryCredentials | None
         raise RegistryCredentialsMissingError(
             f"Secret block {secret_block!r} must hold JSON with username and password; "
             f"missing or invalid: {', '.join(fields) or 'the whole value'}") from None
-
-
-def needs_image(config: PipelineConfig) -> bool:
-    """Whether training runs in containers without an image given explicitly."""
-    launcher = config.launcher
-    if launcher.kind == "docker":
-        return not launcher.docker.image
-    if launcher.kind == "kubernetes":
-        return not launcher.kubernetes.get("image")
-    return False
 
 
 @task(name="build-image", cache_policy=NO_CACHE)
@@ -77,7 +67,7 @@ def prefect_build_step(**fields) -> dict[str, str]:
 
     Raises:
         stoker.config.ConfigError: an unknown or invalid field (named).
-        stoker.images.ImageError: see ``build_and_push``.
+        stoker.images.build.ImageError: see ``build_and_push``.
     """
     request = validate(ImageRequest, fields, prefix="build step: ")
     result = build_and_push(request.spec(), registry_credentials(request.registry_secret_block),

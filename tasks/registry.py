@@ -10,29 +10,15 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from stoker.config import PipelineConfig
-from stoker.dataset import DatasetRef
-from stoker.plots import plot_curves
-from stoker.registry import Registration, log_and_register
-from tasks.train import TrainResult
-
-
-def load_trained_model(result: dict):
-    """Rebuild the trained module from ``result.json`` fields and its final weights (eval mode)."""
-    import torch
-
-    from stoker.runtime.models import build_model
-
-    model = build_model(result["model"], result["num_classes"], result["input_shape"][0])
-    model.load_state_dict(torch.load(result["model_path"], map_location="cpu"), strict=True)
-    return model.eval()
-
-
-def input_example(dataset: DatasetRef, count: int = 4):
-    """The first ``count`` images of the dataset as float32 [count, C, H, W] in [0, 1]."""
-    from stoker.runtime.data import load_image_folder
-
-    images, _labels, _classes = load_image_folder(Path(dataset.local_path))
-    return images[:count].numpy()
+from stoker.data.pull import DatasetRef
+from stoker.launch.supervisor import TrainResult
+from stoker.tracking.plots import plot_curves
+from stoker.tracking.registry import (
+    Registration,
+    input_example,
+    load_trained_model,
+    log_and_register,
+)
 
 
 @task(name="register-model", cache_policy=NO_CACHE)

@@ -21,8 +21,8 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 pytest_plugins = ["image_fixtures"]  # the training image, shared by image and docker tests
 
 from stoker.config import TrainConfig  # noqa: E402
-from stoker.dataset import pull_dataset  # noqa: E402
-from stoker.demo_data import ensure_demo_repo  # noqa: E402
+from stoker.data.demo import ensure_demo_repo  # noqa: E402
+from stoker.data.pull import pull_dataset  # noqa: E402
 from stoker.runtime.spec import RunSpec  # noqa: E402
 
 

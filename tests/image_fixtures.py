@@ -21,8 +21,8 @@ from image_support import (
     require_registry,
 )
 
-from stoker.images import build_and_push
-from stoker.imagespec import ImageSpec
+from stoker.images.build import build_and_push
+from stoker.images.spec import ImageSpec
 
 SESSION = uuid.uuid4().hex[:10]
 
@@ -95,7 +95,7 @@ def built(engine, spec):
 
 @pytest.fixture(scope="session")
 def training_image(built):
-    """The built training image (``stoker.images.ImageResult``)."""
+    """The built training image (``stoker.images.build.ImageResult``)."""
     return built[0]
 
 

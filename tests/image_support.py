@@ -56,7 +56,7 @@ def docker_client():
 def ensure_standin_base(client) -> str:
     """Stands in for the public base images (unreachable here): Debian 12, like debian:*-slim.
     Made once with debootstrap (one to three minutes), then reused by its tag."""
-    from stoker.debian_base import DebianBaseError, ensure_debian_base
+    from stoker.images.base import DebianBaseError, ensure_debian_base
 
     try:
         ensure_debian_base(client, STANDIN_BASE)
@@ -85,8 +85,8 @@ def ensure_wheelhouse(folder: Path, entry_name: str) -> Path:
     """
     import hashlib
 
-    from stoker.imagespec import SOURCE_ROOT, load_matrix
-    from stoker.wheelhouse import fill_wheelhouse
+    from stoker.images.spec import SOURCE_ROOT, load_matrix
+    from stoker.images.wheelhouse import fill_wheelhouse
 
     entry = load_matrix().entry(entry_name)
     if f"{sys.version_info.major}.{sys.version_info.minor}" != entry.python:

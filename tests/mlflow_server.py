@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from stoker.launcher import terminate_tree
+from stoker.launch.local import terminate_tree
 
 
 def free_port() -> int:

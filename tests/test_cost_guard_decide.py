@@ -22,8 +22,8 @@ from stoker.costguard.inventory import Resource, container_devices
 from stoker.costguard.nvml import NvmlReader, load_nvml
 from stoker.costguard.signals import read_job
 from stoker.costguard.sweep import run_sweep
-from stoker.pricing import PriceTable
 from stoker.runtime.progress import ProgressWriter
+from stoker.tracking.pricing import PriceTable
 
 SAMPLES = 5  # window_s / sample_interval_s + 1
 NOWHERE_PID = 999_999_999  # above any Linux pid_max: never resolvable

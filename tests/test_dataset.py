@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from stoker.dataset import DatasetError, pull_dataset
-from stoker.demo_data import DEMO_TAG, ensure_demo_repo, git
+from stoker.data.demo import DEMO_TAG, ensure_demo_repo
+from stoker.data.git import git
+from stoker.data.pull import DatasetError, pull_dataset
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import uuid
 import pytest
 from conftest import events
 
-from stoker.docker_launcher import DockerLauncher, combine_exit_codes
+from stoker.launch.docker import DockerLauncher, combine_exit_codes
 from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
 
 pytestmark = pytest.mark.integration

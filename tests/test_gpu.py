@@ -11,7 +11,8 @@ from conftest import Preemptor
 from test_runtime import assert_bitwise_equal, final_weights
 
 from stoker.config import RetryConfig
-from stoker.launcher import LocalLauncher, Outcome, run_with_retries
+from stoker.launch.local import LocalLauncher
+from stoker.launch.retry import Outcome, run_with_retries
 from stoker.runtime.spec import RunSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]

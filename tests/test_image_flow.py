@@ -23,8 +23,8 @@ from image_support import (
     require_registry,
 )
 
-from stoker.images import RegistryCredentialsMissingError, connect, registry_digest
-from stoker.imagespec import SOURCE_ROOT, ImageRequest, content_hash, image_ref
+from stoker.images.build import RegistryCredentialsMissingError, connect, registry_digest
+from stoker.images.spec import SOURCE_ROOT, ImageRequest, content_hash, image_ref
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 SESSION = uuid.uuid4().hex[:10]

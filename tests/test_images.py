@@ -28,7 +28,7 @@ from image_support import (
 )
 from mlflow_server import MlflowServer
 
-from stoker.images import (
+from stoker.images.build import (
     BaseImageNotFoundError,
     DockerUnavailableError,
     PushRejectedError,
@@ -42,7 +42,7 @@ from stoker.images import (
     registry_digest,
     without_userinfo,
 )
-from stoker.imagespec import (
+from stoker.images.spec import (
     SOURCE_ROOT,
     ImageSpec,
     content_hash,

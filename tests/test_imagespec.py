@@ -12,7 +12,7 @@ import pytest
 from image_support import ENTRY
 
 from stoker.config import ConfigError
-from stoker.imagespec import (
+from stoker.images.spec import (
     SOURCE_ROOT,
     ImageRequest,
     ImageSpec,
@@ -62,7 +62,7 @@ def test_hash_changes_with_every_input_file(source_copy, change):
         "dockerfile": "images/Dockerfile", "lock": "images/requirements-runtime.txt",
         "runtime_source": "stoker/runtime/launch.py", "new_runtime_file": "stoker/runtime/x.py",
         "config": "stoker/config.py", "verify_script": "images/verify_image.py",
-        "imported_by_config": "stoker/pricing.py",
+        "imported_by_config": "stoker/tracking/pricing.py",
     }[change]
     target = source_copy / path
     target.write_text((target.read_text() if target.exists() else "") + "\n# changed\n")
@@ -81,15 +81,15 @@ def test_hash_changes_with_build_arguments(source_copy, update):
 def test_context_follows_the_runtime_imports(source_copy):
     spec = _spec(source_copy)
     names = {name for name, _ in spec.context_files()}
-    assert {"stoker/config.py", "stoker/pricing.py", "stoker/runtime/trainer.py"} <= names
-    assert "stoker/launcher.py" not in names and "stoker/images.py" not in names
+    assert {"stoker/config.py", "stoker/tracking/pricing.py", "stoker/runtime/trainer.py"} <= names
+    assert "stoker/launch/local.py" not in names and "stoker/images/build.py" not in names
     before = content_hash(spec)
-    (source_copy / "stoker/launcher.py").write_text("# not part of the image\n")
+    (source_copy / "stoker/launch/local.py").write_text("# not part of the image\n")
     assert content_hash(spec) == before
     # A new import (absolute, `from stoker import`, or relative) brings its module along.
-    for statement, module in [("import stoker.jobs", "jobs"),
-                              ("from stoker import launcher", "launcher"),
-                              ("from ..lineage import code_version", "lineage")]:
+    for statement, module in [("import stoker.launch.job", "launch/job"),
+                              ("from stoker import ownership", "ownership"),
+                              ("from ..tracking.lineage import code_version", "tracking/lineage")]:
         (source_copy / "stoker/runtime/extra.py").write_text(
             f"def f():\n    {statement}\n")
         assert f"stoker/{module}.py" in {name for name, _ in spec.context_files()}

@@ -16,7 +16,12 @@ import jsonschema
 import pytest
 import yaml
 
-from stoker.kubernetes import GPU_TOLERATION, SPOT_TOLERATIONS, TERMINATION_MARGIN_S, TRAINJOB_NODE
+from stoker.launch.kubeflow import (
+    GPU_TOLERATION,
+    SPOT_TOLERATIONS,
+    TERMINATION_MARGIN_S,
+    TRAINJOB_NODE,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"

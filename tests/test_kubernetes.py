@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from stoker.config import ConfigError, TrainConfig
-from stoker.kubernetes import (
+from stoker.launch.kubeflow import (
     GPU_TOLERATION,
     JOB_LABEL,
     OWNER_LABEL,

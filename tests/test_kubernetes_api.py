@@ -16,7 +16,7 @@ import pytest
 from test_kubernetes import VALIDATORS, config
 
 from stoker.config import RetryConfig
-from stoker.launcher import Outcome, run_with_retries
+from stoker.launch.retry import Outcome, run_with_retries
 from stoker.runtime.spec import RunSpec
 
 
@@ -31,7 +31,7 @@ def _require(module: str):
 
 
 k8s = _require("kubernetes.client")
-kapi = _require("stoker.kubernetes_api")
+kapi = _require("stoker.launch.kubernetes")
 
 NS = "training"
 NAME = "stoker-job-1"

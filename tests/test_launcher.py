@@ -7,7 +7,8 @@ import psutil
 import pytest
 
 from stoker.config import RetryConfig
-from stoker.launcher import LocalLauncher, Outcome, classify_exit, run_with_retries, terminate_tree
+from stoker.launch.local import LocalLauncher, terminate_tree
+from stoker.launch.retry import Outcome, classify_exit, run_with_retries
 
 
 @pytest.mark.parametrize(("code", "outcome"), [
@@ -95,7 +96,7 @@ def test_launcher_kills_the_tree_on_timeout(tmp_path, make_spec):
 
 def test_spot_falls_back_to_on_demand_after_n_preemptions():
     from stoker.config import load_pipeline_config
-    from tasks.train import capacity_for
+    from stoker.launch.supervisor import capacity_for
 
     config = load_pipeline_config(None, ["cost.capacity_type=spot",
                                          "retry.on_demand_after_preemptions=2"])
@@ -109,8 +110,8 @@ def test_spot_falls_back_to_on_demand_after_n_preemptions():
 
 def test_launcher_choice_and_its_errors():
     from stoker.config import ConfigError, load_pipeline_config
-    from stoker.docker_launcher import DockerLauncher
-    from stoker.launchers import make_launcher
+    from stoker.launch.docker import DockerLauncher
+    from stoker.launch.factory import make_launcher
 
     assert isinstance(make_launcher(load_pipeline_config(None, []), 2), LocalLauncher)
     docker = load_pipeline_config(None, ["launcher.kind=docker"])

@@ -12,8 +12,8 @@ import pytest
 from mlflow import MlflowClient
 
 from stoker.config import load_pipeline_config
-from stoker.dataset import DatasetError
-from stoker.demo_data import git
+from stoker.data.git import git
+from stoker.data.pull import DatasetError
 
 pytestmark = pytest.mark.integration
 
@@ -199,7 +199,7 @@ def test_a_job_trains_in_one_process_at_a_time(harness, tmp_path):
     from filelock import FileLock
 
     from flows.pipeline import pipeline
-    from tasks.train import JobBusy
+    from stoker.launch.supervisor import JobBusy
 
     work = tmp_path / "work"
     job = work / "jobs" / "busy"

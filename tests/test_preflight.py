@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 from fake_nvml import FakeNvml, Gpu, NVMLError_LibraryNotFound
 
-from stoker.preflight import CudaDriverTooOldError, PreflightError, preflight_cuda
+from stoker.images.preflight import CudaDriverTooOldError, PreflightError, preflight_cuda
 
 
 @dataclass

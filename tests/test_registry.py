@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from stoker.registry import CHALLENGER, CHAMPION, beats, log_and_register, pip_requirements
+from stoker.tracking.registry import CHALLENGER, CHAMPION, beats, log_and_register, pip_requirements
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,8 @@ from conftest import Preemptor, events
 from mlflow import MlflowClient
 
 from stoker.config import RetryConfig
-from stoker.launcher import LocalLauncher, Outcome, run_with_retries
+from stoker.launch.local import LocalLauncher
+from stoker.launch.retry import Outcome, run_with_retries
 from stoker.runtime.checkpoint import MARKER, Checkpointer, CheckpointError
 from stoker.runtime.distributed import DistEnv
 from stoker.runtime.preemption import StopFlag

@@ -11,11 +11,12 @@ from conftest import Preemptor
 from mlflow import MlflowClient
 
 from stoker.config import RetryConfig, TrainConfig
-from stoker.cost import cost_report, steps_lost
-from stoker.launcher import LocalLauncher, Outcome, run_with_retries
-from stoker.pricing import PriceTable
+from stoker.launch.local import LocalLauncher
+from stoker.launch.retry import Outcome, run_with_retries
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import flatten
+from stoker.tracking.cost import cost_report, steps_lost
+from stoker.tracking.pricing import PriceTable
 
 pytestmark = pytest.mark.integration
 

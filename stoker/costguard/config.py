@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from stoker.config import _Frozen
-from stoker.pricing import CapacityType, PriceTable
+from stoker.tracking.pricing import CapacityType, PriceTable
 
 
 class Policy(_Frozen):

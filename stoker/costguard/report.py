@@ -75,3 +75,9 @@ def event_payload(row: Row, dry_run: bool) -> dict:
         "action": row.action, "idle_gpu_hours": round(row.idle_gpu_hours, 4),
         "usd_per_hour": round(row.usd_per_hour, 4), "dry_run": dry_run,
     }
+
+
+def event_resource(row: Row) -> dict[str, str]:
+    """The Prefect event resource of a sweep row: ``stoker.<kind>.<id>`` with its name."""
+    return {"prefect.resource.id": f"stoker.{row.kind}.{row.id}",
+            "prefect.resource.name": row.name, "stoker.kind": row.kind}

@@ -39,7 +39,7 @@ from stoker.costguard.inventory import (
 )
 from stoker.costguard.nvml import NvmlReader, Snapshot
 from stoker.costguard.signals import read_jobs
-from stoker.pricing import CapacityType, PriceTable
+from stoker.tracking.pricing import CapacityType, PriceTable
 
 log = logging.getLogger(__name__)
 

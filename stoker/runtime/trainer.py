@@ -6,15 +6,12 @@ metrics and results; every rank takes part in every collective.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
 import math
 import os
 import random
-import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,12 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from stoker.config import ConfigError
-from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
+from stoker.runtime import EXIT_PREEMPTED
 from stoker.runtime.checkpoint import Checkpointer, CheckpointError, Loaded
 from stoker.runtime.data import DataError, StepBatchSampler, build_splits, check_divisible
-from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, teardown
+from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from stoker.runtime.models import build_model
-from stoker.runtime.preemption import StopFlag, die_with_parent
+from stoker.runtime.preemption import StopFlag
+from stoker.runtime.profiling import ProfilingMixin
 from stoker.runtime.progress import ProgressWriter
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import RunTracker, flatten
@@ -46,7 +44,7 @@ SHARED_KEYS = {"model", "optimizer", "scheduler", "scaler", "step", "config", "r
                "world_size"}
 
 
-class Trainer:
+class Trainer(ProfilingMixin):
     """Owns the model, optimizer, data order, checkpointer and (rank 0) tracking of one job."""
 
     def __init__(self, spec: RunSpec, env: DistEnv, stop: StopFlag):
@@ -266,55 +264,6 @@ class Trainer:
         self._write_result(time.perf_counter() - started, self.step - start_step)
         return "completed"
 
-    def _profiler(self):
-        """An opt-in torch.profiler for ``profile_steps`` steps after 5 warm-up steps."""
-        if not self.cfg.profile_steps:
-            return None
-        from torch.profiler import ProfilerActivity, profile, schedule
-
-        activities = [ProfilerActivity.CPU]
-        if self.env.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        profiler = profile(activities=activities, record_shapes=True,
-                           schedule=schedule(wait=0, warmup=5, active=self.cfg.profile_steps,
-                                             repeat=1),
-                           on_trace_ready=self._save_trace)
-        profiler.start()
-        return profiler
-
-    def _profiler_step(self, profiler):
-        profiler.step()
-        if profiler.step_num >= 5 + self.cfg.profile_steps:
-            profiler.stop()
-            return None
-        return profiler
-
-    def _save_trace(self, profiler) -> None:
-        """Write this rank's Chrome/Perfetto trace to ``<job_dir>/profile/``; rank 0 logs the
-        folder to MLflow once written."""
-        folder = Path(self.spec.job_dir) / "profile"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"trace-rank{self.env.rank}-step{self.step}.json"
-        profiler.export_chrome_trace(str(path))
-        if self.tracker is not None:
-            self.tracker.log_artifact(str(path), "profile")
-
-    def _measure_flops(self, micro) -> None:
-        """Estimate FLOPs per optimizer step on this rank for achieved TFLOP/s and MFU.
-
-        Counts one forward pass with torch's FlopCounterMode and takes 3x (backward costs about
-        twice the forward), times micro-batches per step. The pass runs in eval mode without
-        gradients, so it touches no BatchNorm statistic, RNG state or DDP hook (exactness holds).
-        """
-        from torch.utils.flop_counter import FlopCounterMode
-
-        x, _y = micro[0]
-        self.module.eval()
-        with torch.no_grad(), FlopCounterMode(display=False) as counter, self._autocast():
-            self.module(self._to_device(x))
-        self.module.train()
-        self._step_flops = 3.0 * float(counter.get_total_flops()) * self.cfg.grad_accum_steps
-
     def train_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step over ``grad_accum_steps`` micro-batches; returns the local loss
         (a 0-d tensor, not synced)."""
@@ -471,31 +420,6 @@ class Trainer:
             self.tracker.log_metrics(self.step, {f"profile_{k}": v for k, v in profile.items()
                                                  if isinstance(v, int | float)})
 
-    def profile(self, wall_s: float, steps_run: int) -> dict[str, float]:
-        """Where this attempt's time went (seconds, rank 0's view), peak memory and throughput.
-
-        ``sync_s`` is the per-step collective (it absorbs waiting for slower ranks); gradient
-        all-reduce overlaps backward in DDP and is counted inside ``forward_backward_s``.
-        """
-        out: dict[str, float] = {f"{k}_s": round(v, 4) for k, v in self.timings.items()}
-        out["wall_s"] = round(wall_s, 4)
-        out["steps"] = steps_run
-        out["samples_per_s"] = round(steps_run * self.cfg.global_batch_size / max(wall_s, 1e-9),
-                                     2)
-        busy_s = self.timings["forward_backward"] + self.timings["optimizer"]
-        if self._step_flops and busy_s > 0:
-            tflops = self._step_flops * steps_run / busy_s / 1e12
-            out["achieved_tflops_per_device"] = round(tflops, 4)
-            peak = peak_tflops(self.gpu_model(), self.cfg.precision)
-            if peak:
-                out["mfu"] = round(tflops / peak, 4)
-        if self.env.device.type == "cuda":
-            out["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(self.env.device)
-        else:
-            out["peak_host_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss \
-                * 1024
-        return out
-
     def close(self, outcome: str) -> None:
         """Flush tracking and progress; mark the run FINISHED, KILLED (preempted) or FAILED."""
         with contextlib.suppress(CheckpointError):
@@ -511,56 +435,3 @@ class Trainer:
             self.progress.event("end", self.step, outcome=outcome)
             self.progress.heartbeat(self.step, outcome=outcome, force=True)
             self.progress.close()
-
-
-# Dense peak TFLOP/s per GPU from the vendors' datasheets (no sparsity), by precision.
-PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-               "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-               "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-               "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3}}
-
-
-def peak_tflops(gpu_model: str, precision: str) -> float | None:
-    """Datasheet dense peak for ``gpu_model`` (an NVML/CUDA name) at ``precision``, or None."""
-    for fragment, peaks in PEAK_TFLOPS.items():
-        if fragment in gpu_model:
-            return peaks[precision]
-    return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m stoker.runtime SPEC.yaml``; returns the process exit code."""
-    parser = argparse.ArgumentParser(prog="python -m stoker.runtime",
-                                     description="Train (or resume) the job described by SPEC.")
-    parser.add_argument("spec", type=Path, help="run spec YAML written by the orchestrator")
-    args = parser.parse_args(argv)
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        spec = RunSpec.load(args.spec)
-    except ConfigError as e:
-        log.error("%s", e)
-        return 2
-    stop = StopFlag().install()
-    die_with_parent()  # torchrun SIGKILLed: stop (and checkpoint) instead of training on orphaned
-    env = init_distributed()
-    trainer: Trainer | None = None
-    outcome = "failed"
-    try:
-        if spec.train.preemption_notice_url:
-            stop.watch_notice_url(spec.train.preemption_notice_url,
-                                  spec.train.preemption_notice_interval_s)
-        trainer = Trainer(spec, env, stop)
-        outcome = trainer.train()
-        return EXIT_PREEMPTED if outcome == "preempted" else EXIT_OK
-    except (ConfigError, DataError, CheckpointError) as e:
-        log.error("%s", e)
-        return 2
-    except Exception:
-        log.exception("training failed at step %s", trainer.step if trainer else 0)
-        return 1
-    finally:
-        if trainer is not None:
-            trainer.close(outcome)
-        teardown()

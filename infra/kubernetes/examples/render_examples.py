@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from stoker.config import TrainConfig
-from stoker.kubernetes import KubernetesLaunchConfig, VolumeClaim, kubernetes_name, render
+from stoker.launch.kubeflow import KubernetesLaunchConfig, VolumeClaim, kubernetes_name, render
 from stoker.runtime.spec import RunSpec
 
 HERE = Path(__file__).parent

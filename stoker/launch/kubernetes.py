@@ -4,7 +4,7 @@ No Prefect here. Uses the official ``kubernetes`` client (the ``kubernetes`` ext
 ``CoreV1Api`` for the spec ConfigMap and the pods, ``CustomObjectsApi`` for the TrainJob or
 PyTorchJob. ``KubernetesLauncher.run`` returns an exit code with the same contract as
 ``LocalLauncher.run`` (0 done, 75 preempted, 137 infrastructure, else user error), so
-``stoker.launcher.run_with_retries`` drives both.
+``stoker.launch.retry.run_with_retries`` drives both.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, stop_never, wait_fixed
 
-from stoker.kubernetes import (
+from stoker.launch.kubeflow import (
     JOB_LABEL,
     PYTORCH_CONTAINER,
     TRAINJOB_NODE,
@@ -29,7 +29,7 @@ from stoker.kubernetes import (
     configmap_name,
     render,
 )
-from stoker.launcher import Outcome, classify_exit
+from stoker.launch.retry import Outcome, classify_exit
 from stoker.runtime import EXIT_PREEMPTED
 from stoker.runtime.spec import RunSpec
 

@@ -10,14 +10,14 @@ nothing half-made behind and the next run starts over cleanly.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from stoker.data.git import git
+
 DEMO_TAG = "v1"
 DEMO_PATH = "data/digits"
-_GIT_IDENTITY = ["-c", "user.name=Stoker", "-c", "user.email=stoker@localhost"]
 
 
 @dataclass(frozen=True)
@@ -27,20 +27,6 @@ class DemoRepo:
     repo: Path
     remote: Path
     created: bool
-
-
-def git(cwd: Path, *args: str) -> str:
-    """Run a git command in ``cwd`` and return its stripped stdout.
-
-    Raises:
-        RuntimeError: git exited non-zero; the message holds the command and git's stderr.
-    """
-    result = subprocess.run(
-        ["git", *_GIT_IDENTITY, *args], cwd=cwd, capture_output=True, text=True, check=False
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args)} (in {cwd}) failed: {result.stderr.strip()}")
-    return result.stdout.strip()
 
 
 def export_digits(root: Path) -> int:

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stoker.data.pull import DatasetRef
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -111,3 +115,22 @@ def log_and_register(tracking_uri: str, run_id: str, registered_model: str, mode
         client.set_registered_model_alias(registered_model, CHAMPION, version)
     return Registration(registered_model, version, metric, value, promoted, previous,
                         previous_value, f"models:/{registered_model}/{version}")
+
+
+def load_trained_model(result: dict):
+    """Rebuild the trained module from ``result.json`` fields and its final weights (eval mode)."""
+    import torch
+
+    from stoker.runtime.models import build_model
+
+    model = build_model(result["model"], result["num_classes"], result["input_shape"][0])
+    model.load_state_dict(torch.load(result["model_path"], map_location="cpu"), strict=True)
+    return model.eval()
+
+
+def input_example(dataset: DatasetRef, count: int = 4):
+    """The first ``count`` images of the dataset as float32 [count, C, H, W] in [0, 1]."""
+    from stoker.runtime.data import load_image_folder
+
+    images, _labels, _classes = load_image_folder(Path(dataset.local_path))
+    return images[:count].numpy()

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from stoker.imagespec import IMAGES_DIR, SOURCE_ROOT, MatrixEntry
+from stoker.images.spec import IMAGES_DIR, SOURCE_ROOT, MatrixEntry
 
 LOCK_FILE = f"{IMAGES_DIR}/requirements-runtime.txt"
 # Platform tags of the images (glibc >= 2.28 on x86-64: Ubuntu 22.04/24.04, Debian 12).

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from stoker.demo_data import git
+from stoker.data.git import git
 
 
 class DatasetError(RuntimeError):

@@ -23,13 +23,23 @@ class KubernetesAdapter:
 
     def run(self, spec_path: Path, on_line: Callable[[str], None] = print,
             timeout_s: float | None = None) -> int:
-        from stoker.kubernetes import kubernetes_name
+        from stoker.launch.kubeflow import kubernetes_name
         from stoker.runtime.spec import RunSpec
 
         spec = RunSpec.load(spec_path)
         name = kubernetes_name(Path(spec.job_dir).name)
         on_line(f"submitting Kubernetes job {name}")
         return self.launcher.run(spec, name, timeout_s=timeout_s)
+
+
+def needs_image(config: PipelineConfig) -> bool:
+    """Whether training runs in containers without an image given explicitly."""
+    launcher = config.launcher
+    if launcher.kind == "docker":
+        return not launcher.docker.image
+    if launcher.kind == "kubernetes":
+        return not launcher.kubernetes.get("image")
+    return False
 
 
 def make_launcher(config: PipelineConfig, world_size: int, image: str | None = None) -> Launcher:
@@ -45,11 +55,11 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
     kind = config.launcher.kind
     grace = config.train.preemption_grace_s
     if kind == "local":
-        from stoker.launcher import LocalLauncher
+        from stoker.launch.local import LocalLauncher
 
         return LocalLauncher(world_size, shutdown_grace_s=grace)
     if kind == "docker":
-        from stoker.docker_launcher import DockerLauncher
+        from stoker.launch.docker import DockerLauncher
 
         docker = config.launcher.docker
         if not config.tracking_uri().startswith(("http://", "https://")):
@@ -67,8 +77,8 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
             extra_mounts=[str(config.work_dir.resolve())],
         )
     from stoker.config import validate
-    from stoker.kubernetes import KubernetesLaunchConfig
-    from stoker.kubernetes_api import KubernetesLauncher, api_client
+    from stoker.launch.kubeflow import KubernetesLaunchConfig
+    from stoker.launch.kubernetes import KubernetesLauncher, api_client
 
     fields = dict(config.launcher.kubernetes)
     if image:

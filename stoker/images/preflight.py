@@ -123,10 +123,10 @@ def preflight_image(ref: str, nvml: ModuleType | Any | None = None,
 
     Raises:
         CudaDriverTooOldError, PreflightError: see ``preflight_cuda``.
-        stoker.images.DockerUnavailableError: the daemon does not answer.
+        stoker.images.build.DockerUnavailableError: the daemon does not answer.
         docker.errors.ImageNotFound: the image is not on this engine.
     """
-    from stoker.images import connect
+    from stoker.images.build import connect
 
     if nvml is None:
         import pynvml as nvml

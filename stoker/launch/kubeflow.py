@@ -13,7 +13,7 @@ No Prefect here. Every pod runs the training image's entrypoint, ``python -m sto
   ``PET_RDZV_BACKEND=c10d`` and ``PET_NNODES``; every pod is a Worker.
 
 Every attempt ends the whole job (torchrun ``--max-restarts=0``, PyTorchJob ``restartPolicy:
-Never``): the caller resubmits the same manifests to resume (see ``stoker.kubernetes_api``), so
+Never``): the caller resubmits the same manifests to resume (see ``stoker.launch.kubernetes``), so
 preemptions, infrastructure failures and user errors keep their separate retry budgets.
 Field names and limits follow the CRDs vendored in ``infra/kubernetes/crds/``.
 """

@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from stoker.config import ConfigError, _Frozen, validate
 
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 IMAGES_DIR = "images"
 MATRIX_FILE = f"{IMAGES_DIR}/matrix.yaml"
 # Files taken from images/ into the root of the build context.
@@ -119,7 +119,7 @@ class ImageSpec(_Frozen):
         "the wheelhouse folder (no index: air-gapped builds).")
     wheelhouse: Path | None = Field(
         None, description="Folder of wheels for pip_install_from=wheelhouse (see "
-        "stoker.wheelhouse.fill_wheelhouse).")
+        "stoker.images.wheelhouse.fill_wheelhouse).")
     source_root: Path = Field(SOURCE_ROOT, description="Checkout holding images/ and stoker/.")
 
     @field_validator("registry")

@@ -1,6 +1,6 @@
 """Content-addressed training images: build through the Docker Engine only what is not pushed.
 
-``build_and_push(spec)`` hashes everything that determines the image (``stoker.imagespec``), asks
+``build_and_push(spec)`` hashes everything that determines the image (``stoker.images.spec``), asks
 the registry whether ``<registry>/<repository>:<hash>`` exists and, if it does, returns its digest
 without building. Otherwise it checks the base image, builds through the Engine API (output passed
 line by line to ``on_log``), pushes, and returns reference, digest and size. Every failure raises
@@ -32,8 +32,8 @@ from docker.utils import parse_repository_tag
 from pydantic import BaseModel, ConfigDict, SecretStr
 
 from stoker import __version__
-from stoker.imagespec import ImageSpec, content_hash, image_ref, image_tag, write_context
-from stoker.lineage import code_version
+from stoker.images.spec import ImageSpec, content_hash, image_ref, image_tag, write_context
+from stoker.tracking.lineage import code_version
 
 USERNAME_ENV = "STOKER_REGISTRY_USERNAME"
 PASSWORD_ENV = "STOKER_REGISTRY_PASSWORD"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from stoker.pricing import PriceTable
+from stoker.tracking.pricing import PriceTable
 
 
 @dataclass(frozen=True)

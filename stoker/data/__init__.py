@@ -1,0 +1,1 @@
+"""Datasets: pull a DVC-tracked folder at a pinned revision, the demo repository, git helpers."""

@@ -1,0 +1,1 @@
+"""Training images: spec and content hash, build and push, wheelhouse, local base, GPU preflight."""

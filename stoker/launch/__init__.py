@@ -1,0 +1,1 @@
+"""Launching training: job identity, local torchrun, docker, Kubernetes; exit codes and retries."""

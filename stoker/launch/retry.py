@@ -1,0 +1,103 @@
+"""How an attempt ended (from the runtime's exit-code contract) and which attempts to retry.
+
+No Prefect here: the ``train`` task wraps these functions. The exit-code contract is the runtime's
+(see ``stoker.runtime.launch``): 0 done, 75 preempted, 137 killed (infrastructure), else a bug.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+from tenacity import Retrying, retry_if_result, stop_never, wait_exponential
+
+from stoker.config import RetryConfig
+from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    PREEMPTED = "preempted"
+    INFRASTRUCTURE = "infrastructure_failure"
+    USER_ERROR = "user_error"
+
+
+def classify_exit(code: int) -> Outcome:
+    """Map an attempt's exit code to its outcome (negative codes: killed by that signal)."""
+    if code == EXIT_OK:
+        return Outcome.COMPLETED
+    if code == EXIT_PREEMPTED:
+        return Outcome.PREEMPTED
+    if code in (137, -signal.SIGKILL):
+        return Outcome.INFRASTRUCTURE
+    return Outcome.USER_ERROR
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One launch of the runtime. Times are Unix seconds; ``duration_s`` in seconds."""
+
+    number: int
+    exit_code: int
+    outcome: Outcome
+    started: float
+    duration_s: float
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "outcome": str(self.outcome)}
+
+
+RETRYABLE = {Outcome.PREEMPTED, Outcome.INFRASTRUCTURE, Outcome.USER_ERROR}
+
+
+def budget_for(policy: RetryConfig, outcome: Outcome) -> int:
+    """How many attempts ending with ``outcome`` may be retried."""
+    return {Outcome.PREEMPTED: policy.max_preemptions,
+            Outcome.INFRASTRUCTURE: policy.max_infra_failures,
+            Outcome.USER_ERROR: policy.max_user_errors}.get(outcome, 0)
+
+
+def run_with_retries(launch: Callable[[int], int], policy: RetryConfig,
+                     on_attempt: Callable[[Attempt], None] = lambda a: None,
+                     sleep: Callable[[float], None] = time.sleep) -> list[Attempt]:
+    """Call ``launch(attempt_number)`` until it completes or a retry budget is spent.
+
+    Each outcome has its own budget (``policy``). A preempted attempt is resumed at once; after
+    failures the wait grows exponentially from ``policy.backoff_s`` up to
+    ``policy.backoff_max_s`` seconds.
+
+    Returns:
+        All attempts, oldest first; the last one's outcome is the job's.
+    """
+    attempts: list[Attempt] = []
+
+    def once() -> Attempt:
+        started = time.time()
+        code = launch(len(attempts) + 1)
+        attempt = Attempt(len(attempts) + 1, code, classify_exit(code), started,
+                          round(time.time() - started, 3))
+        attempts.append(attempt)
+        on_attempt(attempt)
+        return attempt
+
+    def should_retry(attempt: Attempt) -> bool:
+        if attempt.outcome not in RETRYABLE:
+            return False
+        used = sum(1 for a in attempts if a.outcome == attempt.outcome)
+        return used <= budget_for(policy, attempt.outcome)
+
+    backoff = wait_exponential(multiplier=policy.backoff_s, max=policy.backoff_max_s)
+
+    def wait(state) -> float:
+        # A preempted attempt committed its checkpoint: resume at once. Failures back off.
+        if state.outcome.result().outcome == Outcome.PREEMPTED:
+            return 0.0
+        return backoff(state)
+
+    retrying = Retrying(retry=retry_if_result(should_retry), stop=stop_never, sleep=sleep,
+                        wait=wait)
+    retrying(once)
+    return attempts

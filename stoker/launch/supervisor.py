@@ -1,0 +1,141 @@
+"""A training job as a series of attempts: run spec, lineage tags, progress, closing the MLflow run.
+
+No Prefect here: the ``train`` task (``tasks/train.py``) calls these functions and adds the Prefect
+parts (task runs per attempt, the progress artifact, the flow run's id and URL).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from stoker.config import PipelineConfig
+from stoker.data.pull import DatasetRef
+from stoker.images.build import ImageResult
+from stoker.runtime.progress import read_events
+from stoker.runtime.spec import RunSpec
+from stoker.tracking.lineage import code_version
+
+
+class JobBusy(RuntimeError):
+    """Another process holds the job's lock: it is training this job right now."""
+
+
+class TrainingFailed(RuntimeError):
+    """The job ended without completing (budget spent, or an error not worth retrying)."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What training produced: the MLflow run, metrics, final weights, attempts and cost."""
+
+    job_dir: str
+    run_id: str
+    metrics: dict
+    result: dict
+    attempts: list[dict]
+    cost: dict
+
+
+def nproc(config: PipelineConfig) -> int:
+    """Processes per node: the configured number, or one per GPU, or 2 on a CPU machine."""
+    if config.train.nproc_per_node != "auto":
+        return int(config.train.nproc_per_node)
+    import torch
+
+    return torch.cuda.device_count() or 2
+
+
+def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
+                 image: ImageResult | None = None, flow_run_id: str | None = None,
+                 flow_run_url: str | None = None) -> dict[str, str]:
+    """Tags every run carries: code version, dataset, orchestrator run, launcher, world size.
+
+    ``flow_run_url`` is dropped unless it is an http(s) URL (Prefect builds ``None/flow-runs/…``
+    when no UI URL is configured)."""
+    code = code_version()
+    tags = {
+        "mlflow.source.git.commit": code["git_commit"], "stoker.git_commit": code["git_commit"],
+        "stoker.git_dirty": code["git_dirty"], "dvc.repo": dataset.repo_url,
+        "dvc.rev": dataset.rev, "dvc.commit": dataset.commit, "dvc.path": dataset.path,
+        "dvc.md5": dataset.md5, "stoker.launch.local": config.launcher.kind,
+        "stoker.world_size": str(world_size), "stoker.capacity_type": config.cost.capacity_type,
+    }
+    if image is not None:
+        tags.update(image.lineage_tags())
+    elif config.launcher.kind == "docker" and config.launcher.docker.image:
+        tags["stoker.image"] = config.launcher.docker.image
+    if flow_run_id:
+        tags["prefect.flow_run_id"] = str(flow_run_id)
+    if flow_run_url and flow_run_url.startswith(("http://", "https://")):
+        tags["prefect.flow_run_url"] = flow_run_url
+    return tags
+
+
+def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
+               world_size: int, tags: dict[str, str]) -> Path:
+    """Write ``<job_dir>/spec.yaml`` for the runtime (rewritten each run with current lineage)."""
+    spec = RunSpec(
+        train=config.train, data_dir=dataset.local_path, job_dir=str(job_dir),
+        tracking_uri=config.tracking_uri(), experiment=config.tracking.experiment,
+        artifact_location=None if config.tracking.tracking_uri
+        else (config.work_dir.resolve() / "mlartifacts").as_uri(),
+        run_name=job_dir.name, tags=tags,
+        system_metrics_interval_s=config.tracking.system_metrics_interval_s,
+    )
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec.dump(job_dir / "spec.yaml")
+    return job_dir / "spec.yaml"
+
+
+def capacity_for(config: PipelineConfig, preemptions_so_far: int) -> str:
+    """Capacity type of the next attempt: spot falls back to on-demand after N preemptions."""
+    after = config.retry.on_demand_after_preemptions
+    if config.cost.capacity_type == "spot" and after is not None and preemptions_so_far >= after:
+        return "on_demand"
+    return config.cost.capacity_type
+
+
+class ProgressWatcher(threading.Thread):
+    """Reports the runtime's progress events every ``every_s`` seconds.
+
+    ``on_progress(percent, message)`` gets the share of steps done (0-100) and a line with step,
+    throughput and ETA; the ``train`` task turns it into a Prefect progress artifact and a log line.
+    """
+
+    def __init__(self, job_dir: Path, on_progress: Callable[[float, str], None],
+                 every_s: float = 5.0):
+        super().__init__(daemon=True, name="progress-watcher")
+        self.job_dir, self.on_progress, self.every_s = job_dir, on_progress, every_s
+        self.stopped = threading.Event()
+
+    def poll(self) -> None:
+        events = read_events(self.job_dir)
+        starts = [e for e in events if e["event"] == "start"]
+        steps = [e for e in events if e["event"] == "step"]
+        if not starts or not steps:
+            return
+        total, last = starts[-1].get("total_steps") or 1, steps[-1]
+        rate = last.get("samples_per_s") or 0.0
+        step_rate = len([e for e in steps if e["time"] >= last["time"] - 30]) / 30
+        eta = (total - last["step"]) / step_rate if step_rate else float("nan")
+        self.on_progress(round(100 * last["step"] / total, 1),
+                         f"step {last['step']}/{total}, {rate:.0f} samples/s, ETA {eta:.0f} s")
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            self.poll()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.poll()
+
+
+def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
+    """Close a run an attempt left RUNNING (a SIGKILL gives the runtime no chance to)."""
+    if run_id and client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, status=status)

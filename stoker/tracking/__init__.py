@@ -1,0 +1,1 @@
+"""Tracking: MLflow registry and promotion, lineage, training curves, cost and prices."""
