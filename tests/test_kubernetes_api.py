@@ -1,6 +1,6 @@
 """Submission and status through the real ``kubernetes`` client over real HTTP, against a server
 on 127.0.0.1 that records every request and answers like the API server (no cluster exists
-here). Status fixtures are checked against the vendored CRD status schemas."""
+here). Status fixtures are checked against Kubeflow's own API models."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from test_kubernetes import VALIDATORS, config
+from test_kubernetes import config
 
-from stoker.config import RetryConfig
+from stoker.config import ConfigError, RetryConfig
+from stoker.launch import kubeflow
+from stoker.launch.api_models import check_manifest
 from stoker.launch.retry import Outcome, run_with_retries
 from stoker.runtime.spec import RunSpec
 
@@ -129,10 +131,9 @@ def job_obj(kind: str, *conditions: dict, **status) -> dict:
     obj = {"apiVersion": api_version, "kind": kind,
            "metadata": {"name": NAME, "namespace": NS},
            "spec": {"runtimeRef": {"name": "torch-distributed"}} if kind == "TrainJob"
-           else {"pytorchReplicaSpecs": {}},
+           else {"pytorchReplicaSpecs": {}, "runPolicy": {}},
            "status": {"conditions": list(conditions), **status}}
-    errors = list(VALIDATORS[kind].iter_errors(obj))  # fixtures shaped like the real status
-    assert not errors, [e.message for e in errors]
+    check_manifest(obj)  # fixtures shaped like the real status
     return obj
 
 
@@ -256,6 +257,17 @@ def test_launcher_submits_waits_and_returns_the_exit_code(server, api, spec):
     assert launcher.run(spec, NAME) == 137
     assert seen == ["pending", "failed"]
     assert ("POST", TRAINJOBS) in server.calls() and not server.calls("DELETE")
+
+
+@pytest.mark.parametrize("flavor", ["trainjob", "pytorchjob"])
+def test_launcher_submits_nothing_when_a_manifest_is_refused(server, api, spec, flavor,
+                                                             monkeypatch):
+    monkeypatch.setattr(kubeflow, "_env", lambda config: [{"name": "X", "valu": "1"}])
+    launcher = kapi.KubernetesLauncher(config(namespace=NS, flavor=flavor), api,
+                                       poll_interval_s=0.01)
+    with pytest.raises(ConfigError, match=r"env\[0\]\.valu: unknown field"):
+        launcher.run(spec, NAME)
+    assert server.requests == []
 
 
 def test_launcher_attaches_to_a_job_that_is_still_running(server, api, spec):

@@ -15,7 +15,8 @@ No Prefect here. Every pod runs the training image's entrypoint, ``python -m sto
 Every attempt ends the whole job (torchrun ``--max-restarts=0``, PyTorchJob ``restartPolicy:
 Never``): the caller resubmits the same manifests to resume (see ``stoker.launch.kubernetes``), so
 preemptions, infrastructure failures and user errors keep their separate retry budgets.
-Field names and limits follow the CRDs vendored in ``infra/kubernetes/crds/``.
+``render`` checks every object against Kubeflow's and Kubernetes' own API models
+(``stoker.launch.api_models``) before anything is submitted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from stoker.config import ConfigError, _Frozen
+from stoker.launch.api_models import check_manifest
 from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
 from stoker.runtime.spec import RunSpec
 
@@ -279,7 +281,7 @@ def _resources(config: KubernetesLaunchConfig) -> dict:
     resources: dict = {}
     if config.gpus_per_node:
         # Extended resources are set as limits; the request defaults to the limit.
-        resources["limits"] = {config.gpu_resource: config.gpus_per_node}
+        resources["limits"] = {config.gpu_resource: str(config.gpus_per_node)}
     requests = {k: v for k, v in (("cpu", config.cpu_per_node),
                                   ("memory", config.memory_per_node)) if v}
     if requests:
@@ -398,8 +400,8 @@ def render(spec: RunSpec, name: str, config: KubernetesLaunchConfig) -> list[dic
     """The manifests to apply, in order: the spec ConfigMap, then the job of ``config.flavor``.
 
     Raises:
-        ConfigError: ``name`` is not an RFC 1035 label of at most 58 characters, or see
-            ``pod_spec``.
+        ConfigError: ``name`` is not an RFC 1035 label of at most 58 characters, an object
+            does not parse with its API model (see ``check_manifest``), or see ``pod_spec``.
     """
     if not _DNS_LABEL.match(name) or len(name) > 58:
         raise ConfigError(f"job name {name!r}: must be lowercase letters, digits and '-', "
@@ -407,4 +409,7 @@ def render(spec: RunSpec, name: str, config: KubernetesLaunchConfig) -> list[dic
                           "(use kubernetes_name())")
     job = (render_trainjob if config.flavor == "trainjob" else render_pytorchjob)(
         spec, name, config)
-    return [render_spec_configmap(spec, name, config), job]
+    manifests = [render_spec_configmap(spec, name, config), job]
+    for manifest in manifests:
+        check_manifest(manifest)
+    return manifests

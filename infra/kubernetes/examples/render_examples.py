@@ -3,7 +3,8 @@
     PYTHONPATH=. python infra/kubernetes/examples/render_examples.py
 
 tests/test_kubernetes.py checks that the committed files equal what this renders, so they are
-always what the launcher submits for EXAMPLE_CONFIG and EXAMPLE_SPEC.
+always what the launcher submits for EXAMPLE_CONFIG and EXAMPLE_SPEC, and that every object
+parses with Kubeflow's and Kubernetes' own API models (``render`` checks them too).
 """
 
 from __future__ import annotations
