@@ -141,3 +141,16 @@ def test_readme_is_a_front_page():
     assert "```bash\nmake run\nmake test\n```" in readme
     for target in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", readme):
         assert (ROOT / target).is_file(), f"README links to missing {target}"
+
+
+def test_generator_is_importable_and_agrees_with_the_models():
+    """The hook module works without MkDocs: a plain import, same field list as the models."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_reference",
+                                                  ROOT / "docs" / "hooks" / "reference.py")
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    for model in MODELS:
+        assert reference.all_field_names(model) == _dotted_fields(model)
+    assert "## `stoker predict`" in reference.cli_reference()
