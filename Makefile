@@ -1,4 +1,6 @@
 # Stoker: `make run` runs the main job, `make test` the test suite. Both create .venv first.
+# `make docs` builds the documentation site into site/ (strict); preview it with
+# `.venv/bin/mkdocs serve` (http://127.0.0.1:8000).
 # CPU machines get the CPU build of PyTorch (pinned) before anything else, so that the open
 # `torch` requirement in pyproject.toml never pulls a multi-GB CUDA build. On a CPU machine
 # outside a mirror that serves CPU wheels, point pip at PyTorch's CPU index:
@@ -18,8 +20,9 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export DVC_NO_ANALYTICS ?= 1
 export DO_NOT_TRACK ?= 1
+export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: install run test lint clean
+.PHONY: install run test lint docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,5 +44,9 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# Strict: a broken link, a page missing from the nav or an unresolved API object fails the build.
+docs: install
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf work .pytest_cache
+	rm -rf work .pytest_cache site

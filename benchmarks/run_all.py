@@ -234,7 +234,7 @@ def render(rows: list[tuple[str, str, str, dict]], info: dict[str, str], quick: 
            "range is the ratio at the extremes of both sides. A verdict whose range straddles "
            "the target is marked as within the noise. A missed target is reported with the "
            "measured figure, never hidden: the notes under each measure say where the time "
-           "goes. See README.benchmarks.md for what each measures.",
+           "goes. See docs/benchmarks/index.md for what each measures.",
            "", "## Machine", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in info.items()]
     out += ["", "## Summary", "",

@@ -351,8 +351,9 @@ def build_and_push(spec: ImageSpec, credentials: RegistryCredentials | None = No
         The image's reference, digest and (when built or present locally) size.
 
     Raises:
-        DockerUnavailableError, RegistryUnreachableError, RegistryCredentialsMissingError,
-        RegistryAuthError, BaseImageNotFoundError, ImageBuildError, PushRejectedError: see each.
+        ImageError: one of its subclasses DockerUnavailableError, RegistryUnreachableError,
+            RegistryCredentialsMissingError, RegistryAuthError, BaseImageNotFoundError,
+            ImageBuildError, PushRejectedError (see each).
         ConfigError: a build input is missing.
     """
     started = time.monotonic()
