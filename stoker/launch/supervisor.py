@@ -62,7 +62,7 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
         "mlflow.source.git.commit": code["git_commit"], "stoker.git_commit": code["git_commit"],
         "stoker.git_dirty": code["git_dirty"], "dvc.repo": dataset.repo_url,
         "dvc.rev": dataset.rev, "dvc.commit": dataset.commit, "dvc.path": dataset.path,
-        "dvc.md5": dataset.md5, "stoker.launch.local": config.launcher.kind,
+        "dvc.md5": dataset.md5, "stoker.launcher": config.launcher.kind,
         "stoker.world_size": str(world_size), "stoker.capacity_type": config.cost.capacity_type,
     }
     if image is not None:
