@@ -80,6 +80,9 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["stoker-pipeline"])))
     assert artifacts and first["run_id"] in artifacts[0].data
     assert first["dataset"]["md5"] in artifacts[0].data
+    report = artifacts[0].data  # the loss curve and a one-line cost item, in device-hours
+    assert "- Training loss: `" in report and "device-hours on cpu" in report
+    assert "GPU-hours" not in report and "None" not in report
     with get_client(sync_client=True) as prefect:
         progress = [a for a in prefect.read_artifacts() if a.type == "progress"]
     assert progress and max(a.data for a in progress) == 100.0  # training progress in the UI
