@@ -59,6 +59,9 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     assert tags["dvc.commit"] == first["dataset"]["commit"]
     assert len(tags["stoker.git_commit"]) in (40, 7) and tags["stoker.attempts"] == "1"
     assert "prefect.flow_run_id" in tags
+    assert (tmp_path / "jobs" / tags["stoker.job"]).is_dir()  # readable name, job as a tag
+    assert run.info.run_name == f"digits-small_cnn-{tags['stoker.job'][:8]}"
+    assert "`data/digits`" in tags["mlflow.note.content"]
     assert run.data.params["train.epochs"] == "8"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
     assert steps == list(range(1, 8 * 22 + 1))
