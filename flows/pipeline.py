@@ -9,7 +9,7 @@ from prefect import flow
 
 from stoker.config import PipelineConfig
 from stoker.images.spec import ImageRequest
-from stoker.launch.factory import needs_image
+from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.job import mark_done
 from tasks.data import pull
 from tasks.images import build_image
@@ -25,6 +25,7 @@ DEFAULT_IMAGE = ImageRequest()
 def pipeline(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE) -> dict:
     """Pull data at a pinned revision, build the training image when training runs in
     containers, train (resuming any unfinished job), register, report."""
+    check_before_pull(config)
     dataset = pull(config)
     training_image = build_image(image) if needs_image(config) else None
     trained = train(config, dataset, training_image)

@@ -6,7 +6,7 @@ from prefect import flow
 
 from stoker.config import PipelineConfig
 from stoker.images.spec import ImageRequest
-from stoker.launch.factory import needs_image
+from stoker.launch.factory import check_before_pull, needs_image
 from tasks.data import pull
 from tasks.images import build_image
 from tasks.train import train
@@ -19,6 +19,7 @@ DEFAULT_IMAGE = ImageRequest()
 def train_only(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE
                ) -> dict:
     """Pull data at a pinned revision and train; returns the MLflow run id, metrics and cost."""
+    check_before_pull(config)
     dataset = pull(config)
     training_image = build_image(image) if needs_image(config) else None
     trained = train(config, dataset, training_image)

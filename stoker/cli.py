@@ -41,6 +41,17 @@ def _config(config_file: Path | None, overrides: list[str] | None) -> PipelineCo
         raise typer.Exit(2) from None
 
 
+def _check_before_pull(config: PipelineConfig) -> None:
+    """World size and a dead tracking server are named here, not after the pull inside a rank."""
+    from stoker.launch.factory import check_before_pull
+
+    try:
+        check_before_pull(config)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def run(
     overrides: Annotated[list[str] | None, typer.Argument(
@@ -50,6 +61,7 @@ def run(
 ) -> None:
     """Run the main job: pull the dataset, train with torchrun, register the model in MLflow."""
     config = _config(config_file, overrides)
+    _check_before_pull(config)
     quiet_telemetry(config.work_dir)
     from flows.pipeline import pipeline
 

@@ -9,6 +9,7 @@ This module imports no Prefect: the training runtime uses it inside the training
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -136,14 +137,26 @@ class TrainConfig(_Frozen):
 
     @model_validator(mode="after")
     def _batch_divides(self) -> TrainConfig:
-        if self.global_batch_size % self.grad_accum_steps:
-            raise ValueError(
-                f"global_batch_size ({self.global_batch_size}) must be a multiple of "
-                f"grad_accum_steps ({self.grad_accum_steps})"
-            )
         if self.checkpoint_every_steps is None and self.checkpoint_every_s is None:
-            raise ValueError("set checkpoint_every_steps or checkpoint_every_s (or both)")
+            raise ValueError("checkpoint_every_steps: set it or checkpoint_every_s (or both)")
+        check_batch(self.global_batch_size, self.grad_accum_steps,
+                    self.nproc_per_node if isinstance(self.nproc_per_node, int) else 1)
         return self
+
+
+def check_batch(global_batch_size: int, grad_accum_steps: int, world_size: int) -> None:
+    """The global batch must split evenly over ranks and micro-batches.
+
+    Raises:
+        ValueError: ``global_batch_size: must be a multiple of ...`` naming both factors.
+    """
+    per_step = grad_accum_steps * world_size
+    if global_batch_size % per_step:
+        factors = f"grad_accum_steps ({grad_accum_steps})"
+        if world_size > 1:
+            factors += f" x processes ({world_size}) = {per_step}"
+        raise ValueError(f"global_batch_size: must be a multiple of {factors}, "
+                         f"got {global_batch_size}")
 
 
 class TrackingConfig(_Frozen):
@@ -172,6 +185,24 @@ class TrackingConfig(_Frozen):
         if not value.strip():
             raise ValueError("must not be empty")
         return value
+
+    @field_validator("tracking_uri", "ui_url")
+    @classmethod
+    def _known_scheme(cls, value: str | None, info) -> str | None:
+        if value is None:
+            return value
+        scheme = value.partition("://")[0].split("+")[0].lower() if "://" in value else ""
+        allowed = TRACKING_SCHEMES if info.field_name == "tracking_uri" else ("http", "https")
+        if scheme not in allowed and not (scheme == "" and info.field_name == "tracking_uri"):
+            raise ValueError(f"unsupported scheme {scheme or 'none'!r} (use "
+                             f"{', '.join(s + '://' for s in allowed)})")
+        return value
+
+
+# Stores MLflow's client opens by URI scheme (``postgresql+psycopg2://`` counts as postgresql);
+# a plain path is a local file store.
+TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "file",
+                    "databricks")
 
 
 class RetryConfig(_Frozen):
@@ -246,11 +277,24 @@ class PipelineConfig(_Frozen):
     cost: CostConfig = CostConfig()
     launcher: LauncherConfig = LauncherConfig()
 
+    @model_validator(mode="after")
+    def _containers_need_a_server(self) -> PipelineConfig:
+        kind = self.launcher.kind
+        if kind != "local" and not self.tracking_uri().startswith(("http://", "https://")):
+            raise ValueError(
+                f"tracking.tracking_uri: launcher.kind={kind} logs from containers to an MLflow "
+                "tracking server over HTTP (they cannot reach a sqlite file): start one "
+                "(`mlflow server --host 127.0.0.1`) and set tracking.tracking_uri=http://…")
+        return self
+
     def tracking_uri(self) -> str:
         """The MLflow tracking URI, defaulting to a sqlite store in the work directory."""
         if self.tracking.tracking_uri:
             return self.tracking.tracking_uri
         return f"sqlite:///{self.work_dir.resolve() / 'mlflow.db'}"
+
+
+_FIELD_MESSAGE = re.compile(r"^([a-z_][a-z0-9_.]*): (.+)$", re.S)
 
 
 def format_validation_error(error: ValidationError, prefix: str = "") -> str:
@@ -260,11 +304,18 @@ def format_validation_error(error: ValidationError, prefix: str = "") -> str:
         loc = ".".join(str(part) for part in item["loc"] if part != "__root__")
         name = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
         message = item["msg"].removeprefix("Value error, ")
-        if item["type"] not in ("missing", "extra_forbidden") and "input" in item and loc:
+        named = _FIELD_MESSAGE.match(message) if item["type"] == "value_error" else None
+        if named:  # a model validator naming its field: `train.` + `global_batch_size: ...`
+            name = f"{name}.{named[1]}" if loc else f"{prefix}{named[1]}"
+            message = named[2]
+        elif (item["type"] not in ("missing", "extra_forbidden") and "input" in item and loc
+              and "got " not in message and not isinstance(item["input"], dict | list)):
             message = f"{message}, got {item['input']!r}"
         if item["type"] == "extra_forbidden":
             message = "unknown field"
-        lines.append(f"{name}: {message}")
+        line = f"{name}: {message}"
+        if line not in lines:  # a union field reports once per member
+            lines.append(line)
     return "; ".join(lines)
 
 

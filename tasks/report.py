@@ -19,9 +19,12 @@ def report(dataset: DatasetRef, trained: TrainResult, registration: Registration
     """Publish the run summary as the ``stoker-pipeline`` markdown artifact; returns it."""
     from mlflow import MlflowClient
 
-    experiment_id = MlflowClient(tracking_uri).get_run(trained.run_id).info.experiment_id
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_run(trained.run_id).info.experiment_id
+    losses = [m.value for m in sorted(client.get_metric_history(trained.run_id, "train_loss"),
+                                      key=lambda m: m.step)]
     markdown = render(dataset, trained, registration, tracking_uri,
-                      ui_base(tracking, tracking_uri), experiment_id)
+                      ui_base(tracking, tracking_uri), experiment_id, losses)
     create_markdown_artifact(markdown=markdown, key="stoker-pipeline",
                              description="Dataset, metrics, MLflow run and model version")
     return markdown

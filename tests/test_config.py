@@ -74,3 +74,67 @@ def test_infinite_rates_and_unknown_models_are_refused_before_anything_runs(over
     with pytest.raises(ConfigError) as info:
         load_pipeline_config(None, [override])
     assert str(info.value).startswith(f"{field}:")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.global_batch_size=7", "train.nproc_per_node=2"],
+     "train.global_batch_size: must be a multiple of grad_accum_steps (1) x processes (2) = 2, "
+     "got 7"),
+    (["train.global_batch_size=64", "train.grad_accum_steps=3"],
+     "train.global_batch_size: must be a multiple of grad_accum_steps (3), got 64"),
+    (["launcher.kind=docker"], "tracking.tracking_uri: launcher.kind=docker logs from containers"),
+    (["launcher.kind=kubernetes"],
+     "tracking.tracking_uri: launcher.kind=kubernetes logs from containers"),
+    (["tracking.tracking_uri=garbage://x"], "tracking.tracking_uri: unsupported scheme 'garbage'"),
+    (["tracking.ui_url=ftp://x"], "tracking.ui_url: unsupported scheme 'ftp'"),
+    (["train.checkpoint_every_steps=null"], "train.checkpoint_every_steps: set it or"),
+])
+def test_cross_field_rules_are_checked_at_config_time(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(None, overrides)
+    assert str(info.value).startswith(message)
+    assert "; " not in str(info.value)  # one error, said once
+
+
+def test_accepted_tracking_stores():
+    for uri in ("http://127.0.0.1:5000", "sqlite:////tmp/m.db", "postgresql+psycopg2://u@h/db",
+                "/tmp/mlruns"):
+        assert load_pipeline_config(None, [f"tracking.tracking_uri={uri}"])
+
+
+def test_a_union_field_error_is_said_once():
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(None, ["train.nproc_per_node=0"])
+    assert str(info.value) == "train.nproc_per_node: must be > 0 or 'auto', got 0"
+
+
+def test_show_config_refuses_an_invalid_combination_in_one_line():
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    result = CliRunner().invoke(app, ["show-config", "launcher.kind=docker"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        line for line in result.output.strip().splitlines() if line.startswith("error: ")]
+    assert "tracking.tracking_uri" in result.output
+
+
+def test_a_dead_tracking_server_is_named_before_the_pull(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
+         f"tracking.tracking_uri=http://127.0.0.1:{port}"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"error: tracking.tracking_uri: no MLflow server answers at "
+                                     f"http://127.0.0.1:{port} (All connection attempts failed)"
+                                     ) or "no MLflow server answers" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "work" / "datasets").exists()  # nothing pulled

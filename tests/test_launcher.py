@@ -114,9 +114,8 @@ def test_launcher_choice_and_its_errors():
     from stoker.launch.factory import make_launcher
 
     assert isinstance(make_launcher(load_pipeline_config(None, []), 2), LocalLauncher)
-    docker = load_pipeline_config(None, ["launcher.kind=docker"])
-    with pytest.raises(ConfigError, match="tracking.tracking_uri: the training image logs"):
-        make_launcher(docker, 2, image="127.0.0.1:5000/stoker/train@sha256:abc")
+    with pytest.raises(ConfigError, match="tracking.tracking_uri: launcher.kind=docker logs"):
+        load_pipeline_config(None, ["launcher.kind=docker"])
     docker = load_pipeline_config(None, ["launcher.kind=docker",
                                          "tracking.tracking_uri=http://127.0.0.1:5000"])
     with pytest.raises(ConfigError, match="launcher.docker.image: empty"):
@@ -124,6 +123,7 @@ def test_launcher_choice_and_its_errors():
     launcher = make_launcher(docker, 2, image="127.0.0.1:5000/stoker/train@sha256:abc")
     assert isinstance(launcher, DockerLauncher) and launcher.nproc_per_node == 2
     k8s = load_pipeline_config(None, ["launcher.kind=kubernetes",
+                                      "tracking.tracking_uri=http://127.0.0.1:5000",
                                       "launcher.kubernetes.num_nodes=0"])
     with pytest.raises(ConfigError, match="launcher.kubernetes.num_nodes"):
         make_launcher(k8s, 8, image="registry.example/stoker/train@sha256:abc")

@@ -59,6 +59,9 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     assert tags["dvc.commit"] == first["dataset"]["commit"]
     assert len(tags["stoker.git_commit"]) in (40, 7) and tags["stoker.attempts"] == "1"
     assert "prefect.flow_run_id" in tags
+    assert (tmp_path / "jobs" / tags["stoker.job"]).is_dir()  # readable name, job as a tag
+    assert run.info.run_name == f"digits-small_cnn-{tags['stoker.job'][:8]}"
+    assert "`data/digits`" in tags["mlflow.note.content"]
     assert run.data.params["train.epochs"] == "8"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
     assert steps == list(range(1, 8 * 22 + 1))
@@ -80,6 +83,9 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["stoker-pipeline"])))
     assert artifacts and first["run_id"] in artifacts[0].data
     assert first["dataset"]["md5"] in artifacts[0].data
+    report = artifacts[0].data  # the loss curve and a one-line cost item, in device-hours
+    assert "- Training loss: `" in report and "device-hours on cpu" in report
+    assert "GPU-hours" not in report and "None" not in report
     with get_client(sync_client=True) as prefect:
         progress = [a for a in prefect.read_artifacts() if a.type == "progress"]
     assert progress and max(a.data for a in progress) == 100.0  # training progress in the UI

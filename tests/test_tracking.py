@@ -103,3 +103,21 @@ def test_cost_and_goodput():
     assert report.gpu_hours == 8.0
     assert report.cost_usd == pytest.approx(8 * 0.5 * 1.70 + 8 * 0.5 * 4.00)
     assert report.goodput == 0.75 and report.steps_lost == 10 and report.preemptions == 0
+
+
+def test_an_attempt_shorter_than_one_interval_still_logs_system_metrics(dataset, tmp_path):
+    """MLflow's monitor publishes only after a whole interval: a short attempt logged none."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = tmp_path / "short"
+    job.mkdir()
+    RunSpec(train=TrainConfig(epochs=1, checkpoint_every_steps=10), data_dir=dataset.local_path,
+            job_dir=str(job), tracking_uri=uri, experiment="short", run_name="short",
+            system_metrics_interval_s=300).dump(job / "spec.yaml")
+    lines: list[str] = []
+    assert LocalLauncher(1, python=sys.executable).run(job / "spec.yaml",
+                                                       on_line=lines.append) == 0, lines
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("short").experiment_id])
+    assert run.info.status == "FINISHED"
+    system = {k for k in run.data.metrics if k.startswith("system/")}
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from stoker.config import ConfigError, PipelineConfig
+from stoker.config import ConfigError, PipelineConfig, check_batch
 
 
 class Launcher(Protocol):
@@ -62,11 +62,6 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
         from stoker.launch.docker import DockerLauncher
 
         docker = config.launcher.docker
-        if not config.tracking_uri().startswith(("http://", "https://")):
-            raise ConfigError(
-                "tracking.tracking_uri: the training image logs to an MLflow tracking server "
-                "over HTTP (it has no sqlite store); start one (`mlflow server --host 127.0.0.1` "
-                "or infra/compose.yaml) and set tracking.tracking_uri=http://127.0.0.1:5000")
         image = image or docker.image
         if not image:
             raise ConfigError("launcher.docker.image: empty, and no image was built")
@@ -86,3 +81,22 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
     fields.setdefault("nproc_per_node", world_size)
     k8s = validate(KubernetesLaunchConfig, fields, prefix="launcher.kubernetes.")
     return KubernetesAdapter(KubernetesLauncher(k8s, api_client()))
+
+
+def check_before_pull(config: PipelineConfig) -> None:
+    """Checks that need this machine, run before the dataset is pulled: the global batch splits
+    over the processes this node will start (``nproc_per_node=auto``: one per GPU, or 2), and an
+    http(s) tracking server answers.
+
+    Raises:
+        ConfigError: naming ``train.global_batch_size`` or ``tracking.tracking_uri``.
+    """
+    from stoker.launch.supervisor import nproc
+    from stoker.tracking.server import check_tracking_server
+
+    train = config.train
+    try:
+        check_batch(train.global_batch_size, train.grad_accum_steps, nproc(config))
+    except ValueError as e:
+        raise ConfigError(f"train.{e}") from None
+    check_tracking_server(config.tracking_uri())

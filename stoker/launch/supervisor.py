@@ -76,15 +76,38 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
     return tags
 
 
+def run_name(config: PipelineConfig, dataset: DatasetRef, job_dir: Path) -> str:
+    """A name a person can read in the MLflow runs table: ``<dataset>-<model>-<job key>``,
+    e.g. ``digits-small_cnn-aaf8700f`` (the full job folder name is the ``stoker.job`` tag)."""
+    data = Path(dataset.path.rstrip("/")).name or "data"
+    model = config.train.model.rpartition(":")[2] or config.train.model
+    return f"{data}-{model}-{job_dir.name[:8]}"
+
+
+def run_description(config: PipelineConfig, dataset: DatasetRef, world_size: int) -> str:
+    """The run's description (MLflow's ``mlflow.note.content``): dataset and the config summary."""
+    train = config.train
+    return (f"Dataset `{dataset.path}` of `{dataset.repo_url}` at `{dataset.rev}` (commit "
+            f"`{dataset.commit[:12]}`, DVC `{dataset.md5}`, {dataset.nfiles} files).\n\n"
+            f"Model `{train.model}`, {train.epochs} epochs, global batch "
+            f"{train.global_batch_size}, lr {train.lr:g}, {train.precision}, {world_size} "
+            f"process(es) per node, launcher `{config.launcher.kind}`.")
+
+
 def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
                world_size: int, tags: dict[str, str]) -> Path:
-    """Write ``<job_dir>/spec.yaml`` for the runtime (rewritten each run with current lineage)."""
+    """Write ``<job_dir>/spec.yaml`` for the runtime (rewritten each run with current lineage).
+
+    The MLflow run gets a readable name (:func:`run_name`), the job folder as tag ``stoker.job``
+    and a description with the dataset and config summary."""
+    tags = {**tags, "stoker.job": job_dir.name,
+            "mlflow.note.content": run_description(config, dataset, world_size)}
     spec = RunSpec(
         train=config.train, data_dir=dataset.local_path, job_dir=str(job_dir),
         tracking_uri=config.tracking_uri(), experiment=config.tracking.experiment,
         artifact_location=None if config.tracking.tracking_uri
         else (config.work_dir.resolve() / "mlartifacts").as_uri(),
-        run_name=job_dir.name, tags=tags,
+        run_name=run_name(config, dataset, job_dir), tags=tags,
         system_metrics_interval_s=config.tracking.system_metrics_interval_s,
     )
     job_dir.mkdir(parents=True, exist_ok=True)

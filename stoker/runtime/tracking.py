@@ -7,6 +7,7 @@ an earlier attempt already logged is not logged again, so every metric stays one
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import Any
@@ -73,15 +74,28 @@ class RunTracker:
     def _start_system_metrics(self, tracking_uri: str, interval_s: float):
         """MLflow's system metrics (``system/*``): CPU, memory, disk, network, and GPU through
         NVML when present; each NVML query is guarded, so an unsupported one skips only itself."""
-        import logging
-
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        logging.getLogger("mlflow.system_metrics").setLevel(logging.ERROR)  # no NVML: quiet
+        # WARNING, not ERROR: a failed sample or publish is said; "no NVML here" (INFO) is not.
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s,
                                        resume_logging=self._resumed, tracking_uri=tracking_uri)
+        self._system_first_step = monitor._logging_step
         monitor.start()
         return monitor
+
+    def _finish_system_metrics(self) -> None:
+        """Stop the monitor; an attempt shorter than one interval still logs one sample.
+
+        MLflow's monitor publishes only after a full interval and drops the sample in progress
+        when stopped, so a short attempt (or the tail of every attempt) would log nothing.
+        """
+        monitor, self._system = self._system, None
+        monitor.finish()
+        if monitor._logging_step == self._system_first_step:
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()
 
     def _experiment_id(self, name: str, artifact_location: str | None) -> str:
         from mlflow.exceptions import MlflowException
@@ -152,6 +166,9 @@ class RunTracker:
     def end(self, status: str) -> None:
         """Flush and mark the run FINISHED, FAILED or KILLED (preempted attempts: KILLED)."""
         if self._system is not None:
-            self._system.finish()
+            try:
+                self._finish_system_metrics()
+            except Exception as e:  # system metrics must not fail the run's end
+                logging.getLogger(__name__).warning("system metrics not logged: %s", e)
         self.flush()
         self.client.set_terminated(self.run_id, status=status)

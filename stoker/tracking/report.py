@@ -18,19 +18,48 @@ def mlflow_links(ui_url: str | None, experiment_id: str, run_id: str, name: str,
             f"[`{name}` version **{version}**]({base}/#/models/{name}/versions/{version})")
 
 
+SPARK_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 40) -> str:
+    """A text curve of ``values`` (resampled to at most ``width`` bars, lowest value ``▁``),
+    so the loss curve shows in the Prefect UI without leaving it. Empty input: empty string."""
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    if not finite:
+        return ""
+    if len(finite) > width:  # mean of equal slices keeps the shape
+        edges = [round(i * len(finite) / width) for i in range(width + 1)]
+        finite = [sum(finite[a:b]) / (b - a) for a, b in zip(edges, edges[1:], strict=False)]
+    low, high = min(finite), max(finite)
+    span = (high - low) or 1.0
+    return "".join(SPARK_BARS[round((v - low) / span * (len(SPARK_BARS) - 1))] for v in finite)
+
+
 def render(dataset: DatasetRef, trained: TrainResult, registration: Registration,
-           tracking_uri: str, ui_url: str | None = None, experiment_id: str = "") -> str:
-    """Markdown: dataset revision and hash, metrics, cost, MLflow run and model version links,
-    promotion."""
+           tracking_uri: str, ui_url: str | None = None, experiment_id: str = "",
+           loss_curve: list[float] | None = None) -> str:
+    """Markdown: dataset revision and hash, metrics, loss curve, cost, MLflow run and model
+    version (links when an MLflow UI is known, else how to open one), promotion."""
     metrics = "\n".join(f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |"
                         for k, v in sorted(trained.metrics.items()))
     run_link, model_link = mlflow_links(ui_url, experiment_id, trained.run_id,
                                         registration.name, registration.version)
+    if not ui_url:
+        run_link += (f" (open it with `mlflow ui --backend-store-uri {tracking_uri}`, "
+                     f"experiment {experiment_id})")
+    else:
+        run_link += f" (tracking URI `{tracking_uri}`)"
     cost = trained.cost
     attempts = ", ".join(f"#{a['number']} {a['outcome']}" for a in trained.attempts)
     champion = ("promoted to **champion**" if registration.promoted else
                 f"not promoted (champion stays version {registration.previous_champion}, "
                 f"{registration.metric}={registration.previous_value})")
+    device = str(trained.result.get("gpu_model") or "device")
+    curve = ""
+    if loss_curve:
+        curve = (f"- Training loss: `{sparkline(loss_curve)}` ({len(loss_curve)} steps, "
+                 f"{loss_curve[0]:.4g} → {loss_curve[-1]:.4g}; plot in the MLflow run's "
+                 "`plots/curves.png`)\n")
     return f"""# Stoker pipeline run
 
 | dataset | |
@@ -44,14 +73,12 @@ def render(dataset: DatasetRef, trained: TrainResult, registration: Registration
 |---|---|
 {metrics}
 
-- MLflow run: {run_link} (tracking URI `{tracking_uri}`)
+{curve}- MLflow run: {run_link}
 - Model: {model_link}, alias `challenger`; {champion}
 - Attempts: {attempts}
-- Cost: {cost.get("gpu_hours", 0):.4f} GPU-hours, ${cost.get("cost_usd", 0):.4f}, goodput
-  {cost.get("goodput", 0):.2f}, {int(cost.get("preemptions", 0))} preemption(s),
-  {int(cost.get("steps_lost", 0))} step(s) lost
+- Cost: {cost.get("gpu_hours", 0):.4f} device-hours on {device}, ${cost.get("cost_usd", 0):.4f}, goodput {cost.get("goodput", 0):.2f}, {int(cost.get("preemptions", 0))} preemption(s), {int(cost.get("steps_lost", 0))} step(s) lost
 - Job folder: `{trained.job_dir}`
-"""
+"""  # noqa: E501 (the cost item stays one line: a wrapped list item renders as two paragraphs)
 
 
 def ui_base(tracking: TrackingConfig, tracking_uri: str) -> str | None:

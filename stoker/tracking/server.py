@@ -1,0 +1,32 @@
+"""Reachability of an MLflow tracking server, checked before any data is pulled or process started.
+
+A dead ``tracking.tracking_uri`` otherwise surfaces minutes later, inside a rank at step 0, after
+MLflow's own retries. Stores that are files (sqlite, a local path) need no check.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from stoker.config import ConfigError
+
+
+def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
+    """Ask an http(s) tracking server's ``/health`` endpoint; other URIs pass unchecked.
+
+    Raises:
+        ConfigError: ``tracking.tracking_uri: no MLflow server answers at URI (reason)``, or the
+            server answered ``/health`` with an error status.
+    """
+    if not uri.startswith(("http://", "https://")):
+        return
+    url = uri.rstrip("/") + "/health"
+    try:
+        response = httpx.get(url, timeout=timeout_s)
+    except httpx.HTTPError as e:
+        reason = type(e).__name__ if not str(e) else str(e)
+        raise ConfigError(f"tracking.tracking_uri: no MLflow server answers at {uri} "
+                          f"({reason})") from None
+    if response.status_code >= 400:
+        raise ConfigError(f"tracking.tracking_uri: {uri} answered /health with HTTP "
+                          f"{response.status_code}; is it an MLflow tracking server?")
