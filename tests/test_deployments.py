@@ -22,7 +22,7 @@ def deployed(tmp_path_factory):
         # Everything but pipeline-docker, whose build step needs a Docker Engine (tested with
         # the images: tests/test_image_flow.py runs the same step).
         server.prefect("--no-prompt", "deploy", "--name", "pipeline", "--name", "train",
-                       "--name", "cost-guard", cwd=REPO, STOKER_CHECKOUT=str(REPO))
+                       "--name", "cost-guard", cwd=REPO)
         yield server
 
 
@@ -98,3 +98,15 @@ def test_deployment_runs_on_a_process_worker(deployed, tmp_path):
     version = client.get_model_version_by_alias("stoker-digits", "champion")
     run = client.get_run(version.run_id)
     assert run.data.tags["prefect.flow_run_id"] == flow_run_id
+
+
+def test_deploying_needs_no_variable_and_runs_from_this_checkout(deployed):
+    """Deployed without any environment variable: the working directory is this checkout (it
+    used to store the literal ``{{ $STOKER_CHECKOUT }}`` and fail at run time)."""
+    for name in ("pipeline/pipeline", "train/train", "cost-guard/cost-guard"):
+        steps = read_deployment(deployed, name).pull_steps
+        (step,) = steps
+        directory = step["prefect.deployments.steps.set_working_directory"]["directory"]
+        assert Path(directory).resolve() == REPO.resolve(), steps
+        assert (Path(directory) / "flows" / "pipeline.py").is_file()
+
