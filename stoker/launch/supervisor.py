@@ -16,6 +16,7 @@ from mlflow import MlflowClient
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
+from stoker.launch.status import job_progress
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
 from stoker.tracking.lineage import code_version
@@ -127,7 +128,8 @@ class ProgressWatcher(threading.Thread):
     """Reports the runtime's progress events every ``every_s`` seconds.
 
     ``on_progress(percent, message)`` gets the share of steps done (0-100) and a line with step,
-    throughput and ETA; the ``train`` task turns it into a Prefect progress artifact and a log line.
+    throughput and ETA (:func:`stoker.launch.status.job_progress`), only when the line changed;
+    the ``train`` task turns it into a Prefect progress artifact and a log line.
     """
 
     def __init__(self, job_dir: Path, on_progress: Callable[[float, str], None],
@@ -135,19 +137,17 @@ class ProgressWatcher(threading.Thread):
         super().__init__(daemon=True, name="progress-watcher")
         self.job_dir, self.on_progress, self.every_s = job_dir, on_progress, every_s
         self.stopped = threading.Event()
+        self._last: str | None = None
 
     def poll(self) -> None:
-        events = read_events(self.job_dir)
-        starts = [e for e in events if e["event"] == "start"]
-        steps = [e for e in events if e["event"] == "step"]
-        if not starts or not steps:
+        """Report the job's state when it changed since the last report (no repeated lines)."""
+        progress = job_progress(read_events(self.job_dir))
+        if progress is None:
             return
-        total, last = starts[-1].get("total_steps") or 1, steps[-1]
-        rate = last.get("samples_per_s") or 0.0
-        step_rate = len([e for e in steps if e["time"] >= last["time"] - 30]) / 30
-        eta = (total - last["step"]) / step_rate if step_rate else float("nan")
-        self.on_progress(round(100 * last["step"] / total, 1),
-                         f"step {last['step']}/{total}, {rate:.0f} samples/s, ETA {eta:.0f} s")
+        message = progress.describe()
+        if message != self._last:
+            self._last = message
+            self.on_progress(progress.percent, message)
 
     def run(self) -> None:
         while not self.stopped.wait(self.every_s):

@@ -1,0 +1,57 @@
+"""Job progress as users see it: no ETA from start-up noise, a moving-average ETA, restarts."""
+
+from __future__ import annotations
+
+import pytest
+
+from stoker.launch.status import MIN_STEPS_FOR_ETA, job_progress
+
+
+def steps(first: int, last: int, t0: float, step_s: float) -> list[dict]:
+    return [{"event": "step", "step": s, "time": t0 + (s - first + 1) * step_s,
+             "samples_per_s": 64 / step_s} for s in range(first, last + 1)]
+
+
+def test_no_eta_at_the_first_steps_of_an_attempt():
+    events = [{"event": "start", "step": 0, "time": 0.0, "total_steps": 100},
+              *steps(1, MIN_STEPS_FOR_ETA - 1, 0.0, 0.5)]
+    progress = job_progress(events)
+    assert progress.state == "starting" and progress.eta_s is None
+    assert progress.describe() == "attempt 1 starting at step 4/100"
+
+
+def test_eta_follows_recent_step_time_not_the_start_up():
+    # A slow first step (compilation, warm-up) then 0.1 s steps: the ETA uses the recent ones.
+    events = [{"event": "start", "step": 0, "time": 0.0, "total_steps": 1000},
+              {"event": "step", "step": 1, "time": 30.0, "samples_per_s": 2.0},
+              *steps(2, 100, 30.0, 0.1)]
+    progress = job_progress(events)
+    assert progress.state == "training"
+    assert progress.eta_s == pytest.approx(900 * 0.1)
+    assert progress.describe() == "step 100/1000 (attempt 1), 640 samples/s, ETA 90 s"
+
+
+def test_a_preempted_attempt_reads_restarting_from_its_last_checkpoint():
+    events = [{"event": "start", "step": 0, "time": 0.0, "total_steps": 66},
+              *steps(1, 16, 0.0, 0.2),
+              {"event": "checkpoint", "step": 16, "time": 3.5},
+              {"event": "end", "step": 16, "time": 3.6, "outcome": "preempted"}]
+    progress = job_progress(events)
+    assert progress.describe() == "restarting (attempt 2, resuming at step 16/66)"
+    events += [{"event": "start", "step": 16, "time": 10.0, "total_steps": 66,
+                "resumed": True}]
+    assert job_progress(events).describe() == "attempt 2 starting at step 16/66"
+
+
+def test_completed_is_100_percent_and_nothing_before_start():
+    assert job_progress([]) is None
+    done = job_progress([{"event": "start", "step": 0, "time": 0.0, "total_steps": 10},
+                         *steps(1, 10, 0.0, 0.1),
+                         {"event": "end", "step": 10, "time": 1.1, "outcome": "completed"}])
+    assert done.percent == 100.0 and done.state == "completed"
+
+
+def test_long_etas_read_in_minutes_and_hours():
+    events = [{"event": "start", "step": 0, "time": 0.0, "total_steps": 100_000},
+              *steps(1, 10, 0.0, 1.0)]
+    assert job_progress(events).describe().endswith("ETA 27 h 46 min")
