@@ -61,9 +61,11 @@ class Preemptor(threading.Thread):
     progress events' ``time``).
     """
 
-    def __init__(self, launcher: LocalLauncher, job_dir: Path, at_step: int):
+    def __init__(self, launcher: LocalLauncher, job_dir: Path, at_step: int,
+                 nproc: int = NPROC):
         super().__init__(daemon=True, name="preemptor")
         self.launcher, self.job_dir, self.at_step = launcher, job_dir, at_step
+        self.nproc = nproc
         self.signalled_at: float | None = None
         self.done = threading.Event()
 
@@ -81,7 +83,7 @@ class Preemptor(threading.Thread):
                 victims = [agent, *(p for p in agent.children() if "RANK" in p.environ())]
             except psutil.NoSuchProcess:
                 continue
-            if len(victims) < 1 + NPROC:
+            if len(victims) < 1 + self.nproc:
                 continue
             self.signalled_at = time.time()
             for victim in victims:
@@ -89,13 +91,23 @@ class Preemptor(threading.Thread):
             return
 
 
-def trial(work: Path, data_dir: str, i: int, epochs: int, at_step: int) -> dict[str, float]:
-    """One preempted-and-resumed job; returns its timings (s) and steps lost."""
+def trial(work: Path, data_dir: str, i: int, epochs: int, at_step: int, nproc: int = NPROC,
+          tracking: bool = True, **train) -> dict[str, float]:
+    """One preempted-and-resumed job; returns its timings (s) and steps lost.
+
+    Args:
+        nproc: ranks (one per GPU on a GPU machine).
+        tracking: track to a sqlite MLflow store under ``work`` (False: no MLflow at all).
+        train: further ``TrainConfig`` fields (model, dataset, ...).
+
+    Raises:
+        RuntimeError: the job was not preempted once and then completed (with its output).
+    """
     job = work / f"job-{i}"
-    spec = write_spec(job, data_dir, tracking_uri=f"sqlite:///{work / 'mlflow.db'}",
-                      artifact_location=(work / "mlartifacts").as_uri(), epochs=epochs,
-                      nproc_per_node=NPROC)
-    launcher = LocalLauncher(NPROC, shutdown_grace_s=TrainConfig().preemption_grace_s,
+    store = {"tracking_uri": f"sqlite:///{work / 'mlflow.db'}",
+             "artifact_location": (work / "mlartifacts").as_uri()} if tracking else {}
+    spec = write_spec(job, data_dir, epochs=epochs, nproc_per_node=nproc, **store, **train)
+    launcher = LocalLauncher(nproc, shutdown_grace_s=TrainConfig().preemption_grace_s,
                              env={k: v for k, v in env().items() if k == "PYTHONPATH"})
     lines: list[str] = []
     launched: dict[int, float] = {}
@@ -104,7 +116,7 @@ def trial(work: Path, data_dir: str, i: int, epochs: int, at_step: int) -> dict[
         launched[number] = time.time()
         return launcher.run(spec, on_line=lines.append, timeout_s=600)
 
-    preemptor = Preemptor(launcher, job, at_step)
+    preemptor = Preemptor(launcher, job, at_step, nproc)
     preemptor.start()
     try:
         attempts = run_with_retries(launch, RetryConfig())

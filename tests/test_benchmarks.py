@@ -232,6 +232,27 @@ def test_our_scripts_take_the_common_options(tmp_path):
     assert not supports(plain, "--quick")
 
 
+def test_gpu_check_script_parses_and_gathers_its_steps_into_one_file(tmp_path):
+    from benchmarks.gpu_check import summarize
+
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    for name, out, rc in (("sanity", 'log line\n{"step": "sanity", "status": "ok", '
+                                     '"device": "H200", "bf16_matmul_tflops": 700.0}\n', 0),
+                          ("resnet", "still warming up\n", 124),
+                          ("nvml", '{"step": "nvml", "status": "unavailable"}\n', 0)):
+        (steps / f"{name}.out").write_text(out)
+        (steps / f"{name}.rc").write_text(f"{rc}\n")
+        (steps / f"{name}.s").write_text("5\n")
+    assert summarize(steps, tmp_path / "gpu_check.json") == 2  # resnet and nvml not ok
+    result = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
+    assert result["sanity"]["status"] == "ok" and result["sanity"]["result"]["device"] == "H200"
+    assert result["resnet"]["status"] == "timed out" and result["resnet"]["tail"]
+    assert result["nvml"]["status"] == "unavailable"
+
+
 @pytest.mark.integration
 def test_every_benchmark_runs_at_a_tiny_size_and_reports_a_ratio(tmp_path):
     import torch
