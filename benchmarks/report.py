@@ -107,15 +107,32 @@ def details(n: int, stem: str, title: str, result: dict) -> list[str]:
     return out
 
 
+def gpu_section(gpu: dict) -> list[str]:
+    """The GPU check's steps (``benchmarks/gpu_check.sh``'s results file) as a table."""
+    from benchmarks.gpu_check import headline
+
+    out = ["## GPU check", "",
+           f"From `benchmarks/gpu_check.sh` on a GPU machine, {gpu.get('written', '?')} (a "
+           "separate run: its own machine, sizes and commit; each benchmark step's JSON "
+           "result is in the results file).", "",
+           "| step | status | seconds | figure |", "|---|---|---|---|"]
+    for name, step in (gpu.get("steps") or {}).items():
+        out.append(f"| {name} | {step.get('status')} | {fmt(step.get('seconds'))} | "
+                   f"{headline(name, step.get('result'))} |")
+    return [*out, ""]
+
+
 def render(rows: list[tuple[str, str, str, dict]], info: dict[str, str], quick: bool,
-           wall_s: float) -> str:
-    """RESULTS.md: how to read it, the machine, the summary table, then each measure.
+           wall_s: float, gpu: dict | None = None) -> str:
+    """RESULTS.md: how to read it, the machine, the summary table, each measure, then the GPU
+    check when its results file is given.
 
     Args:
         rows: (script stem, title, target as stated, its JSON result) per measure.
         info: the machine description (name -> text).
         quick: a smoke run (marked as such).
         wall_s: seconds the whole run took.
+        gpu: the results file of ``benchmarks/gpu_check.sh`` (parsed), or None.
     """
     out = ["# Stoker benchmark results", "",
            f"Written by `python benchmarks/run_all.py{' --quick' if quick else ''}` on "
@@ -127,4 +144,6 @@ def render(rows: list[tuple[str, str, str, dict]], info: dict[str, str], quick: 
     out += ["", "## Summary", "", *summary_table(rows), "", "## Details", ""]
     for n, (stem, title, _, result) in enumerate(rows, 1):
         out += details(n, stem, title, result)
+    if gpu:
+        out += gpu_section(gpu)
     return "\n".join(out)

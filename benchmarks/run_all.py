@@ -7,7 +7,8 @@ smoke run never overwrites the published figures); all results also go to a JSON
 it, and each script's output to ``benchmarks/out/logs/``. A measure whose script is absent is
 listed as "not present"; a script without ``--quick`` is skipped in a quick run.
 
-The published table is written only from a clean checkout: with uncommitted changes (``git
+A results file of ``benchmarks/gpu_check.sh`` saved as ``benchmarks/GPU_CHECK.json`` is added as a
+section. The published table is written only from a clean checkout: with uncommitted changes (``git
 status --porcelain``) a full run stops before it starts, unless ``--allow-dirty``, which marks
 the table. A quick run's table is marked the same way.
 
@@ -206,6 +207,9 @@ def main() -> None:
                    help="folder for each script's output")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="per script (default 3600; 600 with --quick)")
+    p.add_argument("--gpu-results", type=Path, default=HERE / "GPU_CHECK.json",
+                   help="results file of benchmarks/gpu_check.sh to add as a section, if it "
+                        "exists (default benchmarks/GPU_CHECK.json)")
     p.add_argument("--allow-dirty", action="store_true",
                    help="write the published table even with uncommitted changes (marked)")
     args = p.parse_args()
@@ -234,7 +238,8 @@ def main() -> None:
             rows.append((stem, title, target, result))
     wall_s = time.perf_counter() - started
     info["load average (1 min) at end"] = f"{os.getloadavg()[0]:.2f}"
-    output.write_text(render(rows, info, args.quick, wall_s) + "\n")
+    gpu = json.loads(args.gpu_results.read_text()) if args.gpu_results.is_file() else None
+    output.write_text(render(rows, info, args.quick, wall_s, gpu) + "\n")
     results = {"machine": info, "checkout": state, "quick": args.quick,
                "wall_s": round(wall_s, 1),
                "results": {stem: result for stem, _, _, result in rows}}

@@ -193,6 +193,11 @@ def test_results_table_explains_itself_and_shows_per_pair_figures():
     assert "0.5 [0.25–0.5]" in table  # per-pair median [min–max]
     assert "undecided (uncommitted changes)" in table and "abc123" in table
     assert "CPU 3 s" in table  # CPU beside wall (candidate: wall 2 s, CPU 3 s per run)
+    assert "## GPU check" not in table
+    gpu = {"written": "today", "steps": {"preempt": {"status": "ok", "seconds": 40.0, "result": {
+        "step": "preempt", "status": "ok", "recovery_s": 4.25, "steps_lost": 0}}}}
+    with_gpu = render(rows, {"date": "today", "CPU": "x"}, quick=False, wall_s=60, gpu=gpu)
+    assert "| preempt | ok | 40 | recovery 4.25 s, steps lost 0 |" in with_gpu
 
 
 def test_pipeline_phases_from_prefect_log_lines():
