@@ -244,9 +244,10 @@ def describe(s: dict) -> str:
 
 def _print_summary(result: dict) -> None:
     for s in (result["baseline"], result["candidate"]):
-        if s:
-            print(f"{s['name']}: {describe(s)} {s['unit']}; wall {s['wall_s']['median']:.4g} s, "
-                  f"CPU {s['cpu_s']['median']:.4g} s per run (medians)")
+        if s:  # sides measured within one run (recovery's trials) have no wall/CPU of their own
+            cost = (f"; wall {s['wall_s']['median']:.4g} s, CPU {s['cpu_s']['median']:.4g} s "
+                    "per run (medians)" if "cpu_s" in s else "")
+            print(f"{s.get('name')}: {describe(s)} {s['unit']}{cost}")
     for c in result["checks"]:
         print(f"check {c['name']} ({c['statistic']}): {describe(c)} {c['unit']} "
               f"(target {c['target']}: {c['verdict']})")
