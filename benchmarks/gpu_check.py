@@ -193,7 +193,8 @@ class GpuLoad(threading.Thread):
 
 
 def preempt(cpu: bool, workdir: Path | None) -> None:
-    """One job on CUDA (synthetic 32x32 images, small CNN, bf16), SIGTERM at step 20, resumed."""
+    """One job on CUDA (synthetic 32x32 images, small CNN, bf16, 2 epochs of 40 steps), SIGTERM
+    at step 20, resumed by the retry loop; with ``cpu``, a smaller job on the CPU."""
     import importlib.util
 
     import torch
@@ -206,10 +207,11 @@ def preempt(cpu: bool, workdir: Path | None) -> None:
     with tempfile.TemporaryDirectory(prefix="stoker-gpu-preempt-") as tmp:
         work = (workdir or Path(tmp)).resolve()
         work.mkdir(parents=True, exist_ok=True)
-        data = write_config(work / "data", train_samples=64 * 40, val_samples=256,
+        steps, at_step = (16, 8) if cpu else (40, 20)  # per epoch; the CPU job is smaller
+        data = write_config(work / "data", train_samples=64 * steps, val_samples=256,
                             image_size=32, num_classes=10)
         tracking = importlib.util.find_spec("mlflow") is not None
-        result = trial(work, str(data), 0, epochs=2, at_step=20, nproc=1, tracking=tracking,
+        result = trial(work, str(data), 0, epochs=2, at_step=at_step, nproc=1, tracking=tracking,
                        dataset="benchmarks.synthetic:imagenet_like", global_batch_size=64,
                        **({} if cpu else {"precision": "bf16", "channels_last": True}))
     ok = result["steps_lost"] <= 0
@@ -254,8 +256,12 @@ def headline(name: str, result: dict | None) -> str:
         return (f"per-pair ratio {pairs.get('median')} [{pairs.get('min')}–{pairs.get('max')}], "
                 f"verdict {result.get('verdict')}" if pairs else str(result.get("reason")))
     if name == "sanity":
-        return (f"{result.get('device')}, {result.get('bf16_matmul_tflops')} TFLOP/s bf16, "
-                f"all_reduce {(result.get('all_reduce') or {}).get('correct')}")
+        reduce = result.get("all_reduce") or {}
+        device = result.get("device") or "no CUDA"
+        matmul = result.get("bf16_matmul_tflops")
+        return (f"{device}{f', {matmul} TFLOP/s bf16' if matmul else ''}, all_reduce "
+                f"{reduce.get('backend')} x{reduce.get('world_size')}: "
+                f"{'correct' if reduce.get('correct') else 'FAILED'}")
     if name == "preempt":
         return (f"recovery {result.get('recovery_s', 0):.2f} s, steps lost "
                 f"{result.get('steps_lost')}")

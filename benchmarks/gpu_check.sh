@@ -123,7 +123,7 @@ fi
 step sanity 90 "$PY" benchmarks/gpu_check.py sanity $CPU
 step nvml 60 "$PY" benchmarks/gpu_check.py nvml $CPU
 step checkpoint 90 "$PY" benchmarks/bench_checkpoint.py "${CKPT[@]}"
-step preempt 120 "$PY" benchmarks/gpu_check.py preempt $CPU
+step preempt 150 "$PY" benchmarks/gpu_check.py preempt $CPU
 step resnet 240 "$PY" benchmarks/bench_gpu_resnet.py "${RESNET[@]}"
 
 "$PY" benchmarks/gpu_check.py summarize "$STEPS" "$OUT_DIR/gpu_check.json" | tee -a "$LOG"
