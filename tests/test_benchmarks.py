@@ -264,6 +264,7 @@ def test_gpu_check_script_parses_and_gathers_its_steps_into_one_file(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(960)  # under load a quick run_all takes ~9 min here
 def test_every_benchmark_runs_at_a_tiny_size_and_reports_a_ratio(tmp_path):
     import torch
 
