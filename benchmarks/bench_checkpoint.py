@@ -7,9 +7,10 @@ buffers: about 3x the parameters' bytes; >= 100 MB at full size), on the GPU whe
 (``last_blocking_s``: a host copy and a thread start). The baseline is ``torch.save`` of the same
 state to a file in the same folder, which blocks for the whole serialization and write. Each
 async save is waited for (outside the timed part) before the next measurement, so the disk is
-idle at the start of every timed call. Target: blocked / synchronous <= 0.05.
+idle at the start of every timed call. Target: blocked / synchronous <= 0.2 with the state on
+the CPU, <= 0.05 with it on a GPU.
 
-    python benchmarks/bench_checkpoint.py [--quick] [--repeats N] [--size-mb 150]
+    python benchmarks/bench_checkpoint.py [--quick] [--repeats N] [--size-mb 150] [--device cpu]
 """
 
 from __future__ import annotations
@@ -25,20 +26,21 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
+    Sized,
     Target,
     Workdir,
     alternate,
     check,
+    compared,
     emit,
     log,
-    parser,
-    ratio_range,
-    repeats_of,
-    stats,
+    options,
+    summary,
 )
 from stoker.runtime.checkpoint import Checkpointer  # noqa: E402
 
-TARGET = Target("<=", 0.05)
+CPU_TARGET = Target("<=", 0.2)  # issue 17: only overlap gets there on a CPU
+GPU_TARGET = Target("<=", 0.05)  # pinned, reused host buffers, a side stream
 
 
 def make_state(size_mb: float, device: str = "cpu") -> tuple[dict, int]:
@@ -70,15 +72,12 @@ def _tensors(obj):
 
 
 def main() -> None:
-    p = parser(__doc__.splitlines()[0], repeats=7)
-    p.add_argument("--size-mb", type=float, default=None,
-                   help="checkpoint size in MB (default 150; 4 with --quick)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the state lives, as in training (default: cuda if available)")
-    args = p.parse_args()
-    repeats = repeats_of(args)
-    size_mb = args.size_mb or (4.0 if args.quick else 150.0)
-    state, size_bytes = make_state(size_mb, args.device)
+    args = options(__doc__, 7, Sized("--size-mb", float, 150.0, 4.0, "checkpoint size in MB"),
+                   extra=lambda p: p.add_argument(
+                       "--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                       help="where the state lives, as in training (default: cuda if "
+                            "available)"))
+    state, size_bytes = make_state(args.size_mb, args.device)
     log(f"state: {size_bytes / 1e6:.1f} MB of tensors on {args.device}")
 
     with Workdir(args.workdir, "bench-checkpoint") as work:
@@ -96,26 +95,30 @@ def main() -> None:
             elapsed = time.perf_counter() - started
             with open(path, "rb+") as f:  # for the notes only: what durability adds
                 os.fsync(f.fileno())
-            durable_s.append(time.perf_counter() - started)
+            if i >= 0:
+                durable_s.append(time.perf_counter() - started)
             path.unlink()
             return elapsed
 
         def candidate(i: int) -> float:
             started = time.perf_counter()
-            ckpt.save(i + 1, state, {"rng": torch.get_rng_state()})
+            ckpt.save(i + 2, state, {"rng": torch.get_rng_state()})
             blocking_s = ckpt.last_blocking_s
             ckpt.wait()  # not part of the stall: the loop would go on training meanwhile
-            full_async_s.append(time.perf_counter() - started)
+            if i >= 0:
+                full_async_s.append(time.perf_counter() - started)
             return blocking_s
 
-        baseline(-1), candidate(-1)  # warm-up: page cache, allocator, first thread
-        base, cand = alternate(baseline, candidate, repeats)
+        # the warm-up pair pays the page cache, the allocator and the first thread
+        pairs = alternate(baseline, candidate, args.repeats, args.warmups)
 
-    b, c = stats(base, "s", "torch.save (synchronous)"), stats(cand, "s", "Stoker async blocking")
-    ratio = c["median"] / b["median"]
+    target = CPU_TARGET if args.device == "cpu" else GPU_TARGET
+    result = compared(pairs, lambda b, c: c / b, target, "torch.save (synchronous)",
+                      "Stoker async blocking", "s")
+    b, c = result["baseline"], result["candidate"]
     mb = size_bytes / 1e6
-    async_total = stats(full_async_s, "s", "async save, total")
-    durable = stats(durable_s, "s", "torch.save + fsync")
+    async_total = summary(full_async_s, "s", "async save, total")
+    durable = summary(durable_s, "s", "torch.save + fsync")
     notes = [f"state: {mb:.1f} MB of tensors on {args.device} (Linear stack + AdamW moments)",
              f"the loop is blocked for the host copy of the state: {mb / c['median']:.0f} MB/s "
              f"here, against {mb / b['median']:.0f} MB/s for torch.save into the page cache "
@@ -125,17 +128,16 @@ def main() -> None:
              f"{async_total['median']:.3f} s"]
     if args.device == "cpu":
         notes.append("with the state in host memory the blocking step is a memory-to-memory "
-                     "copy of every byte the deferred write would move, into fresh host "
-                     f"allocations; here it ran at {b['median'] / c['median']:.2f}x the rate "
-                     "of torch.save into the page cache, while a ratio of 0.05 needs 20x. With "
-                     "GPU state the copy is a device-to-host transfer instead")
-    emit("checkpoint", metric="async blocking time / synchronous torch.save time", baseline=b,
-         candidate=c, ratio=ratio, target=TARGET, quick=args.quick, notes=notes,
-         spread=ratio_range(lambda x, y: y / x, b, c),
-         checks=[] if args.quick else [check("state size", mb, "MB", Target(">=", 100))],
+                     "copy of every byte the deferred write would move; here it ran at "
+                     f"{b['median'] / c['median']:.2f}x the rate of torch.save into the page "
+                     "cache, while a ratio of 0.2 needs 5x. With GPU state the copy is a "
+                     "device-to-host transfer instead")
+    emit("checkpoint", metric="async blocking time / synchronous torch.save time",
+         quick=args.quick, notes=notes, **result,
+         checks=[] if args.quick else [check("state size", [mb], "MB", Target(">=", 100),
+                                             statistic="max")],
          details={"size_bytes": size_bytes, "device": args.device,
-                  "async_total_s": async_total,
-                  "durable_torch_save_s": durable})
+                  "async_total_s": async_total, "durable_torch_save_s": durable})
 
 
 if __name__ == "__main__":

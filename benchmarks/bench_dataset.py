@@ -31,16 +31,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (  # noqa: E402
+    Sized,
     Target,
     Workdir,
     alternate,
     check,
+    compared,
     emit,
     log,
-    parser,
-    ratio_range,
-    repeats_of,
-    stats,
+    options,
+    summary,
 )
 from benchmarks.jobs import tiny_image_repo  # noqa: E402
 from stoker.data.demo import DEMO_PATH, DEMO_TAG, ensure_demo_repo  # noqa: E402
@@ -73,21 +73,10 @@ def count_files(folder: Path) -> int:
 
 
 def main() -> None:
-    p = parser(__doc__.splitlines()[0], repeats=5)
-    p.add_argument("--files", type=int, default=None,
-                   help="use a repository of N small files (default: the 1,797 digits; "
-                        "50 with --quick)")
-    args = p.parse_args()
-    repeats = repeats_of(args)
-    nfiles = args.files or (50 if args.quick else None)
+    args = options(__doc__, 7, Sized("--files", int, 0, 50, "use a repository of N small "
+                                     "random files instead of the 1,797 digits (0: the digits)"))
     with Workdir(args.workdir, "bench-dataset") as work:
-        if nfiles:
-            per_class = max(1, nfiles // 10)
-            repo = tiny_image_repo(work / f"small-data-{per_class}", per_class=per_class)
-            nfiles = per_class * 10
-        else:
-            repo = ensure_demo_repo(work / "demo-data").repo
-        expected = nfiles or 1797
+        repo, expected = source_repo(work, args.files)
         scratch = work / "scratch"
 
         def fresh(name: str) -> Path:
@@ -116,10 +105,8 @@ def main() -> None:
             shutil.rmtree(dest)
             return elapsed
 
-        if not args.quick:
-            log("warm-up: one pull of each (DVC imports, git and file caches)")
-            baseline(-1), candidate(-1)
-        base, cand = alternate(baseline, candidate, repeats)
+        # the warm-up pair pays DVC's imports and the git and file caches
+        cold = alternate(baseline, candidate, args.repeats, args.warmups)
 
         log("warm pulls")
         datasets = fresh("warm-stoker")
@@ -136,25 +123,32 @@ def main() -> None:
             pull_dataset(str(repo), DEMO_TAG, DEMO_PATH, datasets)
             return time.perf_counter() - started
 
-        warm_base, warm_cand = alternate(warm_raw, warm_stoker, max(repeats, 3))
+        warm = alternate(warm_raw, warm_stoker, max(args.repeats, 3))
 
-    b = stats(base, "s", "cold: git clone + dvc pull")
-    c = stats(cand, "s", "cold: Stoker pull_dataset")
-    warm = stats(warm_cand, "s", "warm: Stoker pull_dataset (same hash)")
-    warm_raw_s = stats(warm_base, "s", "warm: dvc pull in an up-to-date clone")
-    ratio = b["median"] / c["median"]
-    notes = [f"data: {expected} files ({'random 8x8 PNGs' if nfiles else 'the demo digits'})",
-             f"warm pull {warm['median']:.3f} s (target <= 0.5 s); a no-op dvc pull in an "
-             f"up-to-date raw clone takes {warm_raw_s['median']:.3f} s",
+    result = compared(cold, lambda b, c: b / c, TARGET, "cold: git clone + dvc pull",
+                      "cold: Stoker pull_dataset", "s")
+    warm_stoker_s = summary(warm.values("candidate"), "s", "warm: Stoker pull_dataset")
+    warm_raw_s = summary(warm.values("baseline"), "s", "warm: dvc pull in an up-to-date clone")
+    notes = [f"data: {expected} files "
+             f"({'random 8x8 PNGs' if args.files else 'the demo digits'})",
+             f"warm pull {warm_stoker_s['median']:.3f} s (target <= 0.5 s); a no-op dvc pull "
+             f"in an up-to-date raw clone takes {warm_raw_s['median']:.3f} s",
              "Stoker's cold pull also copies the files from the clone's workspace into a "
              "staging folder that is renamed into place (training never sees a partial "
              "dataset), and records the content hash"]
-    emit("dataset", metric="raw git clone + dvc pull time / Stoker cold pull time", baseline=b,
-         candidate=c, ratio=ratio, target=TARGET, quick=args.quick, notes=notes,
-         checks=[check("warm pull", warm["median"], "s", WARM_TARGET,
-                       spread=(warm["min"], warm["max"]))],
-         spread=ratio_range(lambda x, y: x / y, b, c),
-         details={"warm_stoker_s": warm, "warm_raw_dvc_pull_s": warm_raw_s})
+    emit("dataset", metric="raw git clone + dvc pull time / Stoker cold pull time",
+         quick=args.quick, notes=notes, **result,
+         checks=[check("warm pull", warm.values("candidate"), "s", WARM_TARGET)],
+         details={"warm_stoker_s": warm_stoker_s, "warm_raw_dvc_pull_s": warm_raw_s})
+
+
+def source_repo(work: Path, files: int) -> tuple[Path, int]:
+    """The repository to pull and its file count: ``files`` random PNGs (rounded down to a
+    multiple of 10), or the demo digits when ``files`` is 0."""
+    if not files:
+        return ensure_demo_repo(work / "demo-data").repo, 1797
+    per_class = max(1, files // 10)
+    return tiny_image_repo(work / f"small-data-{per_class}", per_class=per_class), per_class * 10
 
 
 if __name__ == "__main__":

@@ -36,18 +36,17 @@ import torch  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     PYTHON,
+    Sized,
     Workdir,
     alternate,
+    compared,
     emit,
     log,
-    parser,
-    ratio_range,
-    repeats_of,
+    options,
     run_timed,
-    stats,
-    torchrun,
+    summary,
 )
-from benchmarks.jobs import steady_window, write_spec  # noqa: E402
+from benchmarks.jobs import run_runtime, steady_window, write_spec  # noqa: E402
 from benchmarks.synthetic import write_config  # noqa: E402
 
 TIMEOUT_S = 1800
@@ -63,25 +62,21 @@ def skip_reason(args) -> str | None:
 
 
 def main() -> None:
-    p = parser(__doc__.splitlines()[0], repeats=3)
-    p.add_argument("--model", default="resnet50")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="images per GPU per step (default 256; 32 with --quick)")
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--steps-per-epoch", type=int, default=None,
-                   help="steps per epoch; 2 epochs run, the second is timed (default 60; 10 "
-                        "with --quick)")
-    p.add_argument("--allow-cpu", action="store_true", help="development: run on the CPU")
-    args = p.parse_args()
+    args = options(__doc__, 3,
+                   Sized("--batch-size", int, 256, 32, "images per GPU per step"),
+                   Sized("--steps-per-epoch", int, 60, 10,
+                         "steps per epoch; 2 epochs run, the second is timed"),
+                   extra=lambda p: (
+                       p.add_argument("--model", default="resnet50"),
+                       p.add_argument("--image-size", type=int, default=224),
+                       p.add_argument("--allow-cpu", action="store_true",
+                                      help="development: run on the CPU")))
     reason = skip_reason(args)
     if reason:
         emit("gpu_resnet", metric="Stoker images/s / bare loop images/s (1 GPU)",
-             baseline=None, candidate=None, ratio=None, target=None, quick=args.quick,
-             status="skipped", reason=reason)
+             quick=args.quick, status="skipped", reason=reason)
         return
-    repeats = repeats_of(args)
-    batch = args.batch_size or (32 if args.quick else 256)
-    steps_per_epoch = args.steps_per_epoch or (10 if args.quick else 60)
+    batch, steps_per_epoch = args.batch_size, args.steps_per_epoch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
     workers = 0 if not torch.cuda.is_available() else max(2, min(6, os.cpu_count() // gpus - 1))
     with Workdir(args.workdir, "bench-gpu") as work:
@@ -96,8 +91,7 @@ def main() -> None:
                               channels_last=True, deterministic=False, async_checkpoint=True,
                               global_batch_size=batch * nproc, epochs=2, num_workers=workers,
                               nproc_per_node=nproc)
-            run_timed(torchrun(nproc, "-m", "stoker.runtime", str(spec)), work / f"{job.name}.log",
-                      TIMEOUT_S)
+            run_runtime(spec, nproc, work / f"{job.name}.log", TIMEOUT_S)
             return steady_window(job, steps_per_epoch).samples_per_s(batch * nproc)
 
         def bare(i: int) -> float:
@@ -110,12 +104,12 @@ def main() -> None:
             return json.loads(out.read_text())["images_per_s"]
 
         log(f"{gpus} GPU(s), {batch} images per GPU per step, {steps_per_epoch} steps timed")
-        base, cand = alternate(bare, lambda i: stoker(i, 1), repeats)
-        multi = [stoker(i, gpus) for i in range(repeats)] if gpus > 1 else []
+        pairs = alternate(bare, lambda i: stoker(i, 1), args.repeats, args.warmups)
+        multi = [stoker(i, gpus) for i in range(args.repeats)] if gpus > 1 else []
 
-    b = stats(base, "images/s", "bare loop, 1 GPU, batch resident")
-    c = stats(cand, "images/s", "Stoker, 1 GPU")
-    ratio = c["median"] / b["median"]
+    result = compared(pairs, lambda b, c: c / b, "none set (reported)",
+                      "bare loop, 1 GPU, batch resident", "Stoker, 1 GPU", "images/s")
+    c = result["candidate"]
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     notes = [f"{device} x {gpus}; {args.model}, bf16 autocast, channels-last, batch {batch} "
              f"per GPU, {args.image_size}x{args.image_size} synthetic images; DataLoader "
@@ -127,16 +121,15 @@ def main() -> None:
     details = {"gpus": gpus, "device": device, "batch_per_gpu": batch,
                "steps_timed": steps_per_epoch}
     if multi:
-        m = stats(multi, "images/s", f"Stoker, {gpus} GPUs")
+        m = summary(multi, "images/s", f"Stoker, {gpus} GPUs")
         efficiency = m["median"] / (gpus * c["median"])
         details |= {"multi_gpu": m, "scaling_efficiency": round(efficiency, 4)}
         notes.append(f"{gpus} GPUs: {m['median']:.0f} images/s, scaling efficiency "
                      f"{efficiency:.3f} (N-GPU images/s / (N x 1-GPU images/s))")
     else:
         notes.append("one GPU present: no scaling efficiency to measure")
-    emit("gpu_resnet", metric="Stoker images/s / bare loop images/s (1 GPU)", baseline=b,
-         candidate=c, ratio=ratio, target="none set (reported)", quick=args.quick,
-         notes=notes, details=details, spread=ratio_range(lambda x, y: y / x, b, c))
+    emit("gpu_resnet", metric="Stoker images/s / bare loop images/s (1 GPU)", **result,
+         quick=args.quick, notes=notes, details=details)
 
 
 if __name__ == "__main__":

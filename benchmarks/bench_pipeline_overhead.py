@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import resource
 import statistics
 import sys
 import time
@@ -37,13 +36,12 @@ from benchmarks.common import (  # noqa: E402
     Target,
     Workdir,
     alternate,
+    compared,
     emit,
     log,
-    parser,
-    ratio_range,
-    repeats_of,
+    options,
     run_timed,
-    stats,
+    summary,
     torchrun,
 )
 from benchmarks.jobs import demo_dataset, write_spec  # noqa: E402
@@ -73,12 +71,6 @@ def epoch_s(job_dir: Path) -> float:
     between consecutive ``eval`` events (a median, so a burst of load does not skew it)."""
     evals = [e["time"] for e in read_events(job_dir) if e["event"] == "eval"]
     return statistics.median(b - a for a, b in zip(evals, evals[1:], strict=False))
-
-
-def children_cpu_s() -> float:
-    """CPU seconds (user + system) of all waited-for child processes of this one, so far."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 # Where the pipeline's time goes, from the timestamps of Prefect's console log: each phase ends
@@ -136,13 +128,11 @@ def create_experiment(tracking_uri: str, artifacts: Path) -> None:
 
 
 def main() -> None:
-    p = parser(__doc__.splitlines()[0], repeats=2)
-    p.add_argument("--train-s", type=float, default=60.0,
-                   help="training time per run in seconds, calibrated (default 60)")
-    p.add_argument("--epochs", type=int, default=None,
-                   help="epochs per run instead of calibrating (1 with --quick)")
-    args = p.parse_args()
-    repeats = repeats_of(args)
+    args = options(__doc__, 3, extra=lambda p: (
+        p.add_argument("--train-s", type=float, default=60.0,
+                       help="training time per run in seconds, calibrated (default 60)"),
+        p.add_argument("--epochs", type=int, default=None,
+                       help="epochs per run instead of calibrating (1 with --quick)")))
     with Workdir(args.workdir, "bench-pipeline") as work:
         dataset = demo_dataset(args.data_dir or work, quick=args.quick)
         stores = work / "stores"
@@ -157,20 +147,19 @@ def main() -> None:
         world = nproc()
         runs = work / "runs"
         runs.mkdir(exist_ok=True)
-        attempt_s: list[float] = []
-        base_train_s: list[float] = []
-        cand_train_s: list[float] = []
-        run_phases: list[dict[str, float]] = []
-        cpu_s: dict[str, list[float]] = {"torchrun": [], "pipeline": []}
+        timed: dict[str, list] = {"attempt_s": [], "base_train_s": [], "cand_train_s": [],
+                                  "phases": []}
+
+        def keep(i: int, key: str, value) -> None:
+            if i >= 0:  # warm-up and calibration runs are not counted
+                timed[key].append(value)
 
         def baseline(i: int, epochs: int) -> float:
             job = runs / f"torchrun-{i}"
             spec = write_spec(job, dataset.local_path, epochs=epochs)
-            cpu = children_cpu_s()
             wall = run_timed(torchrun(world, "-m", "stoker.runtime", str(spec)),
                              runs / f"torchrun-{i}.log", TIMEOUT_S)
-            cpu_s["torchrun"].append(children_cpu_s() - cpu)
-            base_train_s.append(training_s(job))
+            keep(i, "base_train_s", training_s(job))
             return wall
 
         def candidate(i: int, epochs: int) -> float:
@@ -180,72 +169,77 @@ def main() -> None:
             log_path = runs / f"pipeline-{i}.log"
             started = time.time()
             run_env = {"PREFECT_HOME": str(work_dir / ".prefect"), **stores_env}
-            cpu = children_cpu_s()
             wall = run_timed([PYTHON, "-m", "stoker.cli", "run", f"work_dir={work_dir}",
                               f"train.epochs={epochs}", *overrides],
                              log_path, TIMEOUT_S, extra_env=run_env, cwd=work_dir)
-            cpu_s["pipeline"].append(children_cpu_s() - cpu)
-            run_phases.append(phases(log_path.read_text(), started, time.time()))
+            keep(i, "phases", phases(log_path.read_text(), started, time.time()))
             (job,) = (work_dir / "jobs").iterdir()
             if not (job / "pipeline_done.json").is_file():
                 raise RuntimeError(f"{job}: the pipeline did not finish the job")
-            cand_train_s.append(training_s(job))
+            keep(i, "cand_train_s", training_s(job))
             attempts = [json.loads(line) for line in
-                        (job / "attempts.jsonl").read_text().splitlines()]
-            attempt_s.append(sum(a["duration_s"] for a in attempts))
+                        (job / "attempts.jsonl").read_text().splitlines() if line.strip()]
+            keep(i, "attempt_s", sum(a["duration_s"] for a in attempts))
             return wall
 
-        epochs = args.epochs or (1 if args.quick else None)
+        epochs, warmups = args.epochs or (1 if args.quick else None), args.warmups
         if epochs is None:
-            log("calibration: an untimed torchrun run and an untimed pipeline run (warm-up)")
+            log("calibration: an untimed torchrun run and an untimed pipeline run (the warm-up "
+                "pair)")
             baseline(-1, 10)
-            base_train_s.pop(), cpu_s["torchrun"].pop()
             epochs = max(1, math.ceil(args.train_s / epoch_s(runs / "torchrun--1")))
             candidate(-1, 1)
-            attempt_s.pop(), run_phases.pop(), cand_train_s.pop(), cpu_s["pipeline"].pop()
+            warmups = 0
         log(f"{epochs} epoch(s) per run, {world} processes")
-        base, cand = alternate(lambda i: baseline(i, epochs), lambda i: candidate(i, epochs),
-                               repeats)
+        pairs = alternate(lambda i: baseline(i, epochs), lambda i: candidate(i, epochs),
+                          args.repeats, warmups)
 
-    b = stats(base, "s", "bare torchrun")
-    c = stats(cand, "s", "pipeline flow (stoker run)")
-    ratio = c["median"] / b["median"]
-    train = stats(base_train_s, "s", "training in bare torchrun")
-    cand_train = stats(cand_train_s, "s", "training inside the pipeline")
-    attempt = stats(attempt_s, "s", "train attempt inside the pipeline")
+    result = compared(pairs, lambda b, c: c / b, TARGET, "bare torchrun",
+                      "pipeline flow (stoker run)", "s")
+    emit("pipeline_overhead", metric="pipeline wall time / bare torchrun wall time",
+         quick=args.quick, **result, **explain(result, timed, epochs, world, dataset.nfiles,
+                                               args))
+
+
+def explain(result: dict, timed: dict[str, list], epochs: int, world: int, nfiles: int,
+            args) -> dict:
+    """The notes and details of the result: where the pipeline's time goes."""
+    b, c = result["baseline"], result["candidate"]
+    train = summary(timed["base_train_s"], "s", "training in bare torchrun")
+    cand_train = summary(timed["cand_train_s"], "s", "training inside the pipeline")
+    attempt = summary(timed["attempt_s"], "s", "train attempt inside the pipeline")
     outside = c["median"] - attempt["median"]
-    notes = [f"{epochs} epoch(s) of {dataset.nfiles} images, {world} processes",
+    notes = [f"{epochs} epoch(s) of {nfiles} images, {world} processes",
              f"training itself (the runtime's start to end event) takes {train['median']:.1f} s "
              f"bare and {cand_train['median']:.1f} s inside the pipeline, which also tracks to "
              "MLflow (every step, system metrics) and runs the Prefect server and the flow "
              "process on the same cores",
              f"outside its torchrun attempt the flow spends {outside:.1f} s (Python and Prefect "
-             "start, the temporary Prefect server, the warm pull, MLflow registration, the "
-             f"report, server shutdown); the attempt takes {attempt['median']:.1f} s, "
+             "start, the Prefect server, the warm pull, MLflow registration, the report, "
+             f"shutdown); the attempt takes {attempt['median']:.1f} s, "
              f"{attempt['median'] - b['median']:+.1f} s against the whole bare torchrun run",
              "the fixed part weighs less as training grows; the slowdown of training itself "
              "does not",
-             f"CPU time of the whole process tree: {statistics.median(cpu_s['pipeline']):.0f} s "
-             f"for the pipeline, {statistics.median(cpu_s['torchrun']):.0f} s for torchrun "
-             f"(on {os.cpu_count()} cores, CPU the orchestrator uses while the ranks train is "
-             "taken from them)"]
-    timed = [ph for ph in run_phases if ph]
-    phase_medians = {k: round(statistics.median(ph[k] for ph in timed), 3)
-                     for k in timed[0]} if timed else {}
+             f"CPU time of the whole process tree: {c['cpu_s']['median']:.0f} s for the "
+             f"pipeline, {b['cpu_s']['median']:.0f} s for torchrun (medians, on "
+             f"{os.cpu_count()} cores: CPU the orchestrator uses while the ranks train is taken "
+             "from them)"]
+    done = [ph for ph in timed["phases"] if ph]
+    phase_medians = {k: round(statistics.median(ph[k] for ph in done if k in ph), 3)
+                     for k in done[0]} if done else {}
     if phase_medians:
         notes.append("pipeline phases (median s): " + ", ".join(
             f"{k.replace('_', ' ')} {v:.1f}" for k, v in phase_medians.items()))
-    if args.quick or args.epochs:
+    if args.quick:
         notes.append("no warm-up run: the first pipeline run also migrates the Prefect and "
-                     "MLflow databases (in the run's own work_dir), on a tiny dataset"
-                     if args.quick else "epochs fixed by --epochs")
-    emit("pipeline_overhead", metric="pipeline wall time / bare torchrun wall time",
-         baseline=b, candidate=c, ratio=ratio, target=TARGET, quick=args.quick, notes=notes,
-         spread=ratio_range(lambda x, y: y / x, b, c),
-         details={"epochs": epochs, "processes": world, "baseline_training_s": train,
-                  "pipeline_training_s": cand_train, "pipeline_attempt_s": attempt,
-                  "pipeline_phases_s": phase_medians, "pipeline_phases_per_run": run_phases,
-                  "cpu_s": cpu_s})
+                     "MLflow databases (in the run's own work_dir), on a tiny dataset")
+    elif args.epochs:
+        notes.append("epochs fixed by --epochs")
+    return {"notes": notes,
+            "details": {"epochs": epochs, "processes": world, "baseline_training_s": train,
+                        "pipeline_training_s": cand_train, "pipeline_attempt_s": attempt,
+                        "pipeline_phases_s": phase_medians,
+                        "pipeline_phases_per_run": timed["phases"]}}
 
 
 if __name__ == "__main__":

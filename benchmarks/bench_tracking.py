@@ -10,8 +10,8 @@ Stoker's defaults; they differ only in the spec's ``tracking_uri``:
   metrics every 10 s (the defaults).
 
 Step time = the mean time per step from the end of the first epoch to the end of training, from
-the progress events (evaluation excluded, checkpoints and metric flushes included); the median
-over runs is taken on each side. Ratio = (with - without) / without; target <= 0.01 (1 %).
+the progress events (evaluation excluded, checkpoints and metric flushes included).
+Ratio, per pair = (with - without) / without; target <= 0.01 (1 %).
 
     python benchmarks/bench_tracking.py [--quick] [--repeats N] [--epochs N]
 """
@@ -29,16 +29,19 @@ from benchmarks.common import (  # noqa: E402
     Target,
     Workdir,
     alternate,
+    compared,
     emit,
     log,
-    parser,
-    ratio_range,
-    repeats_of,
-    run_timed,
-    stats,
-    torchrun,
+    options,
+    summary,
 )
-from benchmarks.jobs import demo_dataset, steady_window, write_spec  # noqa: E402
+from benchmarks.jobs import (  # noqa: E402
+    EPOCHS,
+    demo_dataset,
+    run_runtime,
+    steady_window,
+    write_spec,  # noqa: E402
+)
 from benchmarks.jobs import steps_per_epoch as epoch_steps  # noqa: E402
 
 TARGET = Target("<=", 0.01)
@@ -48,13 +51,8 @@ TIMEOUT_S = 1800
 
 
 def main() -> None:
-    p = parser(__doc__.splitlines()[0], repeats=3)
-    p.add_argument("--epochs", type=int, default=None,
-                   help="epochs per run (default 15, about 10 s of training on 2 CPU cores; "
-                        "2 with --quick)")
-    args = p.parse_args()
-    repeats = repeats_of(args)
-    epochs = args.epochs or (2 if args.quick else 15)
+    args = options(__doc__, 5, EPOCHS)
+    epochs = args.epochs
     with Workdir(args.workdir, "bench-tracking") as work:
         dataset = demo_dataset(args.data_dir or work, quick=args.quick)
         steps_per_epoch = epoch_steps(dataset, GLOBAL_BATCH)
@@ -69,28 +67,30 @@ def main() -> None:
                               tracking_uri=tracking_uri if side == "with" else None,
                               artifact_location=(work / "mlartifacts").as_uri(), epochs=epochs,
                               global_batch_size=GLOBAL_BATCH, nproc_per_node=NPROC)
-            run_timed(torchrun(NPROC, "-m", "stoker.runtime", str(spec)), work / f"{side}-{i}.log",
-                      TIMEOUT_S)
+            run_runtime(spec, NPROC, work / f"{side}-{i}.log", TIMEOUT_S)
             if side == "with" and not (job / "mlflow_run_id").is_file():
                 raise RuntimeError(f"{job}: no MLflow run was created; tracking did not run")
             window = steady_window(job, first_step)
-            medians[side].append(window.median_step_s * 1e3)
-            slow = [dt for dt in window.intervals_s if dt > 2 * window.median_step_s]
-            excess[side].append(sum(dt - window.median_step_s for dt in slow) / window.steps
-                                * 1e3)
+            if i >= 0:  # not the warm-up (which also creates the MLflow database)
+                medians[side].append(window.median_step_s * 1e3)
+                slow = [dt for dt in window.intervals_s if dt > 2 * window.median_step_s]
+                excess[side].append(sum(dt - window.median_step_s for dt in slow)
+                                    / window.steps * 1e3)
             return window.mean_step_s * 1e3
 
         log(f"{epochs} epochs of {steps_per_epoch} steps per run, timed after step {first_step}")
-        base, cand = alternate(lambda i: run(i, "without"), lambda i: run(i, "with"), repeats)
+        pairs = alternate(lambda i: run(i, "without"), lambda i: run(i, "with"), args.repeats,
+                          args.warmups)
 
-    b = stats(base, "ms/step", "without tracking")
-    c = stats(cand, "ms/step", "with MLflow tracking (sqlite)")
-    ratio = (c["median"] - b["median"]) / b["median"]
-    med_b = stats(medians["without"], "ms", "median step interval, without")
-    med_c = stats(medians["with"], "ms", "median step interval, with")
+    result = compared(pairs, lambda b, c: (c - b) / b, TARGET, "without tracking",
+                      "with MLflow tracking (sqlite)", "ms/step")
+    overhead, step_ms = result["ratio"]["median"], result["baseline"]["median"]
+    med_b = summary(medians["without"], "ms", "median step interval, without")
+    med_c = summary(medians["with"], "ms", "median step interval, with")
     notes = [f"{epochs} epochs x {steps_per_epoch} steps, global batch {GLOBAL_BATCH}, "
              f"{NPROC} gloo ranks; timed after step {first_step}",
-             f"overhead {ratio:+.2%} of a {b['median']:.1f} ms step (target <= 1 %)",
+             f"overhead {overhead:+.2%} of a {step_ms:.1f} ms step (per-pair median; "
+             "target <= 1 %)",
              f"median single-step interval: {med_b['median']:.1f} ms without, "
              f"{med_c['median']:.1f} ms with tracking (a typical step, which buffers metrics "
              "only; the means include the periodic log_batch flushes)",
@@ -99,9 +99,8 @@ def main() -> None:
              f"{statistics.median(excess['with']):.2f} ms with it (rank 0 sends buffered metrics "
              "with a synchronous log_batch every 2 s and at each checkpoint; the other rank "
              "waits for it at the next all-reduce)"]
-    emit("tracking", metric="(step time with tracking - without) / without", baseline=b,
-         candidate=c, ratio=ratio, target=TARGET, quick=args.quick, notes=notes,
-         spread=ratio_range(lambda x, y: (y - x) / x, b, c),
+    emit("tracking", metric="(step time with tracking - without) / without",
+         quick=args.quick, notes=notes, **result,
          details={"epochs": epochs, "median_interval_without_ms": med_b,
                   "median_interval_with_ms": med_c})
 

@@ -32,16 +32,21 @@ from benchmarks.common import (  # noqa: E402
     Target,
     Workdir,
     alternate,
+    compared,
     emit,
     log,
-    parser,
-    ratio_range,
-    repeats_of,
+    options,
     run_timed,
-    stats,
+    summary,
     torchrun,
 )
-from benchmarks.jobs import demo_dataset, steady_window, write_spec  # noqa: E402
+from benchmarks.jobs import (  # noqa: E402
+    EPOCHS,
+    demo_dataset,
+    run_runtime,
+    steady_window,
+    write_spec,  # noqa: E402
+)
 from benchmarks.jobs import steps_per_epoch as epoch_steps  # noqa: E402
 
 TARGET = Target(">=", 0.98)
@@ -51,13 +56,8 @@ TIMEOUT_S = 1800
 
 
 def main() -> None:
-    p = parser(__doc__.splitlines()[0], repeats=3)
-    p.add_argument("--epochs", type=int, default=None,
-                   help="epochs per run (default 15, about 10 s of training on 2 CPU cores; "
-                        "2 with --quick)")
-    args = p.parse_args()
-    repeats = repeats_of(args)
-    epochs = args.epochs or (2 if args.quick else 15)
+    args = options(__doc__, 5, EPOCHS)
+    epochs = args.epochs
     with Workdir(args.workdir, "bench-throughput") as work:
         dataset = demo_dataset(args.data_dir or work, quick=args.quick)
         steps_per_epoch = epoch_steps(dataset, GLOBAL_BATCH)
@@ -77,25 +77,25 @@ def main() -> None:
             job = work / f"stoker-{i}"
             spec = write_spec(job, dataset.local_path, epochs=epochs,
                               global_batch_size=GLOBAL_BATCH, nproc_per_node=NPROC)
-            run_timed(torchrun(NPROC, "-m", "stoker.runtime", str(spec)), work / f"stoker-{i}.log",
-                      TIMEOUT_S)
+            run_runtime(spec, NPROC, work / f"stoker-{i}.log", TIMEOUT_S)
             window = steady_window(job, first_step)
-            evals.append(window.eval_s / (window.train_s + window.eval_s))
-            all_in.append(window.steps * GLOBAL_BATCH / (window.train_s + window.eval_s))
-            profiles.append(json.loads((job / "result.json").read_text())["profile"])
+            if i >= 0:  # not the warm-up
+                evals.append(window.eval_s / (window.train_s + window.eval_s))
+                all_in.append(window.steps * GLOBAL_BATCH / (window.train_s + window.eval_s))
+                profiles.append(json.loads((job / "result.json").read_text())["profile"])
             return window.samples_per_s(GLOBAL_BATCH)
 
         log(f"{epochs} epochs of {steps_per_epoch} steps per run, timed after step {first_step}")
-        base, cand = alternate(baseline, candidate, repeats)
+        pairs = alternate(baseline, candidate, args.repeats, args.warmups)
 
-    b = stats(base, "samples/s", "hand-written DDP loop")
-    c = stats(cand, "samples/s", "Stoker Trainer (evaluation excluded)")
-    ratio = c["median"] / b["median"]
+    result = compared(pairs, lambda b, c: c / b, TARGET, "hand-written DDP loop",
+                      "Stoker Trainer (evaluation excluded)", "samples/s")
+    cand = pairs.values("candidate")
     profile = profiles[cand.index(sorted(cand)[len(cand) // 2])]
     wall = profile["wall_s"]
     shares = ", ".join(f"{k.removesuffix('_s')} {profile[k] / wall:.1%}"
                        for k in ("data_s", "forward_backward_s", "optimizer_s", "sync_s",
-                                 "checkpoint_s", "eval_s"))
+                                 "checkpoint_s", "eval_s") if k in profile)
     notes = [f"{epochs} epochs x {steps_per_epoch} steps, global batch {GLOBAL_BATCH}, "
              f"{NPROC} gloo ranks; timed after step {first_step}",
              "Stoker's figure includes its checkpoints (every 50 steps, synchronous by "
@@ -104,12 +104,11 @@ def main() -> None:
              f"of the window (with it: {statistics.median(all_in):.0f} samples/s)",
              f"where Stoker's time went (median run, whole attempt): {shares}"]
     emit("trainer_throughput", metric="Stoker samples/s / hand-written DDP loop samples/s",
-         baseline=b, candidate=c, ratio=ratio, target=TARGET, quick=args.quick, notes=notes,
-         spread=ratio_range(lambda x, y: y / x, b, c),
+         quick=args.quick, notes=notes, **result,
          details={"epochs": epochs, "steps_per_epoch": steps_per_epoch,
                   "first_step": first_step, "stoker_profile": profile,
-                  "stoker_with_eval_samples_per_s": stats(all_in, "samples/s",
-                                                          "Stoker incl. evaluation")})
+                  "stoker_with_eval_samples_per_s": summary(all_in, "samples/s",
+                                                            "Stoker incl. evaluation")})
 
 
 if __name__ == "__main__":

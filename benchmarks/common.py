@@ -1,9 +1,13 @@
-"""Shared pieces of the benchmarks: options, alternating runs, statistics, the result line.
+"""Shared pieces of the benchmarks: options, pairs of runs with their CPU time, the result line.
 
-Every benchmark measures a baseline and Stoker (the candidate) in the same run, alternately
-(A B A B ...), reports median and min-max of each, and ends with one JSON line whose last fields
-are the ratio, its target and whether the target was met. A missed target is data, not an
-error: the scripts exit 0 unless the measurement itself failed.
+Every benchmark measures a baseline and Stoker (the candidate) in the same run, in pairs whose
+order alternates (A B, B A, ...), after an untimed warm-up pair. Each run's figure comes with
+its wall time and the CPU time (user + system) of this process and of every child process it
+waited for. The result is one JSON line (the last line of output) whose ratio is the median of
+the per-pair ratios, with min-max, a bootstrap interval and a verdict from the interval
+(``benchmarks.stats``). A missed target is data, not an error: the scripts exit 0 unless the
+measurement itself failed. Every result records the commit it ran at and whether the checkout
+had uncommitted changes.
 """
 
 from __future__ import annotations
@@ -11,14 +15,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+from benchmarks.stats import (
+    MET,
+    MISSED,
+    Target,
+    check,
+    overall,
+    ratio_summary,
+    summary,
+)
+
+__all__ = ["Target", "check", "summary"]  # re-exported for the scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -29,35 +45,60 @@ os.environ.update(TELEMETRY_OFF)
 DATA_DIR_ENV = "STOKER_BENCH_DATA_DIR"
 
 
-def parser(description: str, repeats: int) -> argparse.ArgumentParser:
-    """An argument parser with the options every benchmark takes.
+class Sized(NamedTuple):
+    """An option whose default depends on ``--quick``: ``full`` normally, ``quick`` with it."""
+
+    flag: str
+    type: type
+    full: Any
+    quick: Any
+    help: str
+
+
+def options(doc: str, repeats: int, *sized: Sized,
+            extra: Callable[[argparse.ArgumentParser], None] | None = None,
+            argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the options every benchmark takes, plus its ``sized`` and ``extra`` ones.
 
     Args:
-        description: first line of the script's docstring.
-        repeats: default number of baseline/candidate pairs at full size.
+        doc: the script's docstring (its first line is the description).
+        repeats: default number of timed pairs at full size (1 with ``--quick``).
+        sized: options with a full and a quick default, resolved after parsing.
+        extra: adds the script's other options to the parser.
+
+    Returns:
+        The namespace, with ``repeats`` and ``warmups`` resolved to numbers and every sized
+        option to its value. Exits 2 (argparse) on a bad value.
     """
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="tiny size, one pair (a smoke run for CI: the figures mean little)")
+                   help="tiny size, one pair, no warm-up (a smoke run: the figures mean little)")
     p.add_argument("--repeats", type=int, default=None,
-                   help=f"baseline/candidate pairs, alternated (default {repeats}; 1 with --quick)")
+                   help=f"timed pairs, order alternated (default {repeats}; 1 with --quick)")
+    p.add_argument("--warmups", type=int, default=None,
+                   help="untimed pairs first (default 1; 0 with --quick)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="keep all state under this folder (default: a temporary folder, removed)")
     p.add_argument("--data-dir", type=Path, default=os.environ.get(DATA_DIR_ENV) or None,
                    help="folder for the demo data repository and its pulled copy, kept and "
                         f"shared between benchmarks (default: ${DATA_DIR_ENV}, else inside the "
                         "work folder)")
-    p.set_defaults(default_repeats=repeats)
-    return p
-
-
-def repeats_of(args: argparse.Namespace) -> int:
-    """The number of pairs to run: ``--repeats``, else 1 with ``--quick``, else the default."""
-    if args.repeats is not None:
-        if args.repeats < 1:
-            raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
-        return args.repeats
-    return 1 if args.quick else args.default_repeats
+    for s in sized:
+        p.add_argument(s.flag, type=s.type, default=None,
+                       help=f"{s.help} (default {s.full}; {s.quick} with --quick)")
+    if extra:
+        extra(p)
+    args = p.parse_args(argv)
+    for name, value, least in (("repeats", args.repeats, 1), ("warmups", args.warmups, 0)):
+        if value is not None and value < least:
+            p.error(f"--{name} must be >= {least}, got {value}")
+    args.repeats = args.repeats or (1 if args.quick else repeats)
+    args.warmups = args.warmups if args.warmups is not None else (0 if args.quick else 1)
+    for s in sized:
+        dest = s.flag.lstrip("-").replace("-", "_")
+        if getattr(args, dest) is None:
+            setattr(args, dest, s.quick if args.quick else s.full)
+    return args
 
 
 def env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -67,132 +108,160 @@ def env(extra: dict[str, str] | None = None) -> dict[str, str]:
             **(extra or {})}
 
 
-def alternate(baseline: Callable[[int], Any], candidate: Callable[[int], Any],
-              repeats: int) -> tuple[list[Any], list[Any]]:
-    """Run ``baseline(i)`` and ``candidate(i)`` alternately, ``repeats`` times each.
-
-    The order flips every pair (A B, B A, A B, ...) so that a drift in the machine's load does
-    not always favour the same side. Returns (baseline results, candidate results).
-    """
-    base, cand = [], []
-    for i in range(repeats):
-        if i % 2 == 0:
-            base.append(baseline(i))
-            cand.append(candidate(i))
-        else:
-            cand.append(candidate(i))
-            base.append(baseline(i))
-        log(f"pair {i + 1}/{repeats}: baseline {_short(base[-1])}, candidate {_short(cand[-1])}")
-    return base, cand
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def stats(values: Iterable[float], unit: str, name: str) -> dict[str, Any]:
-    """Median, min, max and every value (rounded to 6 significant digits)."""
-    values = [float(v) for v in values]
-    return {"name": name, "unit": unit, "median": _round(statistics.median(values)),
-            "min": _round(min(values)), "max": _round(max(values)), "n": len(values),
-            "values": [_round(v) for v in values]}
-
-
-def _round(value: float) -> float:
-    return float(f"{value:.6g}")
+def cpu_s() -> float:
+    """CPU seconds (user + system) of this process and of its waited-for children, so far."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 @dataclass(frozen=True)
-class Target:
-    """A target on a figure: ``op`` is ``<=`` or ``>=``; ``value`` in the figure's unit."""
+class Run:
+    """One run of one side: its figure, wall seconds and CPU seconds of the process tree."""
 
-    op: str
     value: float
-
-    def met(self, figure: float) -> bool:
-        return figure <= self.value if self.op == "<=" else figure >= self.value
-
-    def __str__(self) -> str:
-        return f"{self.op} {self.value:g}"
+    wall_s: float
+    cpu_s: float
 
 
-def check(name: str, figure: float, unit: str, target: Target,
-          spread: tuple[float, float] | None = None) -> dict[str, Any]:
-    """One measured figure against its target (for benchmarks with more than the ratio).
+def measure(fn: Callable[[int], float], i: int) -> Run:
+    """``fn(i)``'s figure with the wall and CPU time the call took (children included)."""
+    cpu, started = cpu_s(), time.perf_counter()
+    value = fn(i)
+    return Run(float(value), time.perf_counter() - started, cpu_s() - cpu)
 
-    ``spread`` is the figure's (min, max) over the runs; ``decided`` then says whether both
-    ends give the same verdict.
+
+@dataclass(frozen=True)
+class Pairs:
+    """Baseline run i and candidate run i, for every timed pair i."""
+
+    baseline: tuple[Run, ...]
+    candidate: tuple[Run, ...]
+
+    def values(self, side: str, field: str = "value") -> list[float]:
+        return [getattr(r, field) for r in getattr(self, side)]
+
+
+def alternate(baseline: Callable[[int], float], candidate: Callable[[int], float],
+              repeats: int, warmups: int = 0) -> Pairs:
+    """Run ``baseline(i)`` and ``candidate(i)`` as ``repeats`` pairs, after ``warmups`` pairs.
+
+    The order flips every pair (A B, B A, A B, ...) so that a drift in the machine's load does
+    not always favour the same side. Warm-up pairs get negative indices (-1, -2, ...) and are
+    not returned: they pay first-use costs (imports, caches, database creation).
     """
-    out = {"name": name, "value": _round(figure), "unit": unit, "target": str(target),
-           "met": target.met(figure)}
-    if spread is not None:
-        out |= {"range": [_round(spread[0]), _round(spread[1])],
-                "decided": target.met(spread[0]) == target.met(spread[1])}
-    return out
+    for w in range(warmups):
+        log(f"warm-up pair {w + 1}/{warmups} (not counted)")
+        baseline(-1 - w), candidate(-1 - w)
+    base: list[Run] = []
+    cand: list[Run] = []
+    for i in range(repeats):
+        if i % 2 == 0:
+            base.append(measure(baseline, i))
+            cand.append(measure(candidate, i))
+        else:
+            cand.append(measure(candidate, i))
+            base.append(measure(baseline, i))
+        log(f"pair {i + 1}/{repeats}: baseline {base[-1].value:.4g}, candidate "
+            f"{cand[-1].value:.4g}")
+    return Pairs(tuple(base), tuple(cand))
 
 
-def ratio_range(fn: Callable[[float, float], float], baseline: dict,
-                candidate: dict) -> tuple[float, float]:
-    """The ratio ``fn(baseline, candidate)`` at the extremes of both sides: (lowest, highest)
-    over the four (min/max, min/max) pairs. A target between them is within the noise."""
-    corners = [fn(b, c) for b in (baseline["min"], baseline["max"])
-               for c in (candidate["min"], candidate["max"])]
-    return min(corners), max(corners)
+def side(pairs: Pairs, which: str, name: str, unit: str) -> dict[str, Any]:
+    """One side's figure (``summary``) with its wall and CPU seconds per run beside it."""
+    return summary(pairs.values(which), unit, name) | {
+        "wall_s": summary(pairs.values(which, "wall_s"), "s"),
+        "cpu_s": summary(pairs.values(which, "cpu_s"), "s")}
 
 
-def emit(benchmark: str, *, metric: str, baseline: dict | None, candidate: dict | None,
-         ratio: float | None, target: Target | str | None, checks: list[dict] | None = None,
-         notes: list[str] | None = None, details: dict | None = None, quick: bool = False,
-         status: str = "ok", reason: str | None = None,
-         spread: tuple[float, float] | None = None) -> dict[str, Any]:
+def compared(pairs: Pairs, ratio_of: Callable[[float, float], float], target: Target | str,
+             baseline: str, candidate: str, unit: str) -> dict[str, Any]:
+    """The keyword arguments of ``emit`` for a pair-wise comparison: both sides, the per-pair
+    ratio ``ratio_of(baseline, candidate)`` and the per-pair CPU ratio (candidate CPU /
+    baseline CPU, whole runs)."""
+    return {"baseline": side(pairs, "baseline", baseline, unit),
+            "candidate": side(pairs, "candidate", candidate, unit),
+            "ratio": ratio_summary(pairs.values("baseline"), pairs.values("candidate"),
+                                   ratio_of, target),
+            "cpu_ratio": ratio_summary(pairs.values("baseline", "cpu_s"),
+                                       pairs.values("candidate", "cpu_s"), lambda b, c: c / b),
+            "target": target}
+
+
+def checkout() -> dict[str, Any]:
+    """The commit the benchmark runs at (``git rev-parse HEAD``) and whether the checkout has
+    uncommitted changes (``git status --porcelain``; the first 20 lines kept)."""
+    def git(*args: str) -> str:
+        proc = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              check=False)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    changes = git("status", "--porcelain").splitlines()
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(changes),
+            "changes": changes[:20]}
+
+
+def emit(benchmark: str, *, metric: str, baseline: dict | None = None,
+         candidate: dict | None = None, ratio: dict | None = None,
+         target: Target | str | None = None, cpu_ratio: dict | None = None,
+         checks: list[dict] | None = None, notes: list[str] | None = None,
+         details: dict | None = None, quick: bool = False, status: str = "ok",
+         reason: str | None = None) -> dict[str, Any]:
     """Print the human summary and then the result as one JSON line (the last line of output).
 
-    ``target`` is the ratio's Target, or a text naming the absolute targets of ``checks`` when
-    the ratio is informative only. ``target_met`` is true when the ratio meets its Target (if
-    it has one) and every check meets its own; None when skipped or nothing has a target.
-    ``spread`` is the ratio's range (``ratio_range``); ``decided`` is false when the verdict
-    of the ratio or of a check flips within its range (the noise could change it).
-    The JSON keys end with ``ratio``, ``target`` and ``target_met``.
+    ``ratio`` is a ``ratio_summary`` (per-pair ratios); ``target`` the ratio's Target, or a text
+    naming the absolute targets of ``checks`` when the ratio is informative only. ``verdict``
+    combines the ratio's (with a Target) and every check's: missed if any missed, undecided if
+    any is undecided, else met; None when skipped or nothing has a target. ``target_met`` is
+    True for met, False for missed, None otherwise. The JSON keys end with ``ratio`` (the
+    per-pair median), ``target``, ``verdict`` and ``target_met``.
     """
     checks = checks or []
-    met = decided = None
-    if status == "ok" and ratio is not None:
-        verdicts = [c["met"] for c in checks]
-        settled = [c["decided"] for c in checks if "decided" in c]
-        if isinstance(target, Target):
-            verdicts.append(target.met(ratio))
-            if spread is not None:
-                settled.append(target.met(spread[0]) == target.met(spread[1]))
-        met = all(verdicts) if verdicts else None
-        decided = all(settled) if settled and met is not None else None
+    verdict = None
+    if status == "ok":
+        verdict = overall([c["verdict"] for c in checks]
+                          + ([ratio["verdict"]] if ratio and "verdict" in ratio else []))
     result: dict[str, Any] = {"benchmark": benchmark, "status": status, "quick": quick,
-                              "metric": metric}
+                              "metric": metric, "checkout": checkout()}
     if reason:
         result["reason"] = reason
-    result |= {"baseline": baseline, "candidate": candidate, "checks": checks,
-               "notes": notes or [], "details": details or {},
-               "ratio_range": None if spread is None else [_round(v) for v in spread],
-               "decided": decided, "ratio": None if ratio is None else _round(ratio),
-               "target": None if target is None else str(target), "target_met": met}
-    for side in (baseline, candidate):
-        if side:
-            print(f"{side['name']}: median {side['median']:.4g} {side['unit']} "
-                  f"(min {side['min']:.4g}, max {side['max']:.4g}, n={side['n']})")
-    for c in checks:
-        print(f"check {c['name']}: {c['value']:.4g} {c['unit']} (target {c['target']}: "
-              f"{'met' if c['met'] else 'MISSED'})")
-    for note in notes or []:
-        print(f"note: {note}")
-    if status != "ok":
-        print(f"{benchmark}: {status}: {reason}")
-    elif ratio is not None:
-        verdict = {True: "met", False: "MISSED", None: "no target"}[met]
-        if decided is False:
-            verdict += ", within the noise"
-        span = f", range {spread[0]:.4g} to {spread[1]:.4g}" if spread else ""
-        print(f"ratio ({metric}): {ratio:.4g}{span} (target {target}: {verdict})")
+    result |= {"baseline": baseline, "candidate": candidate, "pairs": ratio,
+               "cpu_ratio": cpu_ratio, "checks": checks, "notes": notes or [],
+               "details": details or {}, "ratio": ratio["median"] if ratio else None,
+               "target": None if target is None else str(target), "verdict": verdict,
+               "target_met": {MET: True, MISSED: False}.get(verdict)}
+    _print_summary(result)
     print(json.dumps(result), flush=True)
     return result
+
+
+def describe(s: dict) -> str:
+    """``median [min–max], 95 % CI low–high (n=N)`` of a ``summary``."""
+    ci = s.get("ci")
+    interval = f", {s['confidence']:.0%} CI {ci[0]:.4g}–{ci[1]:.4g}" if ci else ", no CI"
+    return f"{s['median']:.4g} [{s['min']:.4g}–{s['max']:.4g}]{interval} (n={s['n']})"
+
+
+def _print_summary(result: dict) -> None:
+    for s in (result["baseline"], result["candidate"]):
+        if s:  # sides measured within one run (recovery's trials) have no wall/CPU of their own
+            cost = (f"; wall {s['wall_s']['median']:.4g} s, CPU {s['cpu_s']['median']:.4g} s "
+                    "per run (medians)" if "cpu_s" in s else "")
+            print(f"{s.get('name')}: {describe(s)} {s['unit']}{cost}")
+    for c in result["checks"]:
+        print(f"check {c['name']} ({c['statistic']}): {describe(c)} {c['unit']} "
+              f"(target {c['target']}: {c['verdict']})")
+    for note in result["notes"]:
+        print(f"note: {note}")
+    if result["checkout"]["dirty"]:
+        print(f"warning: uncommitted changes in the checkout ({result['checkout']['commit']})")
+    if result["status"] != "ok":
+        print(f"{result['benchmark']}: {result['status']}: {result.get('reason')}")
+    elif result["pairs"]:
+        print(f"per-pair ratio ({result['metric']}): {describe(result['pairs'])} "
+              f"(target {result['target']}: {result['verdict'] or 'no verdict'})")
+        if result["cpu_ratio"]:
+            print(f"per-pair CPU ratio (candidate / baseline): {describe(result['cpu_ratio'])}")
 
 
 def log(message: str) -> None:
@@ -241,3 +310,4 @@ class Workdir:
     def __exit__(self, *exc: object) -> None:
         if self._tmp is not None:
             self._tmp.cleanup()
+

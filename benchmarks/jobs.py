@@ -7,12 +7,26 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.common import Sized, run_timed, torchrun
 from stoker.config import TrainConfig
 from stoker.data.demo import DEMO_PATH, DEMO_TAG, ensure_demo_repo
 from stoker.data.git import git
 from stoker.data.pull import DatasetRef, pull_dataset
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
+
+EPOCHS = Sized("--epochs", int, 15, 2, "epochs per run (15: about 10 s of training on 2 CPU cores)")
+RUNTIME_TIMEOUT_S = 1800
+
+
+def run_runtime(spec: Path, nproc: int, log_path: Path,
+                timeout_s: float = RUNTIME_TIMEOUT_S) -> float:
+    """``torchrun -m stoker.runtime SPEC`` with ``nproc`` ranks to its end; returns wall seconds.
+
+    Raises:
+        RuntimeError: it exited non-zero (the message names ``log_path``).
+    """
+    return run_timed(torchrun(nproc, "-m", "stoker.runtime", str(spec)), log_path, timeout_s)
 
 
 def demo_dataset(base: Path, quick: bool = False) -> DatasetRef:
