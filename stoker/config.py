@@ -31,7 +31,8 @@ class DataConfig(_Frozen):
 
     repo_url: str | None = Field(
         None,
-        description="Git URL or path of the data repository. Empty: the demo digits repository "
+        description="Git URL or path of the data repository; a relative path is resolved "
+        "against the directory the config is loaded in. Empty: the demo digits repository "
         "that Stoker creates (once) inside the work directory.",
     )
     rev: str = Field("v1", description="Git revision (tag, branch or commit) to pull.")
@@ -44,6 +45,16 @@ class DataConfig(_Frozen):
         if not value.strip():
             raise ValueError("must not be empty")
         return value
+
+    @field_validator("repo_url")
+    @classmethod
+    def _absolute_repo(cls, value: str | None) -> str | None:
+        # Resolved here, in the user's process: Prefect may run the pull in another directory.
+        from stoker.data.remote import resolve_repo_url
+
+        if value is None or not value.strip():
+            return None
+        return resolve_repo_url(value.strip())
 
 
 class TrainConfig(_Frozen):

@@ -1,0 +1,98 @@
+"""A user's own data repository: relative paths, relative DVC remotes, concurrent pulls."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from data_repos import make_repo
+
+from stoker.config import load_pipeline_config
+from stoker.data.pull import DatasetError, pull_dataset
+
+pytestmark = pytest.mark.integration
+
+THREE = {"one": 4, "two": 4, "three": 4}
+
+
+@pytest.fixture(scope="module")
+def user_repo(tmp_path_factory) -> Path:
+    """A repository with a relative remote and two versions of equal file counts."""
+    base = tmp_path_factory.mktemp("user")
+    return make_repo(base, {"v1": THREE, "v2": THREE})
+
+
+def test_relative_dvc_remote_resolves_as_in_the_original_repo(user_repo, tmp_path):
+    ref = pull_dataset(str(user_repo), "v1", "data/images", tmp_path / "datasets")
+    assert sorted(p.name for p in Path(ref.local_path).iterdir()) == ["one", "three", "two"]
+    assert sum(1 for _ in Path(ref.local_path).rglob("*.png")) == 12
+
+
+def test_unreachable_remote_is_named(user_repo, tmp_path):
+    (user_repo.parent / "storage").rename(user_repo.parent / "storage-moved")
+    try:
+        with pytest.raises(DatasetError, match=r"DVC remote 'store' \(.*storage\) is not "
+                                               r"reachable"):
+            pull_dataset(str(user_repo), "v1", "data/images", tmp_path / "datasets")
+    finally:
+        (user_repo.parent / "storage-moved").rename(user_repo.parent / "storage")
+    assert not [p for p in (tmp_path / "datasets").iterdir() if not p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("spelling", ["repo", "./repo", "../{parent}/repo"])
+def test_relative_repo_url_resolves_against_the_users_directory(user_repo, tmp_path,
+                                                                monkeypatch, spelling):
+    monkeypatch.chdir(user_repo.parent)
+    url = spelling.format(parent=user_repo.parent.name)
+    config = load_pipeline_config(None, [f"data.repo_url={url}"])
+    assert config.data.repo_url == str(user_repo)  # resolved in the user's process
+    monkeypatch.chdir(tmp_path)  # Prefect may run the task elsewhere
+    ref = pull_dataset(config.data.repo_url, "v2", "data/images", tmp_path / "datasets")
+    assert ref.repo_url == str(user_repo)
+    key = hashlib.sha1(str(user_repo).encode()).hexdigest()[:16]  # the clone key
+    assert (tmp_path / "datasets" / ".repos" / key).is_dir()
+    monkeypatch.chdir(user_repo.parent)  # a direct call resolves against the cwd, too
+    assert pull_dataset(url, "v2", "data/images", tmp_path / "datasets") == ref
+
+
+def test_urls_are_not_resolved():
+    for url in ("https://example.com/a/b.git", "git@github.com:o/r.git", "ssh://h/r"):
+        assert load_pipeline_config(None, [f"data.repo_url={url}"]).data.repo_url == url
+
+
+PULL = """
+import json, sys
+from pathlib import Path
+from stoker.data.pull import pull_dataset
+refs = [pull_dataset(sys.argv[1], sys.argv[2], "data/images", Path(sys.argv[3]))
+        for _ in range(int(sys.argv[4]))]
+print(json.dumps([r.local_path for r in refs] + [refs[0].md5]))
+"""
+
+
+def test_concurrent_pulls_of_two_revisions_each_get_theirs(tmp_path):
+    base = tmp_path / "user"  # an absolute remote: this test is about concurrency only
+    user_repo = make_repo(base, {"v1": THREE, "v2": THREE}, remote=str(base / "storage"))
+    datasets = tmp_path / "datasets"
+    env = {"PYTHONPATH": str(Path(__file__).parents[1]), "DVC_NO_ANALYTICS": "1",
+           "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, "-c", PULL, str(user_repo), rev, str(datasets),
+                               "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for rev in ("v1", "v2")]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    (p1, md5_1), (p2, md5_2) = results
+    assert md5_1 != md5_2 and Path(p1).name == md5_1.removesuffix(".dir")
+    for local, md5 in ((p1, md5_1), (p2, md5_2)):
+        manifest = json.loads(next((datasets / ".dvc-cache").rglob(
+            md5.removesuffix(".dir")[2:] + ".dir")).read_text())
+        for entry in manifest:
+            data = (Path(local) / entry["relpath"]).read_bytes()
+            assert hashlib.md5(data).hexdigest() == entry["md5"], (local, entry["relpath"])
