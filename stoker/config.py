@@ -16,6 +16,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from stoker.tracking.pricing import PriceTable
 
+DEMO_MODEL = "stoker-digits"
+
+
+def dataset_model_name(repo_url: str, path: str) -> str:
+    """``<repository name>-<path>`` with characters other than letters, digits, ``._-`` as ``-``:
+    ``/home/me/flowers.git`` + ``data/images`` -> ``flowers-data-images``."""
+    import re
+
+    repo = repo_url.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1].removesuffix(".git")
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{repo}-{path}").strip("-.") or DEMO_MODEL
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names each offending field."""
@@ -70,6 +81,10 @@ class TrainConfig(_Frozen):
         "image_folder",
         description="Dataset factory: image_folder (class folders of same-size images) or "
         "'module:callable' taking (data_dir, seed, val_fraction) and returning Splits.",
+    )
+    channels: Literal["auto", 1, 3] = Field(
+        "auto", description="Image channels for image_folder: 1 (grayscale), 3 (RGB), or auto "
+        "(3 if any image is in colour, else 1). Stored with the registered model.",
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute activations in backward (built-in models)."
@@ -164,7 +179,9 @@ class TrackingConfig(_Frozen):
         None, description="MLflow tracking URI; empty: sqlite:///<work_dir>/mlflow.db."
     )
     experiment: str = Field("stoker", description="MLflow experiment name.")
-    registered_model: str = Field("stoker-digits", description="Registered model name.")
+    registered_model: str | None = Field(
+        None, description="Registered model name; empty: derived from the dataset "
+        "(<repository>-<path>, e.g. flowers-data-images), stoker-digits for the demo data.")
     promote_metric: str = Field("val_accuracy", description="Metric the promotion gate compares.")
     promote_direction: Literal["max", "min"] = Field(
         "max", description="Whether larger or smaller values of promote_metric are better."
@@ -179,8 +196,8 @@ class TrackingConfig(_Frozen):
 
     @field_validator("experiment", "registered_model", "promote_metric")
     @classmethod
-    def _not_blank(cls, value: str) -> str:
-        if not value.strip():
+    def _not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
             raise ValueError("must not be empty")
         return value
 
@@ -256,6 +273,15 @@ class PipelineConfig(_Frozen):
     retry: RetryConfig = RetryConfig()
     cost: CostConfig = CostConfig()
     launcher: LauncherConfig = LauncherConfig()
+
+    def registered_model(self) -> str:
+        """The registered model name: the configured one, else one derived from the dataset
+        (repository + path) so that a user's model never lands in the demo's entry."""
+        if self.tracking.registered_model:
+            return self.tracking.registered_model
+        if self.data.repo_url is None:
+            return DEMO_MODEL
+        return dataset_model_name(self.data.repo_url, self.data.path)
 
     def tracking_uri(self) -> str:
         """The MLflow tracking URI, defaulting to a sqlite store in the work directory."""

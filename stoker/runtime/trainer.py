@@ -53,7 +53,8 @@ class Trainer(ProfilingMixin):
                                       "checkpoint"), 0.0)
         self._configure_backends()
         self.splits = build_splits(self.cfg.dataset, spec.data_dir, self.cfg.seed,
-                                   self.cfg.val_fraction)
+                                   self.cfg.val_fraction,
+                                   self.cfg.channels)
         check_divisible(self.cfg.global_batch_size, self.cfg.grad_accum_steps, env.world_size)
         n_train = len(self.splits.train)
         self.steps_per_epoch = n_train // self.cfg.global_batch_size
