@@ -96,3 +96,94 @@ def test_concurrent_pulls_of_two_revisions_each_get_theirs(tmp_path):
         for entry in manifest:
             data = (Path(local) / entry["relpath"]).read_bytes()
             assert hashlib.md5(data).hexdigest() == entry["md5"], (local, entry["relpath"])
+
+
+def _repo_with(base: Path, extra) -> Path:
+    """A repository whose data/images holds THREE plus what ``extra(root)`` adds."""
+    from dvc.repo import Repo
+
+    from stoker.data.git import git
+
+    repo = make_repo(base, {"v1": THREE})
+    extra(repo / "data" / "images")
+    with Repo(str(repo)) as dvc:
+        dvc.add(str(repo / "data" / "images"))
+        dvc.push()
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "more files")
+    git(repo, "tag", "v2")
+    return repo
+
+
+def _config(repo: Path, work: Path):
+    return load_pipeline_config(None, [f"work_dir={work}", f"data.repo_url={repo}", "data.rev=v2",
+                                       "data.path=data/images"])
+
+
+def test_hidden_folders_and_files_are_not_classes(tmp_path):
+    from stoker.data.prepare import prepare_dataset
+    from stoker.runtime.data import load_image_folder
+
+    def litter(root: Path) -> None:
+        (root / ".ipynb_checkpoints").mkdir()
+        (root / "one" / "000.png").replace(root / ".ipynb_checkpoints" / "x.png")
+        (root / "two" / ".DS_Store").write_bytes(b"\0\1junk")
+
+    repo = _repo_with(tmp_path / "user", litter)
+    prepared = prepare_dataset(_config(repo, tmp_path / "work"), log=lambda _: None)
+    assert prepared.summary.classes == ("one", "three", "two")
+    assert prepared.summary.counts == (3, 4, 4)
+    images, labels, classes = load_image_folder(Path(prepared.ref.local_path))
+    assert classes == ["one", "three", "two"] and labels.tolist() == [0] * 3 + [1] * 4 + [2] * 4
+
+
+def test_bad_classes_and_files_are_named_in_the_pull_step(tmp_path):
+    from stoker.data.prepare import prepare_dataset
+
+    def damage(root: Path) -> None:
+        (root / "empty").mkdir()
+        (root / "empty" / ".keep").touch()
+        (root / "two" / "001.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+        (root / "three" / "notes.txt").write_text("not an image")
+
+    repo = _repo_with(tmp_path / "user", damage)
+    work = tmp_path / "work"
+    with pytest.raises(DatasetError) as info:
+        prepare_dataset(_config(repo, work), log=lambda _: None)
+    message = str(info.value)
+    assert "3 problem(s)" in message and "class 'empty': empty class" in message
+    assert "two/001.png: not a readable image" in message
+    assert "three/notes.txt: not a readable image" in message
+    assert sorted(p.name for p in work.iterdir()) == ["datasets"]  # no job folder, no run
+
+
+def test_truly_empty_class_folder_is_an_error(tmp_path):
+    from data_repos import write_images
+
+    from stoker.data.validate import validate_image_folder
+
+    write_images(tmp_path, {"a": 2, "b": 2})
+    (tmp_path / "c").mkdir()
+    with pytest.raises(DatasetError, match="class 'c': empty class"):
+        validate_image_folder(tmp_path)
+
+
+def test_rgb_images_keep_three_channels_unless_configured(tmp_path):
+    from data_repos import write_images
+
+    from stoker.data.validate import validate_image_folder
+    from stoker.runtime.data import load_image_folder
+
+    write_images(tmp_path, {"red": 2, "blue": 2}, mode="RGB")
+    assert validate_image_folder(tmp_path).channels == 3
+    assert load_image_folder(tmp_path)[0].shape == (4, 3, 8, 8)
+    assert load_image_folder(tmp_path, 1)[0].shape == (4, 1, 8, 8)
+    assert load_pipeline_config(None, ["train.channels=1"]).train.channels == 1
+
+
+def test_registered_model_name_derives_from_the_dataset():
+    assert load_pipeline_config().registered_model() == "stoker-digits"  # the demo: unchanged
+    own = load_pipeline_config(None, ["data.repo_url=/data/flowers.git", "data.path=img/all"])
+    assert own.registered_model() == "flowers-img-all"
+    named = load_pipeline_config(None, ["data.repo_url=/d/x", "tracking.registered_model=mine"])
+    assert named.registered_model() == "mine"
