@@ -33,10 +33,11 @@ from pathlib import Path
 from stoker.runtime.data import load_image_folder, split_indices
 mlflow.set_tracking_uri(sys.argv[1])
 model = mlflow.pyfunc.load_model("models:/stoker-digits@champion")
-images, labels, _ = load_image_folder(Path(sys.argv[2]))
+images, labels, classes = load_image_folder(Path(sys.argv[2]))
 _, val = split_indices(len(labels), 0.2, 0)  # held out from training
-predicted = np.argmax(model.predict(images[val].numpy()), axis=1)
-print(json.dumps({"accuracy": float((predicted == labels[val].numpy()).mean())}))
+predicted = model.predict(images[val].numpy())["class"].to_numpy()  # class names
+truth = np.asarray(classes)[labels[val].numpy()]
+print(json.dumps({"accuracy": float((predicted == truth).mean())}))
 """
 
 
