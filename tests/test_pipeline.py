@@ -61,6 +61,8 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     assert len(tags["stoker.git_commit"]) in (40, 7) and tags["stoker.attempts"] == "1"
     assert "prefect.flow_run_id" in tags
     assert run.data.params["train.epochs"] == "8"
+    [logged] = run.inputs.dataset_inputs  # the Datasets panel: DVC md5 as the digest
+    assert logged.dataset.digest == first["dataset"]["md5"].removesuffix(".dir")
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
     assert steps == list(range(1, 8 * 22 + 1))
     assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 8

@@ -200,6 +200,7 @@ class Trainer(ProfilingMixin):
         tracker.set_tags({"stoker.gpu_model": self.gpu_model(),
                           "stoker.world_size": str(self.env.world_size)})
         if run_id is None:
+            tracker.log_dataset(self.spec.tags or {})  # once per run: the Datasets panel
             run_file.write_text(tracker.run_id)
         self.run_id = tracker.run_id
         return tracker
