@@ -7,8 +7,9 @@ first), so neither pays DVC's import time.
 * Cold, baseline: ``git clone`` into a fresh folder, ``git checkout v1``, then
   ``dvc.repo.Repo.pull()`` (the default cache inside the clone). What a user types by hand.
 * Cold, candidate: ``stoker.data.pull.pull_dataset`` into a fresh datasets folder (clone, resolve
-  the revision, DVC pull into a fresh shared cache, stage and rename into place).
-  Ratio = baseline time / Stoker time; target >= 0.9 (Stoker at most about 10 % slower).
+  the revision, DVC fetch into a fresh shared cache, hard-link the cached files into a staging
+  folder, verify each md5 against the ``.dvc`` manifest, rename into place).
+  Ratio = baseline time / Stoker time; target >= 1.5 (no checkout into the clone, no copy).
 * Warm: ``pull_dataset`` again on the already-pulled hash (one ``git fetch`` of the clone, the
   ``.dvc`` file read, no DVC call). Target <= 0.5 s. For comparison the notes give a no-op
   ``dvc pull`` in an up-to-date raw clone.
@@ -46,7 +47,7 @@ from benchmarks.jobs import tiny_image_repo  # noqa: E402
 from stoker.data.demo import DEMO_PATH, DEMO_TAG, ensure_demo_repo  # noqa: E402
 from stoker.data.pull import pull_dataset  # noqa: E402
 
-TARGET = Target(">=", 0.9)
+TARGET = Target(">=", 1.5)
 WARM_TARGET = Target("<=", 0.5)
 
 
@@ -146,9 +147,10 @@ def main() -> None:
     notes = [f"data: {expected} files ({'random 8x8 PNGs' if nfiles else 'the demo digits'})",
              f"warm pull {warm['median']:.3f} s (target <= 0.5 s); a no-op dvc pull in an "
              f"up-to-date raw clone takes {warm_raw_s['median']:.3f} s",
-             "Stoker's cold pull also copies the files from the clone's workspace into a "
-             "staging folder that is renamed into place (training never sees a partial "
-             "dataset), and records the content hash"]
+             "Stoker's cold pull fetches into the DVC cache and hard-links the cached files "
+             "into a staging folder renamed into place (training never sees a partial "
+             "dataset); it also checks every file's md5 against the .dvc manifest, which the "
+             "raw dvc pull does not"]
     emit("dataset", metric="raw git clone + dvc pull time / Stoker cold pull time", baseline=b,
          candidate=c, ratio=ratio, target=TARGET, quick=args.quick, notes=notes,
          checks=[check("warm pull", warm["median"], "s", WARM_TARGET,
