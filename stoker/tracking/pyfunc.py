@@ -12,10 +12,14 @@ class; with ``params={"logits": True}`` also ``logit_<class>`` per class.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import mlflow.pyfunc
 import numpy as np
+
+# The signature is given explicitly (a tensor input): MLflow's type-hint inference does not apply.
+warnings.filterwarnings("ignore", message=".*Add type hints to the `predict` method")
 
 
 def model_meta(result: dict) -> dict:
