@@ -126,7 +126,7 @@ def check_lineage(tracking_uri: str, name: str, lineage: Lineage) -> None:
             f"tracking.registered_model {name!r}: its champion (version {version}) has "
             f"{incumbent.describe()}; this dataset has {lineage.describe()}. A model of another "
             "lineage is never compared with it: set tracking.registered_model to a new name "
-            "(or leave it empty for one derived from data.repo_url and data.path)")
+            "for this lineage")
 
 
 def promotion_lock(tracking_uri: str, name: str):
