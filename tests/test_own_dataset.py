@@ -91,7 +91,7 @@ def test_concurrent_pulls_of_two_revisions_each_get_theirs(tmp_path):
     (p1, md5_1), (p2, md5_2) = results
     assert md5_1 != md5_2 and Path(p1).name == md5_1.removesuffix(".dir")
     for local, md5 in ((p1, md5_1), (p2, md5_2)):
-        manifest = json.loads(next((datasets / ".dvc-cache").rglob(
+        manifest = json.loads(next((base / "storage").rglob(
             md5.removesuffix(".dir")[2:] + ".dir")).read_text())
         for entry in manifest:
             data = (Path(local) / entry["relpath"]).read_bytes()
@@ -187,3 +187,16 @@ def test_registered_model_name_derives_from_the_dataset():
     assert own.registered_model() == "flowers-img-all"
     named = load_pipeline_config(None, ["data.repo_url=/d/x", "tracking.registered_model=mine"])
     assert named.registered_model() == "mine"
+
+
+def test_remote_fetched_through_the_dvc_cache_is_linked_and_verified(user_repo, tmp_path,
+                                                                      monkeypatch):
+    """Remotes that are not local folders go through ``dvc fetch`` into the shared cache."""
+    import stoker.data.pull as pull
+
+    monkeypatch.setattr(pull, "is_local", lambda url: False)
+    ref = pull_dataset(str(user_repo), "v1", "data/images", tmp_path / "datasets")
+    files = sorted(Path(ref.local_path).rglob("*.png"))
+    assert len(files) == 12 and all(f.stat().st_nlink == 2 for f in files)  # cache + dataset
+    again = pull_dataset(str(user_repo), "v1", "data/images", tmp_path / "datasets")
+    assert again == ref  # warm: the same hash, reused

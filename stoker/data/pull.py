@@ -9,8 +9,9 @@ Layout under ``datasets_dir``::
 
 A dataset folder appears only once it is complete (staged, then renamed), so training never sees a
 partial dataset. A second pull of the same content hash returns at once without contacting DVC.
-A cold pull fetches into the DVC cache and hard-links (or copies) the cached files into the staging
-folder; every staged file is checked against the md5 listed by the ``.dvc`` file's directory
+A cold pull reads a local DVC remote directly (copying its objects), or fetches any other remote
+into the DVC cache and hard-links (or copies) the cached files into the staging folder; every
+staged file is checked against the md5 listed by the ``.dvc`` file's directory
 manifest before the folder is published under that hash. Pulls through one clone are serialised by
 a file lock (``.repos/<key>.lock``), so concurrent pulls of different revisions each get theirs.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from stoker.data.git import git
-from stoker.data.remote import check_reachable, original_remotes, resolve_repo_url
+from stoker.data.remote import check_reachable, is_local, original_remotes, resolve_repo_url
 
 LOCK_TIMEOUT_S = 3600.0  # a cold pull of a large dataset holds the clone's lock this long at most
 
@@ -141,8 +142,13 @@ def _remote_url(dvc_repo, remote: str | None) -> tuple[str | None, str | None]:
 
 
 def _fetch(clone: Path, repo_url: str, ref: DatasetRef, remote: str | None,
-           cache_dir: Path) -> None:
-    """Fetch the dataset's files into the DVC cache (nothing is checked out)."""
+           cache_dir: Path) -> tuple[Path, bool]:
+    """Make the dataset's objects available locally; returns (object store, linkable).
+
+    A local remote in DVC 3 layout is read directly (its objects are copied, never linked:
+    the remote is the user's); any other remote is fetched into the shared DVC cache, whose
+    read-only objects are hard-linked. Nothing is checked out into the clone.
+    """
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
@@ -155,6 +161,13 @@ def _fetch(clone: Path, repo_url: str, ref: DatasetRef, remote: str | None,
         problem = check_reachable(name, url)
         if problem:
             raise DatasetError(f"{where}: {problem}")
+        if is_local(url) and _cache_object(Path(url), ref.md5).is_file():
+            manifest = _manifest(Path(url), ref.md5)
+            missing = [f"{ref.path.rstrip('/')}/{relpath}" for relpath, md5 in manifest.items()
+                       if not _cache_object(Path(url), md5).is_file()]
+            if missing:
+                raise _missing_error(where, ref, name, url, missing, manifest)
+            return Path(url), False
         try:
             dvc.fetch(targets=[target], remote=remote)
         except DvcException as e:
@@ -162,15 +175,18 @@ def _fetch(clone: Path, repo_url: str, ref: DatasetRef, remote: str | None,
             if not missing:
                 raise DatasetError(f"{where}: dvc fetch from remote {name!r} ({url}) failed: "
                                    f"{e}") from e
-            hashes = _manifest(cache_dir, ref.md5)
-            prefix = ref.path.rstrip("/") + "/"
-            named = [f"{p} (md5 {hashes.get(p.removeprefix(prefix), 'unknown')})"
-                     for p in missing]
-            raise DatasetError(
-                f"{where}: {len(missing)} file(s) of {ref.path} ({ref.md5}) missing from the DVC "
-                f"remote {name!r} ({url}): " + ", ".join(named[:20])
-                + (" ..." if len(named) > 20 else "")
-            ) from e
+            raise _missing_error(where, ref, name, url, missing,
+                                 _manifest(cache_dir, ref.md5)) from e
+    return cache_dir, True
+
+
+def _missing_error(where: str, ref: DatasetRef, name: str, url: str, missing: list[str],
+                   hashes: dict[str, str]) -> DatasetError:
+    prefix = ref.path.rstrip("/") + "/"
+    named = [f"{p} (md5 {hashes.get(p.removeprefix(prefix), 'unknown')})" for p in missing]
+    return DatasetError(
+        f"{where}: {len(missing)} file(s) of {ref.path} ({ref.md5}) missing from the DVC "
+        f"remote {name!r} ({url}): " + ", ".join(named[:20]) + (" ..." if len(named) > 20 else ""))
 
 
 def _file_md5(path: Path) -> str:
@@ -181,43 +197,55 @@ def _file_md5(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
+def _copy_md5(source: Path, target: Path) -> str:
+    """Copy ``source`` to ``target`` and return the md5 of what was copied (one read)."""
+    digest = hashlib.md5()
+    with source.open("rb") as src, target.open("wb") as dst:
+        for block in iter(lambda: src.read(1 << 20), b""):
+            digest.update(block)
+            dst.write(block)
+    return digest.hexdigest()
+
+
+def _materialise(source: Path, target: Path, link: bool) -> str:
+    """Hard-link (``link``; copy where the file system can't) or copy; returns the md5."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(source, target)  # the cache file is read-only: sharing it is safe
-    except OSError:
-        shutil.copy2(source, target)  # another file system, or no hard links there
+    if link:
+        try:
+            os.link(source, target)  # a read-only cache object: sharing it is safe
+            return _file_md5(target)
+        except OSError:
+            pass  # another file system, or no hard links there
+    return _copy_md5(source, target)
 
 
-def _stage(cache_dir: Path, ref: DatasetRef, staging: Path) -> None:
-    """Materialise the cached files of ``ref`` in ``staging`` and verify each md5.
+def _stage(objects: Path, ref: DatasetRef, staging: Path, link: bool) -> None:
+    """Materialise the objects of ``ref`` in ``staging`` and verify each md5.
 
     Raises:
         DatasetError: the manifest is absent, or a file is missing or differs from its md5.
     """
-    manifest = _manifest(cache_dir, ref.md5)
+    manifest = _manifest(objects, ref.md5)
     if not manifest:
-        raise DatasetError(f"{ref.path}@{ref.rev}: manifest {ref.md5} not in the DVC cache")
+        raise DatasetError(f"{ref.path}@{ref.rev}: manifest {ref.md5} not in {objects}")
     bad = []
     for relpath, md5 in manifest.items():
-        source, target = _cache_object(cache_dir, md5), staging / relpath
+        source = _cache_object(objects, md5)
         if not source.is_file():
-            bad.append(f"{relpath} (md5 {md5}: not in the cache)")
-            continue
-        _link_or_copy(source, target)
-        if _file_md5(target) != md5:
+            bad.append(f"{relpath} (md5 {md5}: not in {objects})")
+        elif _materialise(source, staging / relpath, link) != md5:
             bad.append(f"{relpath} (expected md5 {md5})")
     if bad:
         raise DatasetError(f"{ref.path}@{ref.rev} ({ref.md5}): {len(bad)} file(s) do not match "
                            "the .dvc manifest: " + ", ".join(bad[:20]))
 
 
-def _publish(cache_dir: Path, ref: DatasetRef, datasets_dir: Path) -> None:
+def _publish(objects: Path, link: bool, ref: DatasetRef, datasets_dir: Path) -> None:
     """Stage, verify, then rename into place (the lock is held: no other pull of this clone)."""
     final = Path(ref.local_path)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=datasets_dir))
     try:
-        _stage(cache_dir, ref, staging)
+        _stage(objects, ref, staging, link)
         if final.exists():  # a folder without its record: an interrupted earlier publish
             shutil.rmtree(final)
         staging.rename(final)
@@ -286,6 +314,6 @@ def _pull_locked(repo_url: str, rev: str, path: str, datasets_dir: Path,
 
     git(clone, "checkout", "-q", "--force", "--detach", commit)  # .dvc files only: no data
     cache_dir = datasets_dir / ".dvc-cache"
-    _fetch(clone, repo_url, ref, remote, cache_dir)
-    _publish(cache_dir, ref, datasets_dir)
+    objects, link = _fetch(clone, repo_url, ref, remote, cache_dir)
+    _publish(objects, link, ref, datasets_dir)
     return ref
