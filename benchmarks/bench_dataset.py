@@ -7,8 +7,9 @@ first), so neither pays DVC's import time.
 * Cold, baseline: ``git clone`` into a fresh folder, ``git checkout v1``, then
   ``dvc.repo.Repo.pull()`` (the default cache inside the clone). What a user types by hand.
 * Cold, candidate: ``stoker.data.pull.pull_dataset`` into a fresh datasets folder (clone, resolve
-  the revision, DVC fetch into a fresh shared cache, hard-link the cached files into a staging
-  folder, verify each md5 against the ``.dvc`` manifest, rename into place).
+  the revision, read the local DVC remote's objects straight into a staging folder, checking each
+  md5 against the ``.dvc`` manifest in the same read, rename into place; a remote that is not a
+  local folder is fetched into the DVC cache and hard-linked instead).
   Ratio = baseline time / Stoker time; target >= 1.5 (no checkout into the clone, no copy).
 * Warm: ``pull_dataset`` again on the already-pulled hash (one ``git fetch`` of the clone, the
   ``.dvc`` file read, no DVC call). Target <= 0.5 s. For comparison the notes give a no-op
@@ -147,10 +148,10 @@ def main() -> None:
     notes = [f"data: {expected} files ({'random 8x8 PNGs' if nfiles else 'the demo digits'})",
              f"warm pull {warm['median']:.3f} s (target <= 0.5 s); a no-op dvc pull in an "
              f"up-to-date raw clone takes {warm_raw_s['median']:.3f} s",
-             "Stoker's cold pull fetches into the DVC cache and hard-links the cached files "
-             "into a staging folder renamed into place (training never sees a partial "
-             "dataset); it also checks every file's md5 against the .dvc manifest, which the "
-             "raw dvc pull does not"]
+             "Stoker's cold pull copies the local remote's objects straight into a staging "
+             "folder renamed into place (no checkout into the clone, no DVC index build; "
+             "training never sees a partial dataset) and checks every file's md5 against the "
+             ".dvc manifest in the same read, which the raw dvc pull does not"]
     emit("dataset", metric="raw git clone + dvc pull time / Stoker cold pull time", baseline=b,
          candidate=c, ratio=ratio, target=TARGET, quick=args.quick, notes=notes,
          checks=[check("warm pull", warm["median"], "s", WARM_TARGET,
