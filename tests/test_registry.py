@@ -164,3 +164,29 @@ def test_registered_model_answers_class_names(tmp_path):
     assert meta["preprocessing"]["channels"] == 3 and meta["preprocessing"]["height"] == 8
     logits = model.predict(np.zeros((1, 3, 8, 8), np.float32), params={"logits": True})
     assert {"logit_four", "logit_one", "logit_zero"} <= set(logits.columns)
+
+
+def test_a_champion_registered_before_lineage_tags_is_compared_by_its_signature(tmp_path):
+    """The old registry entry: a pytorch-flavor digits model (1x8x8 in, 10 logits out)."""
+    import mlflow
+    from mlflow.models import infer_signature
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("old", artifact_location=(tmp_path / "a").as_uri())
+    model = build_model("small_cnn", 10, 1).eval()
+    example = np.zeros((2, 1, 8, 8), dtype=np.float32)
+    with mlflow.start_run(experiment_id=experiment):
+        mlflow.log_metric("val_accuracy", 0.5)
+        signature = infer_signature(example, model(torch.as_tensor(example)).detach().numpy())
+        mlflow.pytorch.log_model(model, name="model", signature=signature,
+                                 serialization_format="pickle",
+                                 registered_model_name="old-digits")
+    client.set_registered_model_alias("old-digits", CHAMPION, "1")
+    with pytest.raises(LineageError, match=r"champion \(version 1\) has 10 classes"):
+        register(uri, 0.99, name="old-digits", classes=("a", "b", "c", "d", "e"),
+                 shape=(3, 32, 32), tmp=tmp_path)
+    digits = register(uri, 0.9, name="old-digits", classes=tuple(str(i) for i in range(10)),
+                      tmp=tmp_path)[0]  # the demo's own lineage still compares and promotes
+    assert digits.promoted and digits.previous_champion == "1"

@@ -109,7 +109,28 @@ def _champion(client, name: str, metric: str):
     except MlflowException:
         return None, None, None  # no registered model or no champion yet
     value = client.get_run(champion.run_id).data.metrics.get(metric)
-    return str(champion.version), value, Lineage.from_tags(champion.tags or {})
+    lineage = Lineage.from_tags(champion.tags or {}) or _signature_lineage(
+        client, name, str(champion.version))
+    return str(champion.version), value, lineage
+
+
+def _signature_lineage(client, name: str, version: str) -> Lineage | None:
+    """The lineage of a version registered before lineage tags, from its MLmodel signature:
+    input tensor [-1, C, H, W], output [-1, K]; the classes read as "0".."K-1", the folder names
+    of the demo digits (so the demo's old champions still compare, and any other old model,
+    whose class names are unknown, counts as another lineage). None without a usable signature.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import get_model_info
+
+    try:
+        # models:/ resolves through the global registry URI, set by the callers to this store.
+        signature = get_model_info(f"models:/{name}/{version}").signature
+        shape = tuple(int(v) for v in signature.inputs.inputs[0].shape[1:])
+        width = int(signature.outputs.inputs[0].shape[-1])
+    except (MlflowException, OSError, AttributeError, IndexError, TypeError, ValueError):
+        return None
+    return Lineage(tuple(str(i) for i in range(width)), shape)
 
 
 def check_lineage(tracking_uri: str, name: str, lineage: Lineage) -> None:
@@ -118,8 +139,10 @@ def check_lineage(tracking_uri: str, name: str, lineage: Lineage) -> None:
     Raises:
         LineageError: naming both lineages and ``tracking.registered_model``.
     """
+    import mlflow
     from mlflow import MlflowClient
 
+    mlflow.set_tracking_uri(tracking_uri)
     version, _value, incumbent = _champion(MlflowClient(tracking_uri), name, "")
     if version is not None and incumbent is not None and incumbent != lineage:
         raise LineageError(
