@@ -9,12 +9,33 @@ This module imports no Prefect: the training runtime uses it inside the training
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from stoker.tracking.pricing import PriceTable
+
+_SCP_LIKE = re.compile(r"^[\w.-]+@[\w.-]+:")  # git@github.com:owner/repo.git
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` names a local path (not ``scheme://`` nor ``user@host:path``)."""
+    return "://" not in url and not _SCP_LIKE.match(url)
+
+
+def resolve_repo_url(url: str, cwd: Path | None = None) -> str:
+    """An absolute path for a local repository path (``src``, ``./src``, ``~/repo``,
+    ``file:///abs``), resolved against ``cwd`` (default: the current directory); URLs unchanged."""
+    if url.startswith("file://"):
+        return str(Path(urlparse(url).path).resolve())
+    if not is_local(url):
+        return url
+    return str((Path(cwd or os.getcwd()) / Path(url).expanduser()).resolve())
+
 
 DEMO_MODEL = "stoker-digits"
 
@@ -22,8 +43,6 @@ DEMO_MODEL = "stoker-digits"
 def dataset_model_name(repo_url: str, path: str) -> str:
     """``<repository name>-<path>`` with characters other than letters, digits, ``._-`` as ``-``:
     ``/home/me/flowers.git`` + ``data/images`` -> ``flowers-data-images``."""
-    import re
-
     repo = repo_url.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1].removesuffix(".git")
     return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{repo}-{path}").strip("-.") or DEMO_MODEL
 
@@ -61,8 +80,6 @@ class DataConfig(_Frozen):
     @classmethod
     def _absolute_repo(cls, value: str | None) -> str | None:
         # Resolved here, in the user's process: Prefect may run the pull in another directory.
-        from stoker.data.remote import resolve_repo_url
-
         if value is None or not value.strip():
             return None
         return resolve_repo_url(value.strip())

@@ -8,27 +8,13 @@ elsewhere), and a local DVC remote written relative to the repository (``dvc rem
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
-from urllib.parse import urlparse
 
-_SCP_LIKE = re.compile(r"^[\w.-]+@[\w.-]+:")  # git@github.com:owner/repo.git
+from stoker.config import is_local, resolve_repo_url
 
-
-def is_local(url: str) -> bool:
-    """Whether ``url`` names a local path (not ``scheme://`` nor ``user@host:path``)."""
-    return "://" not in url and not _SCP_LIKE.match(url)
-
-
-def resolve_repo_url(url: str, cwd: Path | None = None) -> str:
-    """An absolute path for a local repository path (``src``, ``./src``, ``~/repo``,
-    ``file:///abs``), resolved against ``cwd`` (default: the current directory); URLs unchanged."""
-    if url.startswith("file://"):
-        return str(Path(urlparse(url).path).resolve())
-    if not is_local(url):
-        return url
-    return str((Path(cwd or os.getcwd()) / Path(url).expanduser()).resolve())
+__all__ = ["check_reachable", "is_local", "original_remotes", "relative_remotes",
+           "resolve_repo_url"]
 
 
 def relative_remotes(dvc_config: Path) -> dict[str, str]:
