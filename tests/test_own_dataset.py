@@ -200,3 +200,18 @@ def test_remote_fetched_through_the_dvc_cache_is_linked_and_verified(user_repo, 
     assert len(files) == 12 and all(f.stat().st_nlink == 2 for f in files)  # cache + dataset
     again = pull_dataset(str(user_repo), "v1", "data/images", tmp_path / "datasets")
     assert again == ref  # warm: the same hash, reused
+
+
+def test_a_damaged_manifest_is_never_published_under_its_hash(tmp_path):
+    base = tmp_path / "user"
+    repo = make_repo(base, {"v1": THREE, "v2": THREE})
+    dirs = sorted((base / "storage").rglob("*.dir"))
+    # v2's manifest replaced by v1's: every listed file exists, the set is v1's.
+    v1, v2 = (pull_dataset(str(repo), rev, "data/images", tmp_path / f"probe-{rev}").md5
+              for rev in ("v1", "v2"))
+    [obj1] = [d for d in dirs if d.name.startswith(v1[2:].removesuffix(".dir"))]
+    [obj2] = [d for d in dirs if d.name.startswith(v2[2:].removesuffix(".dir"))]
+    obj2.write_bytes(obj1.read_bytes())
+    with pytest.raises(DatasetError, match="does not match its own hash"):
+        pull_dataset(str(repo), "v2", "data/images", tmp_path / "datasets")
+    assert not (tmp_path / "datasets" / v2.removesuffix(".dir")).exists()

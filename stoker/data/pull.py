@@ -228,6 +228,9 @@ def _stage(objects: Path, ref: DatasetRef, staging: Path, link: bool) -> None:
     manifest = _manifest(objects, ref.md5)
     if not manifest:
         raise DatasetError(f"{ref.path}@{ref.rev}: manifest {ref.md5} not in {objects}")
+    if _file_md5(_cache_object(objects, ref.md5)) != ref.md5.removesuffix(".dir"):
+        raise DatasetError(f"{ref.path}@{ref.rev}: the manifest {ref.md5} in {objects} does not "
+                           "match its own hash (a damaged DVC cache or remote)")
     bad = []
     for relpath, md5 in manifest.items():
         source = _cache_object(objects, md5)
