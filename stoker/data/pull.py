@@ -225,12 +225,16 @@ def _stage(objects: Path, ref: DatasetRef, staging: Path, link: bool) -> None:
     Raises:
         DatasetError: the manifest is absent, or a file is missing or differs from its md5.
     """
-    manifest = _manifest(objects, ref.md5)
-    if not manifest:
+    if not _cache_object(objects, ref.md5).is_file():
         raise DatasetError(f"{ref.path}@{ref.rev}: manifest {ref.md5} not in {objects}")
     if _file_md5(_cache_object(objects, ref.md5)) != ref.md5.removesuffix(".dir"):
         raise DatasetError(f"{ref.path}@{ref.rev}: the manifest {ref.md5} in {objects} does not "
                            "match its own hash (a damaged DVC cache or remote)")
+    manifest = _manifest(objects, ref.md5)
+    escaping = [r for r in manifest if Path(r).is_absolute() or ".." in Path(r).parts]
+    if escaping:
+        raise DatasetError(f"{ref.path}@{ref.rev}: manifest {ref.md5} lists paths outside the "
+                           f"dataset folder: {escaping[:5]}")
     bad = []
     for relpath, md5 in manifest.items():
         source = _cache_object(objects, md5)
