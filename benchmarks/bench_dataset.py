@@ -7,8 +7,10 @@ first), so neither pays DVC's import time.
 * Cold, baseline: ``git clone`` into a fresh folder, ``git checkout v1``, then
   ``dvc.repo.Repo.pull()`` (the default cache inside the clone). What a user types by hand.
 * Cold, candidate: ``stoker.data.pull.pull_dataset`` into a fresh datasets folder (clone, resolve
-  the revision, DVC pull into a fresh shared cache, stage and rename into place).
-  Ratio = baseline time / Stoker time; target >= 0.9 (Stoker at most about 10 % slower).
+  the revision, read the local DVC remote's objects straight into a staging folder, checking each
+  md5 against the ``.dvc`` manifest in the same read, rename into place; a remote that is not a
+  local folder is fetched into the DVC cache and hard-linked instead).
+  Ratio = baseline time / Stoker time; target >= 1.5 (no checkout into the clone, no copy).
 * Warm: ``pull_dataset`` again on the already-pulled hash (one ``git fetch`` of the clone, the
   ``.dvc`` file read, no DVC call). Target <= 0.5 s. For comparison the notes give a no-op
   ``dvc pull`` in an up-to-date raw clone.
@@ -46,7 +48,7 @@ from benchmarks.jobs import tiny_image_repo  # noqa: E402
 from stoker.data.demo import DEMO_PATH, DEMO_TAG, ensure_demo_repo  # noqa: E402
 from stoker.data.pull import pull_dataset  # noqa: E402
 
-TARGET = Target(">=", 0.9)
+TARGET = Target(">=", 1.5)
 WARM_TARGET = Target("<=", 0.5)
 
 
@@ -133,9 +135,10 @@ def main() -> None:
              f"({'random 8x8 PNGs' if args.files else 'the demo digits'})",
              f"warm pull {warm_stoker_s['median']:.3f} s (target <= 0.5 s); a no-op dvc pull "
              f"in an up-to-date raw clone takes {warm_raw_s['median']:.3f} s",
-             "Stoker's cold pull also copies the files from the clone's workspace into a "
-             "staging folder that is renamed into place (training never sees a partial "
-             "dataset), and records the content hash"]
+             "Stoker's cold pull copies the local remote's objects straight into a staging "
+             "folder renamed into place (no checkout into the clone, no DVC index build; "
+             "training never sees a partial dataset) and checks every file's md5 against the "
+             ".dvc manifest in the same read, which the raw dvc pull does not"]
     emit("dataset", metric="raw git clone + dvc pull time / Stoker cold pull time",
          quick=args.quick, notes=notes, **result,
          checks=[check("warm pull", warm.values("candidate"), "s", WARM_TARGET)],

@@ -105,24 +105,34 @@ def show_config(
 
 @app.command()
 def predict(
-    images: Annotated[list[Path], typer.Argument(help="Image files (same size as training)")],
+    images: Annotated[list[Path], typer.Argument(help="Image files (resized to the model's size)")],
     model_uri: Annotated[str, typer.Option(help="MLflow model URI")] =
         "models:/stoker-digits@champion",
     tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] =
         "sqlite:///work/mlflow.db",
+    logits: Annotated[bool, typer.Option(help="Also print the logits per class")] = False,
 ) -> None:
-    """Load a registered model and print the predicted class of each image."""
+    """Load a registered model and print each image's class name and probability."""
     import mlflow
-    import numpy as np
-    from PIL import Image
+
+    from stoker.tracking.pyfunc import preprocess_images
 
     quiet_telemetry(Path("work"))
     mlflow.set_tracking_uri(tracking_uri)
     model = mlflow.pyfunc.load_model(model_uri)
-    batch = np.stack([np.asarray(Image.open(p).convert("L"), dtype=np.float32) / 255.0
-                      for p in images])[:, None]
-    for path, logits in zip(images, model.predict(batch), strict=True):
-        typer.echo(f"{path}\t{int(np.argmax(logits))}")
+    meta = (model.metadata.metadata or {}).get("stoker")
+    if meta is None:
+        typer.echo(f"error: {model_uri}: not a Stoker classifier (no class list stored)", err=True)
+        raise typer.Exit(2)
+    try:
+        batch = preprocess_images(images, meta["preprocessing"])
+    except OSError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    table = model.predict(batch, params={"logits": logits})
+    for path, (_, row) in zip(images, table.iterrows(), strict=True):
+        extra = "".join(f"\t{k}={row[k]:.3f}" for k in table.columns if k.startswith("logit_"))
+        typer.echo(f"{path}\t{row['class']}\t{row['probability']:.3f}{extra}")
 
 
 if __name__ == "__main__":

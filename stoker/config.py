@@ -9,13 +9,42 @@ This module imports no Prefect: the training runtime uses it inside the training
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from stoker.tracking.pricing import PriceTable
+
+_SCP_LIKE = re.compile(r"^[\w.-]+@[\w.-]+:")  # git@github.com:owner/repo.git
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` names a local path (not ``scheme://`` nor ``user@host:path``)."""
+    return "://" not in url and not _SCP_LIKE.match(url)
+
+
+def resolve_repo_url(url: str, cwd: Path | None = None) -> str:
+    """An absolute path for a local repository path (``src``, ``./src``, ``~/repo``,
+    ``file:///abs``), resolved against ``cwd`` (default: the current directory); URLs unchanged."""
+    if url.startswith("file://"):
+        return str(Path(urlparse(url).path).resolve())
+    if not is_local(url):
+        return url
+    return str((Path(cwd or os.getcwd()) / Path(url).expanduser()).resolve())
+
+
+DEMO_MODEL = "stoker-digits"
+
+
+def dataset_model_name(repo_url: str, path: str) -> str:
+    """``<repository name>-<path>`` with characters other than letters, digits, ``._-`` as ``-``:
+    ``/home/me/flowers.git`` + ``data/images`` -> ``flowers-data-images``."""
+    repo = repo_url.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1].removesuffix(".git")
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{repo}-{path}").strip("-.") or DEMO_MODEL
 
 
 class ConfigError(ValueError):
@@ -32,7 +61,8 @@ class DataConfig(_Frozen):
 
     repo_url: str | None = Field(
         None,
-        description="Git URL or path of the data repository. Empty: the demo digits repository "
+        description="Git URL or path of the data repository; a relative path is resolved "
+        "against the directory the config is loaded in. Empty: the demo digits repository "
         "that Stoker creates (once) inside the work directory.",
     )
     rev: str = Field("v1", description="Git revision (tag, branch or commit) to pull.")
@@ -45,6 +75,14 @@ class DataConfig(_Frozen):
         if not value.strip():
             raise ValueError("must not be empty")
         return value
+
+    @field_validator("repo_url")
+    @classmethod
+    def _absolute_repo(cls, value: str | None) -> str | None:
+        # Resolved here, in the user's process: Prefect may run the pull in another directory.
+        if value is None or not value.strip():
+            return None
+        return resolve_repo_url(value.strip())
 
 
 class TrainConfig(_Frozen):
@@ -60,6 +98,10 @@ class TrainConfig(_Frozen):
         "image_folder",
         description="Dataset factory: image_folder (class folders of same-size images) or "
         "'module:callable' taking (data_dir, seed, val_fraction) and returning Splits.",
+    )
+    channels: Literal["auto", 1, 3] = Field(
+        "auto", description="Image channels for image_folder: 1 (grayscale), 3 (RGB), or auto "
+        "(3 if any image is in colour, else 1). Stored with the registered model.",
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute activations in backward (built-in models)."
@@ -166,7 +208,9 @@ class TrackingConfig(_Frozen):
         None, description="MLflow tracking URI; empty: sqlite:///<work_dir>/mlflow.db."
     )
     experiment: str = Field("stoker", description="MLflow experiment name.")
-    registered_model: str = Field("stoker-digits", description="Registered model name.")
+    registered_model: str | None = Field(
+        None, description="Registered model name; empty: derived from the dataset "
+        "(<repository>-<path>, e.g. flowers-data-images), stoker-digits for the demo data.")
     promote_metric: str = Field("val_accuracy", description="Metric the promotion gate compares.")
     promote_direction: Literal["max", "min"] = Field(
         "max", description="Whether larger or smaller values of promote_metric are better."
@@ -181,8 +225,8 @@ class TrackingConfig(_Frozen):
 
     @field_validator("experiment", "registered_model", "promote_metric")
     @classmethod
-    def _not_blank(cls, value: str) -> str:
-        if not value.strip():
+    def _not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
             raise ValueError("must not be empty")
         return value
 
@@ -286,6 +330,15 @@ class PipelineConfig(_Frozen):
                 "tracking server over HTTP (they cannot reach a sqlite file): start one "
                 "(`mlflow server --host 127.0.0.1`) and set tracking.tracking_uri=http://…")
         return self
+
+    def registered_model(self) -> str:
+        """The registered model name: the configured one, else one derived from the dataset
+        (repository + path) so that a user's model never lands in the demo's entry."""
+        if self.tracking.registered_model:
+            return self.tracking.registered_model
+        if self.data.repo_url is None:
+            return DEMO_MODEL
+        return dataset_model_name(self.data.repo_url, self.data.path)
 
     def tracking_uri(self) -> str:
         """The MLflow tracking URI, defaulting to a sqlite store in the work directory."""

@@ -1,30 +1,24 @@
-"""Dataset tasks: create the demo data repository, pull a dataset through DVC."""
+"""Dataset task: pull the dataset through DVC, validate it, check it fits the registered model."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from stoker.config import PipelineConfig
-from stoker.data.demo import ensure_demo_repo
-from stoker.data.pull import DatasetRef, pull_dataset
+from stoker.data.prepare import prepare_dataset
+from stoker.data.pull import DatasetRef
+from stoker.tracking.registry import Lineage, check_lineage
 
 
 @task(name="pull-dataset", cache_policy=NO_CACHE)
 def pull(config: PipelineConfig) -> DatasetRef:
-    """Pull ``config.data`` at its pinned revision (creating the demo repository if no
-    ``data.repo_url`` is set). Fails before training if the remote lacks any file."""
-    logger = get_run_logger()
-    repo_url = config.data.repo_url
-    if repo_url is None:
-        demo = ensure_demo_repo(config.work_dir / "demo-data")
-        logger.info("%s demo data repository %s (DVC remote %s)",
-                    "created" if demo.created else "reusing", demo.repo, demo.remote)
-        repo_url = str(demo.repo)
-    ref = pull_dataset(repo_url, config.data.rev, config.data.path,
-                       Path(config.work_dir) / "datasets", remote=config.data.remote)
-    logger.info("dataset %s@%s (commit %s): %s, %d files -> %s", ref.path, ref.rev,
-                ref.commit[:12], ref.md5, ref.nfiles, ref.local_path)
-    return ref
+    """Pull ``config.data`` at its pinned revision (the demo repository if no ``data.repo_url``
+    is set) and validate it; refuse, before training, a dataset whose classes or image shape
+    differ from the registered model's champion."""
+    prepared = prepare_dataset(config, get_run_logger().info)
+    shape = prepared.input_shape(config.train.channels)
+    if shape is not None:
+        check_lineage(config.tracking_uri(), config.registered_model(),
+                      Lineage(prepared.summary.classes, shape))
+    return prepared.ref

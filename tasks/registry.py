@@ -13,12 +13,7 @@ from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.launch.supervisor import TrainResult
 from stoker.tracking.plots import plot_curves
-from stoker.tracking.registry import (
-    Registration,
-    input_example,
-    load_trained_model,
-    log_and_register,
-)
+from stoker.tracking.registry import Registration, input_example, log_and_register
 
 
 @task(name="register-model", cache_policy=NO_CACHE)
@@ -33,8 +28,8 @@ def register(config: PipelineConfig, dataset: DatasetRef, trained: TrainResult) 
     tags = {k: v for k, v in run_tags.items() if k.startswith(("dvc.", "stoker.", "prefect."))}
     tags["mlflow.run_id"] = trained.run_id
     registration = log_and_register(
-        config.tracking_uri(), trained.run_id, config.tracking.registered_model,
-        load_trained_model(trained.result), input_example(dataset), tags, metric,
+        config.tracking_uri(), trained.run_id, config.registered_model(),
+        trained.result, input_example(dataset, config.train.channels), tags, metric,
         float(trained.metrics[metric]), config.tracking.promote_direction,
     )
     with tempfile.TemporaryDirectory() as tmp:

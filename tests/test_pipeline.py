@@ -33,10 +33,11 @@ from pathlib import Path
 from stoker.runtime.data import load_image_folder, split_indices
 mlflow.set_tracking_uri(sys.argv[1])
 model = mlflow.pyfunc.load_model("models:/stoker-digits@champion")
-images, labels, _ = load_image_folder(Path(sys.argv[2]))
+images, labels, classes = load_image_folder(Path(sys.argv[2]))
 _, val = split_indices(len(labels), 0.2, 0)  # held out from training
-predicted = np.argmax(model.predict(images[val].numpy()), axis=1)
-print(json.dumps({"accuracy": float((predicted == labels[val].numpy()).mean())}))
+predicted = model.predict(images[val].numpy())["class"].to_numpy()  # class names
+truth = np.asarray(classes)[labels[val].numpy()]
+print(json.dumps({"accuracy": float((predicted == truth).mean())}))
 """
 
 
@@ -63,6 +64,8 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     assert run.info.run_name == f"digits-small_cnn-{tags['stoker.job'][:8]}"
     assert "`data/digits`" in tags["mlflow.note.content"]
     assert run.data.params["train.epochs"] == "8"
+    [logged] = run.inputs.dataset_inputs  # the Datasets panel: DVC md5 as the digest
+    assert logged.dataset.digest == first["dataset"]["md5"].removesuffix(".dir")
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
     assert steps == list(range(1, 8 * 22 + 1))
     assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 8

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 
 import numpy as np
@@ -9,7 +10,15 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from stoker.tracking.registry import CHALLENGER, CHAMPION, beats, log_and_register, pip_requirements
+from stoker.runtime.models import build_model
+from stoker.tracking.registry import (
+    CHALLENGER,
+    CHAMPION,
+    LineageError,
+    beats,
+    log_and_register,
+    pip_requirements,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -26,16 +35,29 @@ def test_requirements_have_no_local_version_suffix():
 MODEL = f"gate-model-{uuid.uuid4().hex[:6]}"
 
 
-def register(uri: str, value: float, direction: str = "max", artifacts: str | None = None):
+def trained_result(folder, classes=("cat", "dog"), shape=(1, 8, 8)) -> dict:
+    """A result.json as the trainer writes it, with untrained small_cnn weights."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model = build_model("small_cnn", len(classes), shape[0])
+    torch.save(model.state_dict(), folder / "model.pt")
+    return {"model": "small_cnn", "num_classes": len(classes), "input_shape": list(shape),
+            "classes": list(classes), "model_path": str(folder / "model.pt")}
+
+
+def register(uri: str, value: float, direction: str = "max", artifacts: str | None = None,
+             name: str = MODEL, classes=("cat", "dog"), shape=(1, 8, 8), tmp=None):
+    import tempfile
+    from pathlib import Path
+
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("gate") or client.get_experiment(
         client.create_experiment("gate", artifact_location=artifacts))
     run = client.create_run(experiment.experiment_id)
     client.log_metric(run.info.run_id, "val_accuracy", value)
     client.set_terminated(run.info.run_id, "FINISHED")
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2)).eval()
-    example = np.zeros((2, 1, 2, 2), dtype=np.float32)
-    return log_and_register(uri, run.info.run_id, MODEL, model, example,
+    result = trained_result(Path(tmp or tempfile.mkdtemp()) / run.info.run_id, classes, shape)
+    example = np.zeros((2, *shape), dtype=np.float32)
+    return log_and_register(uri, run.info.run_id, name, result, example,
                             {"dvc.rev": "v1"}, "val_accuracy", value, direction), client
 
 
@@ -63,3 +85,108 @@ def test_champion_moves_only_when_better(store):
     assert version.tags["dvc.rev"] == "v1" and version.tags["val_accuracy"] == "0.85"
     # The run that produced a version keeps its final status.
     assert client.get_run(version.run_id).info.status == "FINISHED"
+
+
+def test_another_lineage_is_never_compared_with_the_champion(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first, client = register(uri, 0.50, name="lineage", tmp=tmp_path)
+    assert first.promoted
+    with pytest.raises(LineageError, match=r"tracking.registered_model 'lineage'.*2 classes "
+                                           r"\['cat', 'dog'\], input 1x8x8.*5 classes"):
+        register(uri, 0.99, name="lineage", classes=("a", "b", "c", "d", "e"),
+                 shape=(3, 32, 32), tmp=tmp_path)
+    assert [str(v.version) for v in client.search_model_versions("name = 'lineage'")] == ["1"]
+    assert str(client.get_model_version_by_alias("lineage", CHAMPION).version) == "1"
+
+
+def test_concurrent_registrations_end_with_the_best_champion(tmp_path, monkeypatch):
+    """Both registrations read the 0.50 incumbent before either writes; the worse one writes
+    last. The best version must still end as champion."""
+    import threading
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    register(uri, 0.50, name="race", tmp=tmp_path)
+    both_read = threading.Barrier(2, timeout=3)
+    real_get = MlflowClient.get_model_version_by_alias
+    real_set = MlflowClient.set_registered_model_alias
+    racing = threading.local()
+
+    def get_then_wait(self, name, alias):
+        found = real_get(self, name, alias)
+        if getattr(racing, "value", None) is not None and not getattr(racing, "waited", False):
+            racing.waited = True
+            with contextlib.suppress(threading.BrokenBarrierError):
+                both_read.wait()  # with a lock the other thread cannot get here: times out
+        return found
+
+    def set_late_if_worse(self, name, alias, version):
+        if alias == CHAMPION and getattr(racing, "value", None) == 0.90:
+            import time
+
+            time.sleep(1.0)  # the worse model writes last
+        return real_set(self, name, alias, version)
+
+    monkeypatch.setattr(MlflowClient, "get_model_version_by_alias", get_then_wait)
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", set_late_if_worse)
+    outcomes, errors = {}, []
+
+    def job(value):
+        racing.value = value
+        try:
+            outcomes[value] = register(uri, value, name="race", tmp=tmp_path)[0]
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=job, args=(v,)) for v in (0.95, 0.90)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    champion = MlflowClient(uri).get_model_version_by_alias("race", CHAMPION)
+    assert str(champion.version) == outcomes[0.95].version and outcomes[0.95].promoted
+    assert not outcomes[0.90].promoted
+
+
+def test_registered_model_answers_class_names(tmp_path):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    register(uri, 0.5, name="names", classes=("four", "one", "zero"), shape=(3, 8, 8),
+             tmp=tmp_path)
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model("models:/names@champion")
+    out = model.predict(np.random.default_rng(0).random((2, 3, 8, 8), dtype=np.float32))
+    assert set(out["class"]) <= {"four", "one", "zero"}
+    assert np.allclose(out[["p_four", "p_one", "p_zero"]].sum(axis=1), 1.0, atol=1e-5)
+    meta = model.metadata.metadata["stoker"]
+    assert meta["classes"] == ["four", "one", "zero"]
+    assert meta["preprocessing"]["channels"] == 3 and meta["preprocessing"]["height"] == 8
+    logits = model.predict(np.zeros((1, 3, 8, 8), np.float32), params={"logits": True})
+    assert {"logit_four", "logit_one", "logit_zero"} <= set(logits.columns)
+
+
+def test_a_champion_registered_before_lineage_tags_is_compared_by_its_signature(tmp_path):
+    """The old registry entry: a pytorch-flavor digits model (1x8x8 in, 10 logits out)."""
+    import mlflow
+    from mlflow.models import infer_signature
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("old", artifact_location=(tmp_path / "a").as_uri())
+    model = build_model("small_cnn", 10, 1).eval()
+    example = np.zeros((2, 1, 8, 8), dtype=np.float32)
+    with mlflow.start_run(experiment_id=experiment):
+        mlflow.log_metric("val_accuracy", 0.5)
+        signature = infer_signature(example, model(torch.as_tensor(example)).detach().numpy())
+        mlflow.pytorch.log_model(model, name="model", signature=signature,
+                                 serialization_format="pickle",
+                                 registered_model_name="old-digits")
+    client.set_registered_model_alias("old-digits", CHAMPION, "1")
+    with pytest.raises(LineageError, match=r"champion \(version 1\) has 10 classes"):
+        register(uri, 0.99, name="old-digits", classes=("a", "b", "c", "d", "e"),
+                 shape=(3, 32, 32), tmp=tmp_path)
+    digits = register(uri, 0.9, name="old-digits", classes=tuple(str(i) for i in range(10)),
+                      tmp=tmp_path)[0]  # the demo's own lineage still compares and promotes
+    assert digits.promoted and digits.previous_champion == "1"

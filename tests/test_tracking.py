@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from pathlib import Path
@@ -121,3 +122,23 @@ def test_an_attempt_shorter_than_one_interval_still_logs_system_metrics(dataset,
     assert run.info.status == "FINISHED"
     system = {k for k in run.data.metrics if k.startswith("system/")}
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system
+
+def test_training_run_logs_the_dataset_as_an_mlflow_input(dataset, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = tmp_path / "with-input"
+    job.mkdir()
+    tags = {"dvc.repo": dataset.repo_url, "dvc.path": dataset.path, "dvc.rev": dataset.rev,
+            "dvc.commit": dataset.commit, "dvc.md5": dataset.md5}
+    RunSpec(train=TrainConfig(epochs=1, checkpoint_every_steps=10), data_dir=dataset.local_path,
+            job_dir=str(job), tracking_uri=uri, experiment="inputs", run_name="with-input",
+            artifact_location=(tmp_path / "artifacts").as_uri(), system_metrics_interval_s=None,
+            tags=tags).dump(job / "spec.yaml")
+    assert LocalLauncher(1, python=sys.executable).run(job / "spec.yaml",
+                                                      on_line=lambda x: None) == 0
+    run = MlflowClient(uri).get_run((job / "mlflow_run_id").read_text())
+    [logged] = run.inputs.dataset_inputs
+    assert logged.dataset.name == "repo/data/digits"
+    assert logged.dataset.digest == dataset.md5.removesuffix(".dir")
+    source = json.loads(logged.dataset.source)
+    assert source["uri"] == f"{dataset.repo_url}@{dataset.commit}:{dataset.path}"
+    assert {t.key: t.value for t in logged.tags}["mlflow.data.context"] == "training"

@@ -9,12 +9,18 @@ Layout under ``datasets_dir``::
 
 A dataset folder appears only once it is complete (staged, then renamed), so training never sees a
 partial dataset. A second pull of the same content hash returns at once without contacting DVC.
+A cold pull reads a local DVC remote directly (copying its objects), or fetches any other remote
+into the DVC cache and hard-links (or copies) the cached files into the staging folder; every
+staged file is checked against the md5 listed by the ``.dvc`` file's directory
+manifest before the folder is published under that hash. Pulls through one clone are serialised by
+a file lock (``.repos/<key>.lock``), so concurrent pulls of different revisions each get theirs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -23,10 +29,14 @@ from pathlib import Path
 import yaml
 
 from stoker.data.git import git
+from stoker.data.remote import check_reachable, is_local, original_remotes, resolve_repo_url
+
+LOCK_TIMEOUT_S = 3600.0  # a cold pull of a large dataset holds the clone's lock this long at most
 
 
 class DatasetError(RuntimeError):
-    """The dataset cannot be pulled: bad revision or path, or files missing from the remote."""
+    """The dataset cannot be pulled or used: bad repository, revision or path, an unreachable
+    remote, files missing from the remote, or content that fails validation."""
 
 
 @dataclass(frozen=True)
@@ -57,12 +67,20 @@ class DatasetRef:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
 
+def clone_key(repo_url: str) -> str:
+    """Folder name of the clone of ``repo_url`` (already resolved) under ``.repos``."""
+    return hashlib.sha1(repo_url.encode()).hexdigest()[:16]
+
+
 def _clone(repo_url: str, datasets_dir: Path) -> Path:
     """Return an up-to-date clone of ``repo_url`` (cloned once, fetched afterwards)."""
-    key = hashlib.sha1(repo_url.encode()).hexdigest()[:16]
+    key = clone_key(repo_url)
     clone = datasets_dir / ".repos" / key
     if (clone / ".git").is_dir():
-        git(clone, "fetch", "-q", "--tags", "--force", "origin")
+        try:
+            git(clone, "fetch", "-q", "--tags", "--force", "origin")
+        except RuntimeError as e:
+            raise DatasetError(f"data.repo_url {repo_url}: cannot fetch: {e}") from None
         return clone
     clone.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=clone.parent))
@@ -90,18 +108,160 @@ def _dvc_out(clone: Path, commit: str, path: str) -> dict:
 
 
 def _missing_files(dvc_repo, target: str) -> list[str]:
-    """Paths (with their md5 where known) that the remote lacks, per ``dvc status --cloud``."""
+    """Paths that the remote lacks, per ``dvc status --cloud``."""
     status = dvc_repo.status(targets=[target], cloud=True)
-    missing = sorted(p for p, state in status.items() if state in ("deleted", "missing"))
-    return missing
+    return sorted(p for p, state in status.items() if state in ("deleted", "missing"))
 
 
 def _manifest(cache_dir: Path, md5_dir: str) -> dict[str, str]:
     """relpath -> md5 from the cached ``.dir`` object, or {} when it is not cached."""
-    obj = cache_dir / "files" / "md5" / md5_dir[:2] / md5_dir[2:]
+    obj = _cache_object(cache_dir, md5_dir)
     if not obj.is_file():
         return {}
     return {entry["relpath"]: entry["md5"] for entry in json.loads(obj.read_text())}
+
+
+def _cache_object(cache_dir: Path, md5: str) -> Path:
+    return cache_dir / "files" / "md5" / md5[:2] / md5[2:]
+
+
+def _configure_clone(dvc_repo, clone: Path, repo_url: str, cache_dir: Path) -> None:
+    """Shared cache dir; relative local remotes resolved as in the original repository."""
+    with dvc_repo.config.edit("local") as conf:
+        conf["cache"]["dir"] = str(cache_dir)
+        conf["remote"] = {name: {"url": url}
+                          for name, url in original_remotes(clone, repo_url).items()}
+
+
+def _remote_url(dvc_repo, remote: str | None) -> tuple[str | None, str | None]:
+    name = remote or dvc_repo.config["core"].get("remote")
+    url = (dvc_repo.config["remote"].get(name) or {}).get("url") if name else None
+    if remote and url is None:
+        raise DatasetError(f"data.remote {remote!r}: no such DVC remote in the repository")
+    return name, url
+
+
+def _fetch(clone: Path, repo_url: str, ref: DatasetRef, remote: str | None,
+           cache_dir: Path) -> tuple[Path, bool]:
+    """Make the dataset's objects available locally; returns (object store, linkable).
+
+    A local remote in DVC 3 layout is read directly (its objects are copied, never linked:
+    the remote is the user's); any other remote is fetched into the shared DVC cache, whose
+    read-only objects are hard-linked. Nothing is checked out into the clone.
+    """
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    target = str(clone / f"{ref.path}.dvc")
+    with Repo(str(clone)) as dvc:
+        _configure_clone(dvc, clone, repo_url, cache_dir)
+    with Repo(str(clone)) as dvc:  # re-read the local config just written
+        name, url = _remote_url(dvc, remote)
+        where = f"{repo_url}@{ref.rev} ({ref.commit[:12]}) {ref.path}"
+        problem = check_reachable(name, url)
+        if problem:
+            raise DatasetError(f"{where}: {problem}")
+        if is_local(url) and _cache_object(Path(url), ref.md5).is_file():
+            manifest = _manifest(Path(url), ref.md5)
+            missing = [f"{ref.path.rstrip('/')}/{relpath}" for relpath, md5 in manifest.items()
+                       if not _cache_object(Path(url), md5).is_file()]
+            if missing:
+                raise _missing_error(where, ref, name, url, missing, manifest)
+            return Path(url), False
+        try:
+            dvc.fetch(targets=[target], remote=remote)
+        except DvcException as e:
+            missing = _missing_files(dvc, target)
+            if not missing:
+                raise DatasetError(f"{where}: dvc fetch from remote {name!r} ({url}) failed: "
+                                   f"{e}") from e
+            raise _missing_error(where, ref, name, url, missing,
+                                 _manifest(cache_dir, ref.md5)) from e
+    return cache_dir, True
+
+
+def _missing_error(where: str, ref: DatasetRef, name: str, url: str, missing: list[str],
+                   hashes: dict[str, str]) -> DatasetError:
+    prefix = ref.path.rstrip("/") + "/"
+    named = [f"{p} (md5 {hashes.get(p.removeprefix(prefix), 'unknown')})" for p in missing]
+    return DatasetError(
+        f"{where}: {len(missing)} file(s) of {ref.path} ({ref.md5}) missing from the DVC "
+        f"remote {name!r} ({url}): " + ", ".join(named[:20]) + (" ..." if len(named) > 20 else ""))
+
+
+def _file_md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _copy_md5(source: Path, target: Path) -> str:
+    """Copy ``source`` to ``target`` and return the md5 of what was copied (one read)."""
+    digest = hashlib.md5()
+    with source.open("rb") as src, target.open("wb") as dst:
+        for block in iter(lambda: src.read(1 << 20), b""):
+            digest.update(block)
+            dst.write(block)
+    return digest.hexdigest()
+
+
+def _materialise(source: Path, target: Path, link: bool) -> str:
+    """Hard-link (``link``; copy where the file system can't) or copy; returns the md5."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if link:
+        try:
+            os.link(source, target)  # a read-only cache object: sharing it is safe
+            return _file_md5(target)
+        except OSError:
+            pass  # another file system, or no hard links there
+    return _copy_md5(source, target)
+
+
+def _stage(objects: Path, ref: DatasetRef, staging: Path, link: bool) -> None:
+    """Materialise the objects of ``ref`` in ``staging`` and verify each md5.
+
+    Raises:
+        DatasetError: the manifest is absent, or a file is missing or differs from its md5.
+    """
+    if not _cache_object(objects, ref.md5).is_file():
+        raise DatasetError(f"{ref.path}@{ref.rev}: manifest {ref.md5} not in {objects}")
+    if _file_md5(_cache_object(objects, ref.md5)) != ref.md5.removesuffix(".dir"):
+        raise DatasetError(f"{ref.path}@{ref.rev}: the manifest {ref.md5} in {objects} does not "
+                           "match its own hash (a damaged DVC cache or remote)")
+    manifest = _manifest(objects, ref.md5)
+    escaping = [r for r in manifest if Path(r).is_absolute() or ".." in Path(r).parts]
+    if escaping:
+        raise DatasetError(f"{ref.path}@{ref.rev}: manifest {ref.md5} lists paths outside the "
+                           f"dataset folder: {escaping[:5]}")
+    bad = []
+    for relpath, md5 in manifest.items():
+        source = _cache_object(objects, md5)
+        if not source.is_file():
+            bad.append(f"{relpath} (md5 {md5}: not in {objects})")
+        elif _materialise(source, staging / relpath, link) != md5:
+            bad.append(f"{relpath} (expected md5 {md5})")
+    if bad:
+        raise DatasetError(f"{ref.path}@{ref.rev} ({ref.md5}): {len(bad)} file(s) do not match "
+                           "the .dvc manifest: " + ", ".join(bad[:20]))
+
+
+def _publish(objects: Path, link: bool, ref: DatasetRef, datasets_dir: Path) -> None:
+    """Stage, verify, then rename into place (the lock is held: no other pull of this clone)."""
+    final = Path(ref.local_path)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=datasets_dir))
+    try:
+        _stage(objects, ref, staging, link)
+        if final.exists():  # a folder without its record: an interrupted earlier publish
+            shutil.rmtree(final)
+        staging.rename(final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    record = datasets_dir / f"{final.name}.json"
+    tmp = record.with_suffix(".json.tmp")
+    tmp.write_text(ref.to_json())
+    tmp.replace(record)
 
 
 def pull_dataset(
@@ -110,7 +270,8 @@ def pull_dataset(
     """Pull ``path`` at ``rev`` from the data repository through DVC.
 
     Args:
-        repo_url: git URL or local path of a repository whose ``path`` is tracked by DVC.
+        repo_url: git URL or local path of a repository whose ``path`` is tracked by DVC; a
+            relative path is resolved against the current directory.
         rev: tag, branch or commit; resolved to a commit and recorded.
         path: DVC-tracked directory, relative to the repository root.
         datasets_dir: local folder for clones, the DVC cache and materialized datasets.
@@ -120,15 +281,27 @@ def pull_dataset(
         DatasetRef of the complete local copy.
 
     Raises:
-        DatasetError: the repository cannot be cloned, ``rev`` or ``path`` does not exist, or the
-            remote lacks files (the message names each missing path and its md5). Nothing is left
-            at the dataset's final location in that case.
+        DatasetError: the repository cannot be cloned, ``rev`` or ``path`` does not exist, the
+            remote is unreachable (named) or lacks files (each missing path and its md5 named),
+            or a pulled file differs from the ``.dvc`` manifest. Nothing is left at the dataset's
+            final location in that case.
     """
-    from dvc.exceptions import DvcException
-    from dvc.repo import Repo
+    from filelock import FileLock, Timeout
 
+    repo_url = resolve_repo_url(repo_url)
     datasets_dir = datasets_dir.resolve()
-    datasets_dir.mkdir(parents=True, exist_ok=True)
+    (datasets_dir / ".repos").mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(datasets_dir / ".repos" / f"{clone_key(repo_url)}.lock"))
+    try:
+        with lock.acquire(timeout=LOCK_TIMEOUT_S):
+            return _pull_locked(repo_url, rev, path, datasets_dir, remote)
+    except Timeout:
+        raise DatasetError(f"data.repo_url {repo_url}: another pull held {lock.lock_file} for "
+                           f"{LOCK_TIMEOUT_S:.0f} s") from None
+
+
+def _pull_locked(repo_url: str, rev: str, path: str, datasets_dir: Path,
+                 remote: str | None) -> DatasetRef:
     clone = _clone(repo_url, datasets_dir)
     try:
         commit = git(clone, "rev-parse", "--verify", f"{rev}^{{commit}}")
@@ -137,60 +310,17 @@ def pull_dataset(
 
     out = _dvc_out(clone, commit, path)
     md5_dir = str(out["md5"])
-    md5 = md5_dir.removesuffix(".dir")
-    final = datasets_dir / md5
+    final = datasets_dir / md5_dir.removesuffix(".dir")
     ref = DatasetRef(
-        repo_url=repo_url,
-        rev=rev,
-        commit=commit,
-        path=path,
-        md5=md5_dir,
-        nfiles=int(out.get("nfiles", 0)),
-        size_bytes=int(out.get("size", 0)),
+        repo_url=repo_url, rev=rev, commit=commit, path=path, md5=md5_dir,
+        nfiles=int(out.get("nfiles", 0)), size_bytes=int(out.get("size", 0)),
         local_path=str(final),
     )
-    record = datasets_dir / f"{md5}.json"
-    if final.is_dir() and record.is_file():
+    if final.is_dir() and (datasets_dir / f"{final.name}.json").is_file():
         return ref  # content-addressed: same hash, same files
 
-    git(clone, "checkout", "-q", "--force", "--detach", commit)
+    git(clone, "checkout", "-q", "--force", "--detach", commit)  # .dvc files only: no data
     cache_dir = datasets_dir / ".dvc-cache"
-    target = str(clone / f"{path}.dvc")
-    with Repo(str(clone)) as dvc:
-        with dvc.config.edit("local") as conf:
-            conf["cache"]["dir"] = str(cache_dir)
-        dvc.config.load()  # re-read so the cache dir applies to this instance
-    with Repo(str(clone)) as dvc:
-        try:
-            dvc.pull(targets=[target], remote=remote, force=True)
-        except DvcException as e:
-            missing = _missing_files(dvc, target)
-            if not missing:
-                raise DatasetError(f"{repo_url}@{rev} {path}: dvc pull failed: {e}") from e
-            hashes = _manifest(cache_dir, md5_dir)
-            prefix = path.rstrip("/") + "/"
-            named = [
-                f"{p} (md5 {hashes.get(p.removeprefix(prefix), 'unknown')})" for p in missing
-            ]
-            raise DatasetError(
-                f"{repo_url}@{rev} ({commit[:12]}): {len(missing)} file(s) of {path} "
-                f"({md5_dir}) missing from the DVC remote {remote or '(default)'}: "
-                + ", ".join(named[:20])
-                + (" ..." if len(named) > 20 else "")
-            ) from e
-
-    staging = Path(tempfile.mkdtemp(prefix=f".{md5}-", dir=datasets_dir))
-    try:
-        shutil.copytree(clone / path, staging, dirs_exist_ok=True)
-        nfiles = sum(1 for p in staging.rglob("*") if p.is_file())
-        if ref.nfiles and nfiles != ref.nfiles:
-            raise DatasetError(
-                f"{path}@{rev}: pulled {nfiles} files, {path}.dvc lists {ref.nfiles}"
-            )
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    record.write_text(ref.to_json())
+    objects, link = _fetch(clone, repo_url, ref, remote, cache_dir)
+    _publish(objects, link, ref, datasets_dir)
     return ref

@@ -12,6 +12,7 @@ import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -33,36 +34,83 @@ class Splits:
     classes: tuple[str, ...] = ()
 
 
-def load_image_folder(root: Path) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Read ``root/<class>/<file>.png`` as grayscale images.
+IGNORED_NAMES = frozenset({"__MACOSX", "Thumbs.db", "desktop.ini"})
+GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
+
+
+def visible(path: Path) -> bool:
+    """Whether a folder entry takes part in an ImageFolder: hidden names (``.ipynb_checkpoints``,
+    ``.DS_Store``, ``.keep``) and OS litter (``__MACOSX``, ``Thumbs.db``) do not."""
+    return not path.name.startswith(".") and path.name not in IGNORED_NAMES
+
+
+def class_folders(root: Path) -> list[Path]:
+    """The class folders of an ImageFolder root, sorted by name (label i is the i-th)."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and visible(p)), key=lambda p: p.name)
+
+
+def image_files(folder: Path) -> list[Path]:
+    """The candidate image files of one class folder, sorted by name (hidden files skipped)."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and visible(p))
+
+
+def read_image(file: Path, channels: int | None) -> np.ndarray:
+    """One image as uint8 [H, W, C]: C = ``channels``, or for None 1 (gray) / 3 (colour) by mode.
+
+    Raises:
+        OSError, PIL.UnidentifiedImageError: not a readable image.
+    """
+    from PIL import Image
+
+    with Image.open(file) as image:
+        gray = channels == 1 or (channels is None and image.mode in GRAY_MODES)
+        image.load()
+        return np.asarray(image.convert("L" if gray else "RGB"), dtype=np.uint8).reshape(
+            image.height, image.width, 1 if gray else 3)
+
+
+def load_image_folder(root: Path, channels: int | Literal["auto"] = "auto"
+                      ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Read ``root/<class>/<file>`` images (hidden entries ignored).
+
+    Args:
+        channels: 1 (grayscale), 3 (RGB), or "auto": 3 if any image is in colour, else 1.
 
     Returns:
-        images: float32 tensor [N, 1, H, W] scaled to [0, 1]; labels: int64 [N]; class names
+        images: float32 tensor [N, C, H, W] scaled to [0, 1]; labels: int64 [N]; class names
         (sorted folder names; label i is classes[i]).
 
     Raises:
-        DataError: no class folders, an unreadable image, or images of different sizes (named).
+        DataError: no class folders, an empty class, an unreadable image, or images of
+            different sizes (named).
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import UnidentifiedImageError
 
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-    if not classes:
+    folders = class_folders(root)
+    if not folders:
         raise DataError(f"{root}: no class folders (expected <class>/<image> files)")
+    fixed = None if channels == "auto" else int(channels)
     arrays, labels = [], []
-    for label, name in enumerate(classes):
-        for file in sorted((root / name).iterdir()):
+    for label, folder in enumerate(folders):
+        files = image_files(folder)
+        if not files:
+            raise DataError(f"{folder}: empty class (no image files)")
+        for file in files:
             try:
-                with Image.open(file) as image:
-                    arrays.append(np.asarray(image.convert("L"), dtype=np.uint8))
+                arrays.append(read_image(file, fixed))
             except (UnidentifiedImageError, OSError) as e:
                 raise DataError(f"{file}: not a readable image ({e})") from None
-            if arrays[-1].shape != arrays[0].shape:
+            if arrays[-1].shape[:2] != arrays[0].shape[:2]:
                 raise DataError(
-                    f"{file}: size {arrays[-1].shape} differs from {arrays[0].shape}"
+                    f"{file}: size {arrays[-1].shape[:2]} differs from {arrays[0].shape[:2]}"
                 )
             labels.append(label)
-    images = torch.from_numpy(np.stack(arrays)).unsqueeze(1).float().div_(255.0)
-    return images, torch.tensor(labels, dtype=torch.int64), classes
+    depth = max(a.shape[2] for a in arrays)  # auto: one colour image makes the set RGB
+    stacked = np.stack([np.repeat(a, depth // a.shape[2], axis=2) for a in arrays])
+    images = torch.from_numpy(stacked).permute(0, 3, 1, 2).contiguous().float().div_(255.0)
+    return images, torch.tensor(labels, dtype=torch.int64), [f.name for f in folders]
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,9 +120,10 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor,
     return perm[n_val:].sort().values, perm[:n_val].sort().values
 
 
-def image_folder(data_dir: str, seed: int, val_fraction: float) -> Splits:
+def image_folder(data_dir: str, seed: int, val_fraction: float,
+                 channels: int | Literal["auto"] = "auto") -> Splits:
     """Built-in dataset factory: an ImageFolder of same-size images, split by seed."""
-    images, labels, classes = load_image_folder(Path(data_dir))
+    images, labels, classes = load_image_folder(Path(data_dir), channels)
     train_idx, val_idx = split_indices(len(labels), val_fraction, seed)
     return Splits(
         train=TensorDataset(images[train_idx], labels[train_idx]),
@@ -85,10 +134,12 @@ def image_folder(data_dir: str, seed: int, val_fraction: float) -> Splits:
     )
 
 
-def build_splits(factory: str, data_dir: str, seed: int, val_fraction: float) -> Splits:
-    """Resolve ``factory`` ("image_folder" or "module:callable") and build the splits."""
+def build_splits(factory: str, data_dir: str, seed: int, val_fraction: float,
+                 channels: int | Literal["auto"] = "auto") -> Splits:
+    """Resolve ``factory`` ("image_folder" or "module:callable") and build the splits
+    (``channels`` applies to image_folder)."""
     if factory == "image_folder":
-        return image_folder(data_dir, seed, val_fraction)
+        return image_folder(data_dir, seed, val_fraction, channels)
     module, _, attr = factory.partition(":")
     if not attr:
         raise DataError(f"train.dataset {factory!r}: expected 'image_folder' or 'module:callable'")

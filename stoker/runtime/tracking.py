@@ -7,6 +7,7 @@ an earlier attempt already logged is not logged again, so every metric stays one
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -159,6 +160,27 @@ class RunTracker:
         from mlflow.entities import RunTag
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_dataset(self, tags: dict[str, str], context: str = "training") -> bool:
+        """Log the pulled dataset named by the lineage tags (``dvc.repo``, ``dvc.path``,
+        ``dvc.commit``, ``dvc.md5``) as an MLflow dataset input of this run: name
+        ``<repo>/<path>``, digest the DVC md5, source ``<repo>@<commit>:<path>``, so the run page's
+        Datasets panel shows it. Returns False (nothing logged) when the tags are absent."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        try:
+            repo, path, commit, md5 = (tags[k] for k in ("dvc.repo", "dvc.path", "dvc.commit",
+                                                         "dvc.md5"))
+        except KeyError:
+            return False
+        repo_name = repo.rstrip("/").rsplit("/", 1)[-1].removesuffix(".git")
+        dataset = Dataset(
+            name=f"{repo_name}/{path}", digest=md5.removesuffix(".dir"), source_type="dvc",
+            source=json.dumps({"uri": f"{repo}@{commit}:{path}", "rev": tags.get("dvc.rev")}),
+        )
+        self.client.log_inputs(self.run_id, datasets=[
+            DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])])
+        return True
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, path, artifact_path)

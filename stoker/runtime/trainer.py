@@ -53,7 +53,8 @@ class Trainer(ProfilingMixin):
                                       "checkpoint"), 0.0)
         self._configure_backends()
         self.splits = build_splits(self.cfg.dataset, spec.data_dir, self.cfg.seed,
-                                   self.cfg.val_fraction)
+                                   self.cfg.val_fraction,
+                                   self.cfg.channels)
         check_divisible(self.cfg.global_batch_size, self.cfg.grad_accum_steps, env.world_size)
         n_train = len(self.splits.train)
         self.steps_per_epoch = n_train // self.cfg.global_batch_size
@@ -199,6 +200,7 @@ class Trainer(ProfilingMixin):
         tracker.set_tags({"stoker.gpu_model": self.gpu_model(),
                           "stoker.world_size": str(self.env.world_size)})
         if run_id is None:
+            tracker.log_dataset(self.spec.tags or {})  # once per run: the Datasets panel
             run_file.write_text(tracker.run_id)
         self.run_id = tracker.run_id
         return tracker

@@ -3,10 +3,22 @@
 Registry stages are deprecated in MLflow: Stoker uses aliases only. Every new version gets
 ``challenger``; ``champion`` moves to it only when its ``promote_metric`` beats the current
 champion's (the first version becomes champion).
+
+A lineage is a class list and an input shape ([C, H, W]); both are tagged on every version
+(``stoker.classes``, ``stoker.input_shape``). The gate never compares across lineages: a model
+whose lineage differs from the champion's is refused before it is logged (``LineageError``, which
+names the field to change), because a 5-class 32x32 model and a 10-class 8x8 model answer different
+questions. The read-compare-set of the gate holds a file lock per registered model for sqlite and
+file stores, and for any store re-checks after setting (see ``_settle``), so concurrent
+registrations end with the best version as champion whatever the interleaving.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +28,36 @@ if TYPE_CHECKING:
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
+CLASSES_TAG = "stoker.classes"
+SHAPE_TAG = "stoker.input_shape"
+
+
+class LineageError(ValueError):
+    """The model's classes or input shape differ from the registered model's champion."""
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What a model answers: class names (label order) and input shape [C, H, W]."""
+
+    classes: tuple[str, ...]
+    input_shape: tuple[int, ...]
+
+    def tags(self) -> dict[str, str]:
+        return {CLASSES_TAG: json.dumps(list(self.classes)),
+                SHAPE_TAG: "x".join(str(v) for v in self.input_shape)}
+
+    @classmethod
+    def from_tags(cls, tags: dict[str, str]) -> Lineage | None:
+        try:
+            return cls(tuple(json.loads(tags[CLASSES_TAG])),
+                       tuple(int(v) for v in tags[SHAPE_TAG].split("x")))
+        except (KeyError, ValueError, TypeError):
+            return None  # a version registered before lineage tags (or a hand-edited tag)
+
+    def describe(self) -> str:
+        shape = "x".join(map(str, self.input_shape))
+        return f"{len(self.classes)} classes {list(self.classes)}, input {shape}"
 
 
 @dataclass(frozen=True)
@@ -54,65 +96,180 @@ def pip_requirements() -> list[str]:
     """Exact requirements of a logged model, without local version suffixes (``+cu121``)."""
     from importlib.metadata import version
 
-    return [f"{name}=={version(name).split('+')[0]}" for name in ("mlflow", "torch", "numpy")]
+    names = ("mlflow", "torch", "numpy", "pandas", "pillow")
+    return [f"{name}=={version(name).split('+')[0]}" for name in names]
 
 
-def log_and_register(tracking_uri: str, run_id: str, registered_model: str, model, input_example,
-                     tags: dict[str, str], metric: str, value: float,
+def _champion(client, name: str, metric: str):
+    """(version, value, lineage) of the champion, or (None, None, None)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        champion = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None, None, None  # no registered model or no champion yet
+    value = client.get_run(champion.run_id).data.metrics.get(metric)
+    lineage = Lineage.from_tags(champion.tags or {}) or _signature_lineage(
+        client, name, str(champion.version))
+    return str(champion.version), value, lineage
+
+
+def _signature_lineage(client, name: str, version: str) -> Lineage | None:
+    """The lineage of a version registered before lineage tags, from its MLmodel signature:
+    input tensor [-1, C, H, W], output [-1, K]; the classes read as "0".."K-1", the folder names
+    of the demo digits (so the demo's old champions still compare, and any other old model,
+    whose class names are unknown, counts as another lineage). None without a usable signature.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import get_model_info
+
+    try:
+        # models:/ resolves through the global registry URI, set by the callers to this store.
+        signature = get_model_info(f"models:/{name}/{version}").signature
+        shape = tuple(int(v) for v in signature.inputs.inputs[0].shape[1:])
+        width = int(signature.outputs.inputs[0].shape[-1])
+    except (MlflowException, OSError, AttributeError, IndexError, TypeError, ValueError):
+        return None
+    return Lineage(tuple(str(i) for i in range(width)), shape)
+
+
+def check_lineage(tracking_uri: str, name: str, lineage: Lineage) -> None:
+    """Refuse a model whose lineage differs from ``name``'s champion (none: accepted).
+
+    Raises:
+        LineageError: naming both lineages and ``tracking.registered_model``.
+    """
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(tracking_uri)
+    version, _value, incumbent = _champion(MlflowClient(tracking_uri), name, "")
+    if version is not None and incumbent is not None and incumbent != lineage:
+        raise LineageError(
+            f"tracking.registered_model {name!r}: its champion (version {version}) has "
+            f"{incumbent.describe()}; this dataset has {lineage.describe()}. A model of another "
+            "lineage is never compared with it: set tracking.registered_model to a new name "
+            "for this lineage")
+
+
+def promotion_lock(tracking_uri: str, name: str):
+    """A file lock per registered model for sqlite and file stores; a no-op elsewhere (remote
+    stores rely on the re-check in ``_settle``)."""
+    from urllib.parse import urlparse
+
+    from filelock import FileLock
+
+    parsed = urlparse(tracking_uri)
+    if parsed.scheme == "sqlite":
+        where = Path(tracking_uri.removeprefix("sqlite:///")).parent
+    elif parsed.scheme in ("", "file"):
+        where = Path(parsed.path)
+    else:
+        return contextlib.nullcontext()
+    key = hashlib.sha1(name.encode()).hexdigest()[:16]
+    where.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(where / f".promote-{key}.lock"), timeout=600)
+
+
+def _log_pyfunc(run_id: str, name: str, result: dict, example) -> str:
+    """Log the pyfunc to ``run_id`` and register it; returns the new version."""
+    import mlflow
+    from mlflow.models import infer_signature
+
+    import stoker
+    from stoker.tracking.pyfunc import ImageClassifier, model_meta
+
+    meta = model_meta(result)
+    classifier = ImageClassifier()
+    with tempfile.TemporaryDirectory() as tmp:
+        meta_path = Path(tmp) / "stoker.json"
+        meta_path.write_text(json.dumps(meta, indent=2))
+        classifier.load_context(type("Context", (), {"artifacts": {
+            "meta": str(meta_path), "weights": result["model_path"]}})())
+        output = classifier.predict(None, example)
+        with mlflow.start_run(run_id=run_id):
+            info = mlflow.pyfunc.log_model(
+                name="model", python_model=ImageClassifier(),
+                artifacts={"weights": result["model_path"], "meta": str(meta_path)},
+                signature=infer_signature(example, output, params={"logits": False}),
+                input_example=example, pip_requirements=pip_requirements(),
+                code_paths=[str(Path(stoker.__file__).parent)],
+                registered_model_name=name, metadata={"stoker": meta},
+            )
+    return str(info.registered_model_version)
+
+
+def _versions(client, name: str) -> list:
+    """All versions of registered model ``name`` (a quote in the name is quoted, not spliced)."""
+    quote = '"' if "'" in name else "'"
+    return client.search_model_versions(f"name = {quote}{name}{quote}")
+
+
+def _settle(client, name: str, metric: str, direction: str, lineage: Lineage,
+            since_version: int) -> None:
+    """Compare-and-set re-check after setting: among this lineage's versions newer than the
+    champion we compared against, the best one that beats the current champion takes the alias.
+    Every registration runs it, so a registration that read a stale champion and overwrote a
+    better one is undone by whichever registration checks last."""
+    best_version, best_value = None, None
+    for v in _versions(client, name):
+        tags = v.tags or {}
+        if int(v.version) <= since_version or Lineage.from_tags(tags) != lineage:
+            continue
+        try:
+            value = float(tags[metric])
+        except (KeyError, ValueError):
+            continue
+        if best_value is None or beats(value, best_value, direction):
+            best_version, best_value = str(v.version), value
+    current, current_value, _lineage = _champion(client, name, metric)
+    if best_version is not None and best_version != current and beats(
+            best_value, current_value, direction):
+        client.set_registered_model_alias(name, CHAMPION, best_version)
+
+
+def log_and_register(tracking_uri: str, run_id: str, registered_model: str, result: dict,
+                     input_example, tags: dict[str, str], metric: str, value: float,
                      direction: str = "max") -> Registration:
-    """Log ``model`` to run ``run_id``, register it, tag it and apply the promotion gate.
+    """Log the trained model of ``result`` as a pyfunc, register it, tag it, apply the gate.
 
     Args:
-        model: a torch.nn.Module in eval mode; ``input_example`` a float32 array it accepts
-            ([N, C, H, W]); the signature is inferred from it and the model's output logits.
+        result: the job's ``result.json`` fields: ``model``, ``classes``, ``input_shape``
+            ([C, H, W]) and ``model_path`` (final weights).
+        input_example: float32 [N, C, H, W] in [0, 1]; the signature is inferred from it.
         tags: lineage tags set on the model version.
         metric, value, direction: promotion metric, the new model's value, "max" or "min".
 
     Raises:
+        LineageError: the champion has other classes or another input shape (nothing logged).
         mlflow.exceptions.MlflowException: the tracking server or registry rejected a call.
     """
     import mlflow
-    import torch
     from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-    from mlflow.models import infer_signature
-
-    import stoker
 
     mlflow.set_tracking_uri(tracking_uri)
     client = MlflowClient(tracking_uri)
-    with torch.no_grad():
-        output = model(torch.as_tensor(input_example)).numpy()
-    existing = client.search_model_versions(f"name='{registered_model}' and run_id='{run_id}'")
+    lineage = Lineage(tuple(result["classes"]), tuple(int(v) for v in result["input_shape"]))
+    check_lineage(tracking_uri, registered_model, lineage)
+    existing = [v for v in _versions(client, registered_model) if v.run_id == run_id]
     if existing:  # an earlier, interrupted registration of this run: finish that version
         version = str(max(int(v.version) for v in existing))
     else:
-        with mlflow.start_run(run_id=run_id):
-            info = mlflow.pytorch.log_model(
-                model, name="model", signature=infer_signature(input_example, output),
-                input_example=input_example, pip_requirements=pip_requirements(),
-                code_paths=[str(Path(stoker.__file__).parent)],
-                registered_model_name=registered_model,
-            )
-        version = str(info.registered_model_version)
+        version = _log_pyfunc(run_id, registered_model, result, input_example)
     # Only completed training is registered: reopening the run must leave it FINISHED, also
     # when an earlier interrupted registration left it FAILED.
     client.set_terminated(run_id, status="FINISHED")
-    for key, tag in tags.items():
+    for key, tag in {**tags, **lineage.tags(), metric: str(value)}.items():
         client.set_model_version_tag(registered_model, version, key, tag)
-    client.set_model_version_tag(registered_model, version, metric, str(value))
     client.set_registered_model_alias(registered_model, CHALLENGER, version)
 
-    previous, previous_value = None, None
-    try:
-        champion = client.get_model_version_by_alias(registered_model, CHAMPION)
-        previous = str(champion.version)
-        previous_value = client.get_run(champion.run_id).data.metrics.get(metric)
-    except MlflowException:
-        pass  # no champion yet
-    promoted = beats(value, previous_value, direction)
-    if promoted:
-        client.set_registered_model_alias(registered_model, CHAMPION, version)
+    with promotion_lock(tracking_uri, registered_model):
+        previous, previous_value, incumbent = _champion(client, registered_model, metric)
+        if (incumbent is None or incumbent == lineage) and beats(value, previous_value,
+                                                                  direction):
+            client.set_registered_model_alias(registered_model, CHAMPION, version)
+        _settle(client, registered_model, metric, direction, lineage, int(previous or 0))
+    promoted = _champion(client, registered_model, metric)[0] == version
     return Registration(registered_model, version, metric, value, promoted, previous,
                         previous_value, f"models:/{registered_model}/{version}")
 
@@ -128,9 +285,9 @@ def load_trained_model(result: dict):
     return model.eval()
 
 
-def input_example(dataset: DatasetRef, count: int = 4):
+def input_example(dataset: DatasetRef, channels: int | str = "auto", count: int = 4):
     """The first ``count`` images of the dataset as float32 [count, C, H, W] in [0, 1]."""
     from stoker.runtime.data import load_image_folder
 
-    images, _labels, _classes = load_image_folder(Path(dataset.local_path))
+    images, _labels, _classes = load_image_folder(Path(dataset.local_path), channels)
     return images[:count].numpy()

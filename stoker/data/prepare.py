@@ -1,0 +1,54 @@
+"""The pull step as a plain function: demo repository or the user's, pull, validate."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from stoker.config import PipelineConfig
+from stoker.data.demo import ensure_demo_repo
+from stoker.data.pull import DatasetRef, pull_dataset
+from stoker.data.validate import FolderSummary, validate_image_folder
+
+
+@dataclass(frozen=True)
+class PreparedDataset:
+    """A pulled dataset and, for the built-in image_folder factory, what it holds."""
+
+    ref: DatasetRef
+    summary: FolderSummary | None
+
+    def input_shape(self, channels: int | str = "auto") -> tuple[int, int, int] | None:
+        """[C, H, W] the model will see (``channels`` as in ``train.channels``)."""
+        if self.summary is None:
+            return None
+        depth = self.summary.channels if channels == "auto" else int(channels)
+        return depth, self.summary.height, self.summary.width
+
+
+def prepare_dataset(config: PipelineConfig, log: Callable[[str], None] = print
+                    ) -> PreparedDataset:
+    """Pull ``config.data`` (the demo repository when ``data.repo_url`` is empty) and, for the
+    image_folder factory, validate every class and file before any job folder or process exists.
+
+    Raises:
+        DatasetError: the pull failed or the folder is not a usable ImageFolder (each bad file or
+            class named in one message).
+    """
+    repo_url = config.data.repo_url
+    if repo_url is None:
+        demo = ensure_demo_repo(Path(config.work_dir) / "demo-data")
+        log(f"{'created' if demo.created else 'reusing'} demo data repository {demo.repo} "
+            f"(DVC remote {demo.remote})")
+        repo_url = str(demo.repo)
+    ref = pull_dataset(repo_url, config.data.rev, config.data.path,
+                       Path(config.work_dir) / "datasets", remote=config.data.remote)
+    log(f"dataset {ref.path}@{ref.rev} (commit {ref.commit[:12]}): {ref.md5}, {ref.nfiles} "
+        f"files -> {ref.local_path}")
+    summary = None
+    if config.train.dataset == "image_folder":
+        summary = validate_image_folder(Path(ref.local_path))
+        log(f"{len(summary.classes)} classes {list(summary.classes)}, "
+            f"{summary.width}x{summary.height} px, {summary.channels} channel(s)")
+    return PreparedDataset(ref, summary)

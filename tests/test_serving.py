@@ -1,0 +1,87 @@
+"""The registered pyfunc served by MLflow over HTTP, and ``stoker predict``: class names."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from data_repos import write_images
+from test_registry import register
+
+pytestmark = pytest.mark.integration
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory):
+    """A registered RGB 3-class model (tracking URI, model name)."""
+    tmp = tmp_path_factory.mktemp("serving")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    register(uri, 0.5, name="flowers-data-images", classes=("daisy", "rose", "tulip"),
+             shape=(3, 8, 8), tmp=tmp)
+    return uri, "flowers-data-images"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_mlflow_models_serve_answers_class_names(champion, tmp_path):
+    uri, name = champion
+    port = _free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_DISABLE_TELEMETRY": "true",
+           "PATH": f"{BIN}:{os.environ['PATH']}"}
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(
+        [str(BIN / "mlflow"), "models", "serve", "-m", f"models:/{name}@champion",
+         "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port), "-w", "1"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    body = json.dumps({"inputs": np.random.default_rng(0).random((2, 3, 8, 8)).tolist()})
+    try:
+        deadline, answer = time.monotonic() + 120, None
+        while answer is None and time.monotonic() < deadline:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/invocations", data=body.encode(),
+                headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    answer = json.loads(response.read())
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(1)
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(30)
+    assert answer is not None, (tmp_path / "serve.log").read_text()[-3000:]
+    rows = answer["predictions"]
+    assert len(rows) == 2 and all(row["class"] in ("daisy", "rose", "tulip") for row in rows)
+    assert all(abs(row["p_daisy"] + row["p_rose"] + row["p_tulip"] - 1) < 1e-5 for row in rows)
+
+
+def test_stoker_predict_prints_class_names(champion, tmp_path):
+    uri, name = champion
+    write_images(tmp_path / "imgs", {"x": 2}, size=16, mode="RGB")  # resized to 8x8
+    files = sorted(str(p) for p in (tmp_path / "imgs").rglob("*.png"))
+    out = subprocess.run(
+        [str(BIN / "stoker"), "predict", *files, "--model-uri", f"models:/{name}@champion",
+         "--tracking-uri", uri, "--logits"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2
+    for line, file in zip(lines, files, strict=True):
+        path, label, probability, *logits = line.split("\t")
+        assert path == file and label in ("daisy", "rose", "tulip")
+        assert 0 < float(probability) <= 1 and len(logits) == 3
