@@ -146,7 +146,7 @@ def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
         except ConfigError as e:
             notes.append(f"spec unreadable: {e}")
     starts = [e["time"] for e in events if e.get("event") == "start"]
-    started_at = starts[-1] if starts else (spec_path.stat().st_mtime if spec else None)
+    started_at = starts[-1] if starts else _mtime(spec_path)
     times = [heartbeat.time] if heartbeat else []
     times += [events[-1]["time"]] if events else []
     run_file = job_dir / "mlflow_run_id"
@@ -163,10 +163,21 @@ def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
         spec_path=spec_path, errors=tuple(errors), notes=tuple(notes))
 
 
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
 def read_jobs(work_dir: Path, read_mlflow: bool = True) -> list[JobSignals]:
-    """Signals of every job folder under ``<work_dir>/jobs`` that has a heartbeat, by name."""
+    """Signals of every job folder under ``<work_dir>/jobs`` with a heartbeat or a spec, by name.
+
+    A folder with a spec but no heartbeat yet is a job starting (its ``started_at`` is when the
+    spec was written); the decision counts it as busy for ``idle_timeout_s``.
+    """
     jobs_dir = Path(work_dir) / "jobs"
     if not jobs_dir.is_dir():
         return []
     return [read_job(p, read_mlflow) for p in sorted(jobs_dir.iterdir())
-            if p.is_dir() and (p / "heartbeat.json").exists()]
+            if p.is_dir() and ((p / "heartbeat.json").exists() or (p / "spec.yaml").exists())]
