@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import traceback
 
 from stoker.costguard.sweep import Row, SweepReport
 
@@ -81,3 +82,21 @@ def event_resource(row: Row) -> dict[str, str]:
     """The Prefect event resource of a sweep row: ``stoker.<kind>.<id>`` with its name."""
     return {"prefect.resource.id": f"stoker.{row.kind}.{row.id}",
             "prefect.resource.name": row.name, "stoker.kind": row.kind}
+
+
+def render_failure(error: BaseException, dry_run: bool) -> str:
+    """Markdown for a sweep that crashed: what failed and where, and what it means."""
+    frame = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+    where = f" (in {frame[0].name}, {frame[0].filename}:{frame[0].lineno})" if frame else ""
+    mode = "dry run" if dry_run else "act"
+    return "\n".join([
+        "# Stoker cost guard", "",
+        f"- **The sweep failed** ({mode}): `{_cell(type(error).__name__)}: {_cell(str(error))}`"
+        f"{where}",
+        "- No verdicts were reached; resources not stopped before the failure were left as they "
+        "are. The task log has the full traceback.", ""])
+
+
+def failure_payload(error: BaseException, dry_run: bool) -> dict:
+    """The payload of the ``stoker.cost-guard.failed`` event."""
+    return {"error_type": type(error).__name__, "error": str(error), "dry_run": dry_run}
