@@ -27,6 +27,7 @@ from stoker.costguard.report import (
     event_payload,
     event_resource,
     failure_payload,
+    log_line,
     render_failure,
     render_markdown,
 )
@@ -98,9 +99,8 @@ def sweep(config: CostGuardConfig) -> SweepReport:
     finally:
         if client is not None:
             client.close()
-    for row in report.resources:
-        logger.info("%s %s: %s; %s %s", row.kind, row.name, row.decision.verdict,
-                    row.action_status, row.action)
+    for row in (*report.gpus, *report.resources):
+        logger.info("%s", log_line(row))
     return report
 
 

@@ -34,7 +34,7 @@ def _table(rows: tuple[Row, ...], with_kind: bool) -> list[str]:
     head = "| resource | GPUs | signals | verdict | reasons | action | idle GPU-h | $/h saved |"
     lines = [head, "|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        name = f"{row.kind} `{row.name[:40]}`" if with_kind else f"`{row.id}` {row.name}"
+        name = f"{row.kind} `{row.name}`" if with_kind else f"`{row.id}` {row.name}"
         gpus = ", ".join(f"`{g}`" for g in row.gpus) if with_kind else "1"
         action = f"**{row.action_status}**" + (f": {row.action}" if row.action else "")
         lines.append("| " + " | ".join(_cell(c) for c in [
@@ -65,6 +65,15 @@ def render_markdown(report: SweepReport) -> str:
     lines += (_table(report.resources, with_kind=True) if report.resources
               else ["No Stoker-owned resources found."])
     return "\n".join(lines) + "\n"
+
+
+def log_line(row: Row) -> str:
+    """One log line per resource: what was seen, the verdict and why, what was done."""
+    why = "; ".join(row.decision.reasons)
+    done = row.action_status + (f": {row.action}" if row.action else "")
+    what = f"gpu {row.id} ({row.name})" if row.kind == "gpu" else f"{row.kind} {row.name}"
+    line = f"{what}: {row.decision.verdict}"
+    return line + (f" ({why})" if why else "") + f"; action {done}"
 
 
 def event_payload(row: Row, dry_run: bool) -> dict:
