@@ -32,7 +32,7 @@ def named_container(name: str, **kwargs):
 
 def test_report_names_in_full_and_thresholds_as_configured(tmp_path):
     config = make_config(tmp_path, idle_timeout_s=0.001, idle_utilization_percent=0.5,
-                         min_idle_s=2.5)
+                         min_idle_s=120.5)
     clock = Clock()
     write_heartbeat(tmp_path / "jobs" / "j", clock.now - 60)
     report, _ = sweep_many(tmp_path, [[Gpu()]], [named_container(
@@ -42,8 +42,8 @@ def test_report_names_in_full_and_thresholds_as_configured(tmp_path):
     (row,) = report.resources
     reasons = " ".join(row.decision.reasons)
     assert "idle_timeout_s 0.001" in reasons and "utilization <= 0.5%" in reasons
-    assert "waiting for min_idle_s 2.5" in reasons
-    assert row.action == "idle, not yet for min_idle_s 2.5"
+    assert "waiting for min_idle_s 120.5" in reasons
+    assert row.action == "idle, not yet for min_idle_s 120.5"
 
 
 def test_held_by_names_foreign_processes_and_log_lines_have_no_trailing_blank(tmp_path):
