@@ -8,6 +8,7 @@ Prefect flow run id) and ``mlflow_run_id``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -108,6 +109,13 @@ def tail_events(job_dir: Path, max_bytes: int = _TAIL_BYTES) -> list[dict]:
     return events
 
 
+@functools.lru_cache(maxsize=8)
+def _mlflow_client(tracking_uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri)  # one per store: creating one checks the store's schema
+
+
 def mlflow_last_metric_time(tracking_uri: str, run_id: str) -> float:
     """Unix time of the newest metric logged to an MLflow run.
 
@@ -115,9 +123,7 @@ def mlflow_last_metric_time(tracking_uri: str, run_id: str) -> float:
         mlflow.exceptions.MlflowException: the run or the store cannot be read.
         LookupError: the run has no metrics yet.
     """
-    from mlflow import MlflowClient
-
-    run = MlflowClient(tracking_uri).get_run(run_id)
+    run = _mlflow_client(tracking_uri).get_run(run_id)
     # RunData.to_proto() keeps each metric's latest value with its timestamp (ms).
     stamps = [m.timestamp for m in run.data.to_proto().metrics]
     if not stamps:
@@ -128,8 +134,6 @@ def mlflow_last_metric_time(tracking_uri: str, run_id: str) -> float:
 def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
     """Collect the progress signals of one job folder. Never raises for a bad file: a heartbeat
     that cannot be read is an error (state unknown); a missing MLflow signal is a note."""
-    from stoker.runtime.spec import RunSpec
-
     job_dir = Path(job_dir)
     errors: list[str] = []
     notes: list[str] = []
@@ -139,10 +143,11 @@ def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
         heartbeat, errors = None, [str(e)]
     events = tail_events(job_dir)
     spec_path = job_dir / "spec.yaml"
+    finished = heartbeat is not None and heartbeat.outcome is not None
     spec = None
-    if spec_path.is_file():
+    if not finished and spec_path.is_file():  # a finished job's spec tells the guard nothing
         try:
-            spec = RunSpec.load(spec_path)
+            spec = _load_spec(spec_path)
         except ConfigError as e:
             notes.append(f"spec unreadable: {e}")
     starts = [e["time"] for e in events if e.get("event") == "start"]
@@ -150,7 +155,6 @@ def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
     times = [heartbeat.time] if heartbeat else []
     times += [events[-1]["time"]] if events else []
     run_file = job_dir / "mlflow_run_id"
-    finished = heartbeat is not None and heartbeat.outcome is not None
     if read_mlflow and not finished and spec and spec.tracking_uri and run_file.is_file():
         try:
             times.append(mlflow_last_metric_time(spec.tracking_uri, run_file.read_text().strip()))
@@ -161,6 +165,27 @@ def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
         last_progress=max(times) if times else None,
         flow_run_id=(spec.tags.get("prefect.flow_run_id") if spec else None),
         spec_path=spec_path, errors=tuple(errors), notes=tuple(notes))
+
+
+_SPECS: dict[tuple[str, int, int], object] = {}
+
+
+def _load_spec(path: Path):
+    """``RunSpec.load``, cached by path, modification time and size: a spec does not change
+    while its job runs, and a sweep reads every job folder once per (re-)check.
+
+    Raises:
+        ConfigError: the spec cannot be read.
+    """
+    from stoker.runtime.spec import RunSpec
+
+    st = path.stat()
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _SPECS:
+        if len(_SPECS) > 1024:
+            _SPECS.clear()
+        _SPECS[key] = RunSpec.load(path)
+    return _SPECS[key]
 
 
 def _mtime(path: Path) -> float | None:
