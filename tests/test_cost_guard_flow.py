@@ -9,6 +9,7 @@ publish the Markdown artifact and emit events, read back from the server's event
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -74,6 +75,7 @@ def stalled_job(harness, tmp_path):
     (job_dir / "heartbeat.json").write_text(json.dumps(
         {"time": hung_since, "step": 412, "epoch": 3, "pid": proc.pid, "world_size": 1,
          "outcome": None}))
+    os.utime(spec_path, (hung_since - 600, hung_since - 600))  # written when the job started
     fake_name = f"fake_nvml_{uuid.uuid4().hex[:8]}"
     sys.modules[fake_name] = FakeNvml([[
         Gpu(index=0, utilization=0, memory_used_mib=60_000, processes=[(proc.pid, 60_000)]),

@@ -49,7 +49,7 @@ def named(resource_for, name: str, devices):
 
 @pytest.mark.parametrize("odd_pid", [4294967295, 2**31, -1, 0, "dead"])
 def test_odd_pid_makes_only_its_gpu_unknown(tmp_path, odd_pid):
-    """Row 1: an unresolvable PID -> that GPU unknown (raw value in the reason); the sweep
+    """Row 2: an unresolvable PID -> that GPU unknown (raw value in the reason); the sweep
     finishes and the idle container on the other GPU is stopped."""
     pid = dead_pid() if odd_pid == "dead" else odd_pid
     frames = [[Gpu(index=0), Gpu(index=1, memory_used_mib=200, processes=[(pid, 200)])]]
@@ -76,7 +76,7 @@ def test_garbled_pid_from_an_old_binding_is_unknown_not_a_crash(tmp_path):
 
 
 def test_live_process_without_heartbeat_keeps_the_gpu_from_idle(tmp_path):
-    """Row 6a: bursty work sampled at 0% in every sample, 300 MiB held, a live compute process,
+    """Row 9: bursty work sampled at 0% in every sample, 300 MiB held, a live compute process,
     no job folder -> busy, not stopped."""
     frames = [[Gpu(utilization=0, memory_used_mib=300, processes=[(os.getpid(), 300)])]]
     report, actor = sweep_many(tmp_path, frames, [container(pids=[os.getpid()])])
@@ -88,7 +88,7 @@ def test_live_process_without_heartbeat_keeps_the_gpu_from_idle(tmp_path):
 
 
 def test_live_process_with_stale_heartbeat_is_idle(tmp_path):
-    """Row 6b: the same GPU, but the job's heartbeat is older than idle_timeout_s -> idle."""
+    """Row 10: the same GPU, but the job's heartbeat is older than idle_timeout_s -> idle."""
     clock = Clock()
     job = tmp_path / "jobs" / "quiet"
     write_heartbeat(job, clock.now - 7200)
@@ -102,7 +102,7 @@ def test_live_process_with_stale_heartbeat_is_idle(tmp_path):
 
 
 def test_memory_held_without_owner_is_a_leak_never_stopped(tmp_path):
-    """Row 4: 0%, 30 GB held, no process, heartbeat 20 min old -> leak, alert only."""
+    """Row 6: 0%, 30 GB held, no process, heartbeat 20 min old -> leak, alert only."""
     clock = Clock()
     job = tmp_path / "jobs" / "crashed"
     write_heartbeat(job, clock.now - 1200)
@@ -118,7 +118,7 @@ def test_memory_held_without_owner_is_a_leak_never_stopped(tmp_path):
 
 
 def test_memory_held_with_a_dead_pid_is_unknown(tmp_path):
-    """Row 1 again: the owner's PID is listed but gone -> unknown (an event says so, see
+    """Row 2 again: the owner's PID is listed but gone -> unknown (an event says so, see
     test_cost_guard_flow), never idle or stopped."""
     pid = dead_pid()
     frames = [[Gpu(utilization=0, memory_used_mib=30_000, processes=[(pid, 30_000)])]]
@@ -128,13 +128,17 @@ def test_memory_held_with_a_dead_pid_is_unknown(tmp_path):
     assert not actor.stopped
 
 
-def test_job_with_spec_but_no_heartbeat_counts_as_starting(tmp_path):
-    """Row 5: a job folder with spec.yaml written just now and no heartbeat -> busy."""
+@pytest.mark.parametrize("before", ["no heartbeat", "last run's heartbeat"])
+def test_job_with_spec_but_no_heartbeat_counts_as_starting(tmp_path, before):
+    """Row 7: a job folder with spec.yaml written just now and no heartbeat since (none at all,
+    or the previous run's, hours old) -> busy."""
     from stoker.config import TrainConfig
     from stoker.runtime.spec import RunSpec
 
     job = tmp_path / "jobs" / "fresh"
     job.mkdir(parents=True)
+    if before != "no heartbeat":
+        write_heartbeat(job, Clock().now - 7200, outcome="preempted")
     RunSpec(train=TrainConfig(), data_dir=str(tmp_path), job_dir=str(job)).dump(job / "spec.yaml")
     signals = read_job(job, read_mlflow=False)
 

@@ -10,8 +10,8 @@ Pure functions, no I/O. The rules, in order:
 4. **leak** - a GPU holds memory above ``idle_memory_mib`` at or below
    ``idle_utilization_percent`` with no compute process on it in every sample (memory held, no
    live owner), and its other GPUs are quiet. Alert only: never acted on.
-5. **busy (starting)** - a job folder of the resource has a spec but no heartbeat yet, written
-   less than ``idle_timeout_s`` ago.
+5. **busy (starting)** - a job folder of the resource has a spec newer than its heartbeat (or no
+   heartbeat yet), written less than ``idle_timeout_s`` ago.
 6. **idle** - in every sample of the window, every GPU at or below both the utilization and the
    memory threshold, and no heartbeat fresher than ``idle_timeout_s``; when a live compute
    process is on one of its GPUs, only with positive evidence that its job stalled: a heartbeat
@@ -162,9 +162,9 @@ def evidence_for(resource: Resource, windows: dict[str, tuple[GpuReading, ...]],
 
 
 def starting_jobs(jobs: Sequence) -> dict[str, float]:
-    """Job name -> spec time, for job folders with a spec but no heartbeat yet."""
-    return {job.name: job.started_at for job in jobs
-            if job.heartbeat is None and not job.errors and job.started_at is not None}
+    """Job name -> when its spec was written, for jobs starting (a spec newer than their
+    heartbeat, or no heartbeat yet)."""
+    return {job.name: job.spec_written_at for job in jobs if job.starting}
 
 
 # --- Deciding ----------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def decide(evidence: Evidence, policy: Policy, now: float) -> Decision:
                 if now - at < policy.idle_timeout_s}
     if starting:
         return Decision(Verdict.BUSY, tuple(
-            f"job {name} starting: spec written {age:.0f} s ago, no heartbeat yet"
+            f"job {name} starting: spec written {age:.0f} s ago, no heartbeat since"
             for name, age in starting.items()), signals=signals)
     progress_age = signals["heartbeat_age_s"]
     max_util, max_mib = signals["max_utilization_percent"], signals["max_memory_mib"]

@@ -51,6 +51,14 @@ class JobSignals:
     spec_path: Path
     errors: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    spec_written_at: float | None = None
+
+    @property
+    def starting(self) -> bool:
+        """Its spec is newer than its heartbeat (or it has none yet): an attempt is starting.
+        The train task rewrites the spec at every run, before the runtime's first heartbeat."""
+        return self.spec_written_at is not None and not self.errors and (
+            self.heartbeat is None or self.spec_written_at > self.heartbeat.time)
 
     @property
     def name(self) -> str:
@@ -151,7 +159,8 @@ def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
         except ConfigError as e:
             notes.append(f"spec unreadable: {e}")
     starts = [e["time"] for e in events if e.get("event") == "start"]
-    started_at = starts[-1] if starts else _mtime(spec_path)
+    spec_written_at = _mtime(spec_path)
+    started_at = starts[-1] if starts else spec_written_at
     times = [heartbeat.time] if heartbeat else []
     times += [events[-1]["time"]] if events else []
     run_file = job_dir / "mlflow_run_id"
@@ -164,7 +173,8 @@ def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
         job_dir=job_dir, heartbeat=heartbeat, started_at=started_at,
         last_progress=max(times) if times else None,
         flow_run_id=(spec.tags.get("prefect.flow_run_id") if spec else None),
-        spec_path=spec_path, errors=tuple(errors), notes=tuple(notes))
+        spec_path=spec_path, errors=tuple(errors), notes=tuple(notes),
+        spec_written_at=spec_written_at)
 
 
 _SPECS: dict[tuple[str, int, int], object] = {}
@@ -198,8 +208,8 @@ def _mtime(path: Path) -> float | None:
 def read_jobs(work_dir: Path, read_mlflow: bool = True) -> list[JobSignals]:
     """Signals of every job folder under ``<work_dir>/jobs`` with a heartbeat or a spec, by name.
 
-    A folder with a spec but no heartbeat yet is a job starting (its ``started_at`` is when the
-    spec was written); the decision counts it as busy for ``idle_timeout_s``.
+    A folder with a spec but no heartbeat yet, or a spec newer than its heartbeat, is a job
+    starting; the decision counts it as busy for ``idle_timeout_s``.
     """
     jobs_dir = Path(work_dir) / "jobs"
     if not jobs_dir.is_dir():
