@@ -22,7 +22,6 @@ from prefect.states import Cancelling
 from stoker.costguard.actions import ActionResult
 from stoker.costguard.config import CostGuardConfig
 from stoker.costguard.inventory import Resource
-from stoker.costguard.nvml import NvmlReader, load_nvml
 from stoker.costguard.report import (
     event_payload,
     event_resource,
@@ -31,13 +30,7 @@ from stoker.costguard.report import (
     render_failure,
     render_markdown,
 )
-from stoker.costguard.sweep import (
-    SweepReport,
-    connect_docker,
-    discover_all,
-    run_sweep,
-    standard_actors,
-)
+from stoker.costguard.sweep import SweepReport, sweep_host
 from stoker.ownership import PREFECT_OWNER_TAG
 
 ARTIFACT_KEY = "stoker-cost-guard"
@@ -80,25 +73,11 @@ class PrefectActor:
 def sweep(config: CostGuardConfig) -> SweepReport:
     """Sample GPUs over the window, judge every Stoker-owned resource and act unless dry-run."""
     logger = get_run_logger()
-    client, note = connect_docker(config)
-    actors = standard_actors(config, client)
-    if config.prefect.enabled:
-        actors["job"] = PrefectActor()
-    discover = discover_all(config, client)
-
-    def discover_with_note():
-        resources, notes = discover()
-        return resources, [note, *notes] if note else notes
-
     try:
-        with NvmlReader(load_nvml(config.nvml_module)) as reader:
-            report = run_sweep(config, reader, discover_with_note, actors)
+        report = sweep_host(config, {"job": PrefectActor()} if config.prefect.enabled else None)
     except Exception as e:
         publish_failure(config, e)  # the operator sees what failed, then the task fails
         raise
-    finally:
-        if client is not None:
-            client.close()
     for row in (*report.gpus, *report.resources):
         logger.info("%s", log_line(row))
     return report

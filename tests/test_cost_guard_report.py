@@ -88,3 +88,22 @@ def test_stop_outcome_wording(state):
 
     text = stop_outcome("c", state, 60)
     assert ("SIGTERM (exit 0)" in text) if state["ExitCode"] == 0 else ("memory" in text)
+
+
+def test_plain_cli_sweep_prints_the_report_without_prefect(tmp_path, monkeypatch):
+    import sys
+
+    from fake_nvml import FakeNvml
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    monkeypatch.setitem(sys.modules, "fake_nvml_cli", FakeNvml([[Gpu(index=0)]]))
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9")  # would fail if Prefect ran
+    result = CliRunner().invoke(app, [
+        "cost-guard", "--plain", f"work_dir={tmp_path}", "nvml_module=fake_nvml_cli",
+        "docker.enabled=false", "policy.window_s=0.2", "policy.sample_interval_s=0.1"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("# Stoker cost guard")
+    assert "**dry run**" in result.output and "`GPU-fake-0000`" in result.output
+    assert all(line == line.rstrip() for line in result.output.splitlines())

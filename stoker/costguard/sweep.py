@@ -38,7 +38,7 @@ from stoker.costguard.inventory import (
     pid_problem,
     process_name,
 )
-from stoker.costguard.nvml import GpuReading, NvmlReader, Snapshot
+from stoker.costguard.nvml import GpuReading, NvmlReader, Snapshot, load_nvml
 from stoker.costguard.signals import read_jobs
 from stoker.tracking.pricing import CapacityType, PriceTable
 
@@ -386,3 +386,30 @@ def standard_actors(config: CostGuardConfig, docker_client: Any | None) -> dict[
     if config.ec2.instance_id:
         actors["instance"] = Ec2Actor.connect(config.ec2.region, config.ec2.endpoint_url)
     return actors
+
+
+def sweep_host(config: CostGuardConfig, extra_actors: Mapping[str, Actor] | None = None
+               ) -> SweepReport:
+    """One sweep of this host with the real NVML binding, Docker Engine and EC2 API.
+
+    Args:
+        config: what to read, how to decide, what may be acted on.
+        extra_actors: further actors by kind (the Prefect actor for jobs lives in ``tasks/``).
+
+    Returns:
+        The report; an unreachable Docker Engine is a note in it, not a failure.
+    """
+    client, note = connect_docker(config)
+    actors = {**standard_actors(config, client), **(extra_actors or {})}
+    discover = discover_all(config, client)
+
+    def discover_with_note() -> tuple[list[Resource], list[str]]:
+        resources, notes = discover()
+        return resources, [note, *notes] if note else notes
+
+    try:
+        with NvmlReader(load_nvml(config.nvml_module)) as reader:
+            return run_sweep(config, reader, discover_with_note, actors)
+    finally:
+        if client is not None:
+            client.close()
