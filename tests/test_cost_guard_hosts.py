@@ -155,4 +155,4 @@ def test_live_process_without_heartbeat_is_not_stopped(docker_client, owned, lab
     container.reload()
     assert container.status == "running"
     assert report.gpus[0].decision.verdict == Verdict.BUSY
-    assert report.gpus[0].action == f"held by container:{container.id}"
+    assert report.gpus[0].action == f"held by container {container.name}"

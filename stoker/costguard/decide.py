@@ -248,6 +248,7 @@ def _leak(evidence: Evidence, policy: Policy, signals: dict) -> Decision | None:
         "alert only: memory without an owner is never stopped automatically"),
         waste_since=evidence.window_start, signals=signals)
 
+
 def _idle(evidence: Evidence, policy: Policy, now: float, signals: dict,
           progress_age: float | None) -> Decision:
     window = (f"utilization <= {policy.idle_utilization_percent:g}% and memory <= "

@@ -187,7 +187,7 @@ def _decide_safely(evidence: Evidence, policy: Policy, now: float) -> Decision:
 def _held_by(holders: list[Resource], readings: tuple[GpuReading, ...],
              owned_pids: set[int]) -> str:
     """Who holds a GPU: Stoker resources, and processes on it that are not Stoker's."""
-    names = [r.key for r in holders]
+    names = [f"{r.kind} {r.name}" for r in holders]
     foreign = sorted({p.pid for r in readings for p in r.processes or ()} - owned_pids)
     for pid in foreign:
         name = process_name(pid) if pid_problem(pid) is None else None
