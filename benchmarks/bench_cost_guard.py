@@ -174,7 +174,8 @@ app(sys.argv[1:])
 
 def cli_run(client, image: str, root: Path, index: int, *extra: str) -> float:
     """Overhead (s) of ``stoker cost-guard [extra]`` in a new process, start to exit."""
-    work, label = root / f"cli-{index}", f"bench-{uuid.uuid4().hex[:8]}"
+    work = root / f"cli{''.join(extra).replace('-', '_')}-{index}"
+    label = f"bench-{uuid.uuid4().hex[:8]}"
     make_jobs(work)
     containers = start_containers(client, image, label, work)
     try:
