@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,9 +140,18 @@ def mlflow_last_metric_time(tracking_uri: str, run_id: str) -> float:
     return max(stamps) / 1000.0
 
 
-def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
+def read_job(job_dir: Path, read_mlflow: bool = True,
+             mlflow_if_older_than_s: float = 0.0) -> JobSignals:
     """Collect the progress signals of one job folder. Never raises for a bad file: a heartbeat
-    that cannot be read is an error (state unknown); a missing MLflow signal is a note."""
+    that cannot be read is an error (state unknown); a missing MLflow signal is a note.
+
+    Args:
+        job_dir: the job folder.
+        read_mlflow: also ask MLflow for the run's last metric time.
+        mlflow_if_older_than_s: ask MLflow only when the folder's own newest signal (heartbeat,
+            progress event) is older than this (s): a fresh heartbeat already says all that
+            MLflow could, and importing MLflow costs seconds.
+    """
     job_dir = Path(job_dir)
     errors: list[str] = []
     notes: list[str] = []
@@ -164,7 +174,9 @@ def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
     times = [heartbeat.time] if heartbeat else []
     times += [events[-1]["time"]] if events else []
     run_file = job_dir / "mlflow_run_id"
-    if read_mlflow and not finished and spec and spec.tracking_uri and run_file.is_file():
+    fresh = bool(times) and time.time() - max(times) < mlflow_if_older_than_s
+    ask = read_mlflow and not finished and not fresh
+    if ask and spec and spec.tracking_uri and run_file.is_file():
         try:
             times.append(mlflow_last_metric_time(spec.tracking_uri, run_file.read_text().strip()))
         except Exception as e:  # an optional signal: any store failure is only a note
@@ -205,7 +217,8 @@ def _mtime(path: Path) -> float | None:
         return None
 
 
-def read_jobs(work_dir: Path, read_mlflow: bool = True) -> list[JobSignals]:
+def read_jobs(work_dir: Path, read_mlflow: bool = True,
+              mlflow_if_older_than_s: float = 0.0) -> list[JobSignals]:
     """Signals of every job folder under ``<work_dir>/jobs`` with a heartbeat or a spec, by name.
 
     A folder with a spec but no heartbeat yet, or a spec newer than its heartbeat, is a job
@@ -214,5 +227,5 @@ def read_jobs(work_dir: Path, read_mlflow: bool = True) -> list[JobSignals]:
     jobs_dir = Path(work_dir) / "jobs"
     if not jobs_dir.is_dir():
         return []
-    return [read_job(p, read_mlflow) for p in sorted(jobs_dir.iterdir())
+    return [read_job(p, read_mlflow, mlflow_if_older_than_s) for p in sorted(jobs_dir.iterdir())
             if p.is_dir() and ((p / "heartbeat.json").exists() or (p / "spec.yaml").exists())]

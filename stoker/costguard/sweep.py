@@ -342,7 +342,10 @@ def discover_all(config: CostGuardConfig, docker_client: Any | None) -> Discover
     configured instance. Containers that cannot be listed become a note, not a failure."""
 
     def discover() -> tuple[list[Resource], list[str]]:
-        jobs = read_jobs(config.work_dir, read_mlflow=config.read_mlflow)
+        policy = config.policy
+        # MLflow matters only where the heartbeat alone would let a job count as idle or stalled.
+        jobs = read_jobs(config.work_dir, read_mlflow=config.read_mlflow,
+                         mlflow_if_older_than_s=min(policy.idle_timeout_s, policy.stall_timeout_s))
         notes = [f"job {j.name}: {n}" for j in jobs for n in j.notes]
         resources: list[Resource] = []
         if docker_client is not None:
