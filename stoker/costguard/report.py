@@ -48,11 +48,11 @@ def render_markdown(report: SweepReport) -> str:
     """The sweep as Markdown: a summary, one table of GPUs, one of Stoker-owned resources."""
     when = dt.datetime.fromtimestamp(report.started, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     mode = "**dry run**: nothing was stopped" if report.dry_run else "**act**: stops enabled"
-    wasteful = sum(1 for r in report.gpus if r.decision.verdict in ("idle", "stalled"))
+    wasteful = sum(1 for r in report.gpus if r.decision.verdict in ("idle", "stalled", "leak"))
     lines = [
         "# Stoker cost guard", "",
         f"- Sweep at {when}, {report.samples} samples over {report.window_s:g} s; {mode}",
-        f"- Idle or stalled GPUs: {wasteful} "
+        f"- Idle, stalled or leaking GPUs: {wasteful} "
         f"of {len(report.gpus)}; {report.idle_gpu_hours:.2f} GPU-hours observed; "
         f"${report.usd_per_hour:.2f}/hour ({report.capacity_type} prices) if released",
         "",

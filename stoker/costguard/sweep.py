@@ -88,12 +88,12 @@ class SweepReport:
 
     @property
     def idle_gpu_hours(self) -> float:
-        """Idle or stalled GPU-hours over all GPUs (each GPU counted once)."""
+        """Idle, stalled or leaked GPU-hours over all GPUs (each GPU counted once)."""
         return sum(r.idle_gpu_hours for r in self.gpus)
 
     @property
     def usd_per_hour(self) -> float:
-        """What the idle or stalled GPUs cost per hour."""
+        """What the idle, stalled or leaking GPUs cost per hour."""
         return sum(r.usd_per_hour for r in self.gpus)
 
 
