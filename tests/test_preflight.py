@@ -106,10 +106,12 @@ def labelled_images():
 
 
 def spec_for(tmp_path):
+    import uuid
+
     from stoker.config import TrainConfig
     from stoker.runtime.spec import RunSpec
 
-    job_dir = tmp_path / "jobs" / f"preflight-{tmp_path.name[-8:]}"
+    job_dir = tmp_path / "jobs" / f"preflight-{uuid.uuid4().hex[:12]}"  # unique job label
     job_dir.mkdir(parents=True)
     RunSpec(train=TrainConfig(), data_dir=str(tmp_path), job_dir=str(job_dir)).dump(
         job_dir / "spec.yaml")
