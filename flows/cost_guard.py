@@ -1,7 +1,8 @@
 """The cost guard: find idle GPUs and stalled jobs, stop Stoker-owned resources that waste them.
 
-Deploy it on each GPU host on a schedule (every 5 minutes, see docs/tutorials/cost-guard.md) or
-run it by hand with ``stoker cost-guard``. It is a dry run unless ``dry_run`` is false.
+Deploy it on each GPU host on a schedule (every 5 minutes, on its own work pool; see
+docs/explanation/cost-guard.md) or run it by hand with ``stoker cost-guard``. It is a dry run
+unless ``dry_run`` is false.
 """
 
 from __future__ import annotations

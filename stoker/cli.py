@@ -75,6 +75,9 @@ def cost_guard(
         help="Dotted overrides, e.g. dry_run=false policy.window_s=120")] = None,
     config_file: Annotated[Path | None, typer.Option(
         "--config", "-c", help="YAML file with CostGuardConfig fields")] = None,
+    plain: Annotated[bool, typer.Option(
+        "--plain", help="Sweep without Prefect: print the Markdown report; no flow run, "
+        "artifact or events, and local jobs' flow runs are not cancelled")] = False,
 ) -> None:
     """Run one cost-guard sweep: find idle GPUs and stalled jobs (dry run unless dry_run=false)."""
     from stoker.config import load_config
@@ -86,6 +89,12 @@ def cost_guard(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     quiet_telemetry(config.work_dir)
+    if plain:
+        from stoker.costguard.report import render_markdown
+        from stoker.costguard.sweep import sweep_host
+
+        typer.echo(render_markdown(sweep_host(config)), nl=False)
+        return
     from flows.cost_guard import cost_guard as cost_guard_flow
 
     typer.echo(json.dumps(cost_guard_flow(config), indent=2, default=str))

@@ -1,8 +1,8 @@
 """Cost-guard tasks: one sweep, its Markdown artifact and its Prefect events; the Prefect actor.
 
 The logic is in :mod:`stoker.costguard`; these wrappers add what needs Prefect: cancelling flow
-runs, the artifact and events (``stoker.cost-guard.idle``, ``.stalled``, ``.action``, ``.swept``)
-to which users attach automations.
+runs, the artifact and events (``stoker.cost-guard.idle``, ``.stalled``, ``.leak``, ``.unknown``,
+``.action``, ``.swept``, and ``.failed`` when a sweep crashes) to which users attach automations.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from prefect.states import Cancelling
 from stoker.costguard.actions import ActionResult
 from stoker.costguard.config import CostGuardConfig
 from stoker.costguard.inventory import Resource
-from stoker.costguard.nvml import NvmlReader, load_nvml
-from stoker.costguard.report import event_payload, event_resource, render_markdown
-from stoker.costguard.sweep import (
-    SweepReport,
-    connect_docker,
-    discover_all,
-    run_sweep,
-    standard_actors,
+from stoker.costguard.report import (
+    event_payload,
+    event_resource,
+    failure_payload,
+    log_line,
+    render_failure,
+    render_markdown,
 )
+from stoker.costguard.sweep import SweepReport, sweep_host
 from stoker.ownership import PREFECT_OWNER_TAG
 
 ARTIFACT_KEY = "stoker-cost-guard"
@@ -73,30 +73,28 @@ class PrefectActor:
 def sweep(config: CostGuardConfig) -> SweepReport:
     """Sample GPUs over the window, judge every Stoker-owned resource and act unless dry-run."""
     logger = get_run_logger()
-    client, note = connect_docker(config)
-    actors = standard_actors(config, client)
-    if config.prefect.enabled:
-        actors["job"] = PrefectActor()
-    discover = discover_all(config, client)
-
-    def discover_with_note():
-        resources, notes = discover()
-        return resources, [note, *notes] if note else notes
-
     try:
-        with NvmlReader(load_nvml(config.nvml_module)) as reader:
-            report = run_sweep(config, reader, discover_with_note, actors)
-    finally:
-        if client is not None:
-            client.close()
-    for row in report.resources:
-        logger.info("%s %s: %s; %s %s", row.kind, row.name, row.decision.verdict,
-                    row.action_status, row.action)
+        report = sweep_host(config, {"job": PrefectActor()} if config.prefect.enabled else None)
+    except Exception as e:
+        publish_failure(config, e)  # the operator sees what failed, then the task fails
+        raise
+    for row in (*report.gpus, *report.resources):
+        logger.info("%s", log_line(row))
     return report
 
 
+def publish_failure(config: CostGuardConfig, error: BaseException) -> None:
+    """A crashed sweep still leaves the artifact and a ``stoker.cost-guard.failed`` event."""
+    create_markdown_artifact(markdown=render_failure(error, config.dry_run), key=ARTIFACT_KEY,
+                             description="Cost guard: the sweep failed")
+    emit_event(f"{EVENT_PREFIX}.failed", resource={
+        "prefect.resource.id": "stoker.cost-guard", "prefect.resource.name": "cost guard"},
+        payload=failure_payload(error, config.dry_run))
+
+
 def emit_events(report: SweepReport) -> list:
-    """One event per idle or stalled GPU/resource, one per action taken, one for the sweep.
+    """One event per idle, stalled, leaking or unknown GPU/resource, one per action taken, one
+    for the sweep.
 
     Returns:
         The emitted events (None entries where events are switched off).
@@ -106,7 +104,7 @@ def emit_events(report: SweepReport) -> list:
         verdict = str(row.decision.verdict)
         related = ([{"prefect.resource.id": f"prefect.flow-run.{row.flow_run_id}",
                      "prefect.resource.role": "stoker-job"}] if row.flow_run_id else None)
-        if verdict in ("idle", "stalled"):
+        if verdict in ("idle", "stalled", "leak", "unknown"):
             emitted.append(emit_event(f"{EVENT_PREFIX}.{verdict}", resource=event_resource(row),
                                       related=related,
                                       payload=event_payload(row, report.dry_run)))

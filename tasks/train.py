@@ -17,7 +17,6 @@ from prefect.runtime import flow_run
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
-from stoker.images.preflight import preflight_image
 from stoker.launch.factory import make_launcher
 from stoker.launch.job import resolve_job_dir
 from stoker.launch.retry import Attempt, Outcome, run_with_retries
@@ -55,11 +54,7 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
                         flow_run.get_flow_run_ui_url())
     spec_path = write_spec(config, dataset, job_dir, world_size, tags)
     logger.info("job %s: %d process(es) per node, spec %s", job_dir.name, world_size, spec_path)
-    if image is not None and config.launcher.kind == "docker" \
-            and config.launcher.docker.gpus not in ("0", "none"):
-        # Refuse before any GPU is rented: the host driver must run the image's CUDA version.
-        host = preflight_image(image.ref, docker_host=config.launcher.docker.docker_host)
-        logger.info("preflight: image CUDA fits the host driver (%s)", host)
+    # The docker launcher runs the CUDA preflight before each GPU container, whatever the image.
     launcher = make_launcher(config, world_size, image.pinned_ref if image else None)
     client = MlflowClient(config.tracking_uri())
     run_file = job_dir / "mlflow_run_id"

@@ -8,6 +8,7 @@ an untagged one is not. The GPUs are a fake NVML (there is no GPU here).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tarfile
@@ -92,7 +93,12 @@ def containers(docker_client, busybox_image):
 def test_only_the_labelled_container_is_stopped_and_gets_sigterm_first(
         docker_client, containers, tmp_path):
     job, owned, foreign = containers
-    # Each container holds a small CUDA context on its own GPU and does nothing with it.
+    # Each container holds a small CUDA context on its own GPU and does nothing with it; the
+    # owned one's job last beat two hours ago (a live process alone would keep it busy).
+    job_dir = tmp_path / "jobs" / job
+    job_dir.mkdir(parents=True)
+    (job_dir / "heartbeat.json").write_text(json.dumps(
+        {"time": time.time() - 7200, "step": 5, "pid": 1, "world_size": 1, "outcome": None}))
     fake = FakeNvml([[Gpu(index=0, memory_used_mib=300,
                           processes=[(owned.attrs["State"]["Pid"], 300)]),
                       Gpu(index=1, memory_used_mib=300,
@@ -113,7 +119,9 @@ def test_only_the_labelled_container_is_stopped_and_gets_sigterm_first(
     assert owned.attrs["State"]["ExitCode"] == 0  # the trap's exit: SIGTERM, not SIGKILL (137)
     assert foreign.status == "running"
     gpu1 = next(g for g in report.gpus if g.id == "GPU-fake-0001")
-    assert gpu1.decision.verdict == Verdict.IDLE and "no Stoker resource" in gpu1.action
+    # A foreign live process on a GPU: busy, and named in "held by".
+    assert gpu1.decision.verdict == Verdict.BUSY
+    assert f"process {foreign.attrs['State']['Pid']} (sh)" in gpu1.action
 
     # The actor itself refuses a container without the label, whatever it is asked.
     refused = DockerActor(docker_client, stop_timeout_s=1).act(Resource(

@@ -9,6 +9,7 @@ publish the Markdown artifact and emit events, read back from the server's event
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -74,6 +75,7 @@ def stalled_job(harness, tmp_path):
     (job_dir / "heartbeat.json").write_text(json.dumps(
         {"time": hung_since, "step": 412, "epoch": 3, "pid": proc.pid, "world_size": 1,
          "outcome": None}))
+    os.utime(spec_path, (hung_since - 600, hung_since - 600))  # written when the job started
     fake_name = f"fake_nvml_{uuid.uuid4().hex[:8]}"
     sys.modules[fake_name] = FakeNvml([[
         Gpu(index=0, utilization=0, memory_used_mib=60_000, processes=[(proc.pid, 60_000)]),
@@ -189,3 +191,70 @@ def test_prefect_actor_refuses_an_untagged_flow_run(harness):
     missing = PrefectActor().act(Resource(kind="job", id="j", name="j", devices=None,
                                           pids=frozenset(), started_at=None))
     assert missing.status == "refused"
+
+
+@pytest.fixture
+def fake_module():
+    """Registers NVML stand-ins under unique module names (config.nvml_module)."""
+    names = []
+
+    def register(fake) -> str:
+        names.append(f"fake_nvml_{uuid.uuid4().hex[:8]}")
+        sys.modules[names[-1]] = fake
+        return names[-1]
+
+    yield register
+    for name in names:
+        del sys.modules[name]
+
+
+def test_odd_pids_and_leaked_memory_are_reported_with_events(harness, tmp_path, fake_module):
+    """Input 1 and 5 end to end: a 'no PID' sentinel and a dead PID make their GPUs unknown, a
+    GPU holding 30 GB without a process is a leak; the sweep completes and says so."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    fake = fake_module(FakeNvml([[
+        Gpu(index=0, memory_used_mib=300, processes=[(4294967295, 300)]),
+        Gpu(index=1, memory_used_mib=30_000, processes=[(proc.pid, 30_000)]),
+        Gpu(index=2, memory_used_mib=30_000, processes=[]),
+        Gpu(index=3)]]))
+    summary, flow_run_id = run_flow(config_for(tmp_path, fake, dry_run=False))
+    assert [g["verdict"] for g in summary["gpus"]] == ["unknown", "unknown", "leak", "idle"]
+
+    events = events_of(flow_run_id, {"stoker.cost-guard.leak", "stoker.cost-guard.unknown",
+                                     "stoker.cost-guard.swept"})
+    by_gpu = {e["resource"]["prefect.resource.id"]: e for e in events
+              if e["event"] != "stoker.cost-guard.swept"}
+    sentinel = by_gpu["stoker.gpu.GPU-fake-0000"]
+    assert sentinel["event"] == "stoker.cost-guard.unknown"
+    assert "PID 4294967295" in " ".join(sentinel["payload"]["reasons"])
+    dead = by_gpu["stoker.gpu.GPU-fake-0001"]
+    assert dead["event"] == "stoker.cost-guard.unknown"
+    assert f"PID {proc.pid} not found" in " ".join(dead["payload"]["reasons"])
+    leak = by_gpu["stoker.gpu.GPU-fake-0002"]
+    assert leak["event"] == "stoker.cost-guard.leak"
+    assert leak["payload"]["action_status"] == "none"
+    markdown = artifact_of(flow_run_id)
+    assert "**leak**" in markdown and "4294967295" in markdown
+
+
+class CrashingNvml(FakeNvml):
+    """A binding that fails in a way the reader does not expect (not an NVMLError)."""
+
+    def nvmlDeviceGetCount(self) -> int:
+        raise RuntimeError("binding returned garbage")
+
+
+def test_a_crashed_sweep_still_publishes_an_artifact_and_an_event(harness, tmp_path,
+                                                                   fake_module):
+    from flows.cost_guard import cost_guard
+
+    fake = fake_module(CrashingNvml([[Gpu()]]))
+    state = cost_guard(config_for(tmp_path, fake, dry_run=True), return_state=True)
+    assert state.is_failed()
+    flow_run_id = state.state_details.flow_run_id
+    markdown = artifact_of(flow_run_id)
+    assert "**The sweep failed**" in markdown and "binding returned garbage" in markdown
+    (failed,) = [e for e in events_of(flow_run_id, {"stoker.cost-guard.failed"})
+                 if e["event"] == "stoker.cost-guard.failed"]
+    assert failed["payload"]["error_type"] == "RuntimeError"

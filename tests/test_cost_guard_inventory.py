@@ -128,3 +128,16 @@ def test_mlflow_last_metric_time_counts_as_progress(tmp_path):
     missing = read_job(job_dir)
     assert missing.errors == () and "MLflow last metric time unavailable" in missing.notes[0]
     assert missing.last_progress == pytest.approx(now - 3600)
+
+
+def test_mlflow_is_not_asked_while_the_heartbeat_is_fresh(tmp_path):
+    from stoker.config import TrainConfig
+    from stoker.runtime.spec import RunSpec
+
+    job_dir = _job(tmp_path, "fresh", 1, 1)
+    beat = json.loads((job_dir / "heartbeat.json").read_text()) | {"time": time.time() - 10}
+    (job_dir / "heartbeat.json").write_text(json.dumps(beat))
+    RunSpec(train=TrainConfig(), data_dir=str(tmp_path), job_dir=str(job_dir),
+            tracking_uri="http://127.0.0.1:9").dump(job_dir / "spec.yaml")  # nothing listens
+    (job_dir / "mlflow_run_id").write_text("0" * 32)
+    assert read_job(job_dir, mlflow_if_older_than_s=1800).notes == ()

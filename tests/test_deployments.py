@@ -19,6 +19,8 @@ def deployed(tmp_path_factory):
     with PrefectServer(root) as server:
         server.prefect("work-pool", "create", "stoker-process", "--type", "process",
                        "--base-job-template", str(REPO / "infra/work-pools/process.json"))
+        server.prefect("work-pool", "create", "stoker-guard", "--type", "process",
+                       "--base-job-template", str(REPO / "infra/work-pools/process.json"))
         # Everything but pipeline-docker, whose build step needs a Docker Engine (tested with
         # the images: tests/test_image_flow.py runs the same step).
         server.prefect("--no-prompt", "deploy", "--name", "pipeline", "--name", "train",
@@ -69,6 +71,16 @@ def test_every_deployment_is_created_with_its_schedule(deployed):
     guard = read_deployment(deployed, "cost-guard/cost-guard")
     assert guard.schedules[0].active and guard.schedules[0].schedule.interval.total_seconds() == 300
     assert guard.parameters["config"]["dry_run"] is True
+
+
+def test_cost_guard_never_holds_a_training_slot(deployed):
+    """Its own pool and queue: a pool concurrency limit on training never counts a sweep."""
+    guard = read_deployment(deployed, "cost-guard/cost-guard")
+    training = {read_deployment(deployed, name).work_pool_name
+                for name in ("pipeline/pipeline", "train/train")}
+    assert guard.work_pool_name == "stoker-guard" and guard.work_queue_name == "cost-guard"
+    assert guard.work_pool_name not in training
+    assert guard.global_concurrency_limit.limit == 1  # never two sweeps at once
 
 
 def test_invalid_parameters_are_rejected_by_name(deployed):

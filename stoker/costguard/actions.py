@@ -69,8 +69,20 @@ class DockerActor:
             return ActionResult("gone", f"container {resource.id[:12]} no longer exists")
         except docker.errors.APIError as e:
             return ActionResult("failed", f"docker: {e.explanation or e}")
-        code = container.attrs.get("State", {}).get("ExitCode")
-        return ActionResult("stopped", f"container {container.name} stopped (exit {code})")
+        state = container.attrs.get("State", {})
+        return ActionResult("stopped", stop_outcome(container.name, state, self.stop_timeout_s))
+
+
+def stop_outcome(name: str, state: dict, stop_timeout_s: float) -> str:
+    """How a ``docker stop`` ended, in an operator's words (137 after the timeout is SIGKILL by
+    the stop, not an out-of-memory kill)."""
+    code = state.get("ExitCode")
+    if state.get("OOMKilled"):
+        return f"container {name} stopped; it had been killed for lack of memory (exit {code})"
+    if code == 137:
+        return (f"container {name} did not exit within stop_timeout_s {stop_timeout_s:g} after "
+                f"SIGTERM: killed by SIGKILL (exit 137 after stop timeout)")
+    return f"container {name} stopped after SIGTERM (exit {code})"
 
 
 class Ec2Actor:

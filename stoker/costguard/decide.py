@@ -3,14 +3,22 @@
 Pure functions, no I/O. The rules, in order:
 
 1. **unknown** - NVML failed, a query was unsupported (MIG utilization), a GPU is missing from a
-   sample, a process PID cannot be resolved, or too few samples. Unknown is never idle.
+   sample, a process PID cannot be resolved (out of range, <= 0, absent, another namespace), or
+   too few samples. Unknown is never idle.
 2. **no_gpu** - the resource was given no GPU and none of its processes runs on one.
 3. **warming_up** - younger than ``warmup_grace_s``.
-4. **idle** - in every sample of the window, every GPU at or below both the utilization and the
-   memory threshold, and no heartbeat fresher than ``idle_timeout_s``.
-5. **stalled** - holds memory on a GPU in every sample, utilization at or below
+4. **leak** - a GPU holds memory above ``idle_memory_mib`` at or below
+   ``idle_utilization_percent`` with no compute process on it in every sample (memory held, no
+   live owner), and its other GPUs are quiet. Alert only: never acted on.
+5. **busy (starting)** - a job folder of the resource has a spec newer than its heartbeat (or no
+   heartbeat yet), written less than ``idle_timeout_s`` ago.
+6. **idle** - in every sample of the window, every GPU at or below both the utilization and the
+   memory threshold, and no heartbeat fresher than ``idle_timeout_s``; when a live compute
+   process is on one of its GPUs, only with positive evidence that its job stalled: a heartbeat
+   older than ``idle_timeout_s`` (no heartbeat at all: busy).
+7. **stalled** - holds memory on a GPU in every sample, utilization at or below
    ``stall_utilization_percent`` throughout, and a heartbeat older than ``stall_timeout_s``.
-6. **busy** - anything else (with the reason: utilization, memory, a fresh heartbeat).
+8. **busy** - anything else (with the reason: utilization, memory, a fresh heartbeat).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ class Verdict(StrEnum):
     UNKNOWN = "unknown"
     WARMING_UP = "warming_up"
     NO_GPU = "no_gpu"
+    LEAK = "leak"
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class Evidence:
     ``gpus``: each GPU's readings over the window, oldest first. ``unknown``: reasons its state
     cannot be known that were found while collecting (NVML, PID mapping, unreadable files).
     ``idle_since``: when earlier sweeps first saw it idle (None: they did not).
+    ``starting``: job name -> when its spec was written, for job folders without a heartbeat.
     """
 
     gpus: dict[str, tuple[GpuReading, ...]]
@@ -48,6 +58,7 @@ class Evidence:
     last_progress: float | None = None
     started_at: float | None = None
     idle_since: float | None = None
+    starting: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,12 +92,12 @@ def gpu_windows(snapshots: Sequence[Snapshot]) -> tuple[dict[str, tuple[GpuReadi
 
 
 def gpu_problems(readings: Sequence[GpuReading], samples: int,
-                 known_pid: Callable[[int], bool]) -> list[str]:
+                 pid_problem: Callable[[int], str | None]) -> list[str]:
     """Why one GPU's state over the window is unknown ([] when it is known).
 
     Args:
         readings: the GPU's readings; samples: how many snapshots the window has.
-        known_pid: whether a PID resolves to a process on this host.
+        pid_problem: why a PID does not resolve to a process on this host (None: it does).
     """
     problems = []
     if len(readings) < samples:
@@ -95,10 +106,12 @@ def gpu_problems(readings: Sequence[GpuReading], samples: int,
         problems.append(error)
     if any(r.processes is None for r in readings) and not any(r.error for r in readings):
         problems.append("process list unavailable")
-    unresolved = sorted({p.pid for r in readings for p in r.processes or ()
-                         if not known_pid(p.pid)})
+    why = {pid: pid_problem(pid) for pid in sorted({p.pid for r in readings
+                                                   for p in r.processes or ()})}
+    unresolved = {pid: reason for pid, reason in why.items() if reason}
     if unresolved:
-        problems.append(f"PIDs {unresolved} cannot be resolved on this host")
+        problems.append(f"PIDs {sorted(unresolved)} cannot be resolved on this host: "
+                        + "; ".join(unresolved.values()))
     return problems
 
 
@@ -145,7 +158,13 @@ def evidence_for(resource: Resource, windows: dict[str, tuple[GpuReading, ...]],
     return keys, Evidence(
         gpus={k: windows[k] for k in keys}, window_start=window_start, unknown=tuple(unknown),
         last_progress=resource.last_progress, started_at=resource.started_at,
-        idle_since=idle_since)
+        idle_since=idle_since, starting=starting_jobs(resource.jobs))
+
+
+def starting_jobs(jobs: Sequence) -> dict[str, float]:
+    """Job name -> when its spec was written, for jobs starting (a spec newer than their
+    heartbeat, or no heartbeat yet)."""
+    return {job.name: job.spec_written_at for job in jobs if job.starting}
 
 
 # --- Deciding ----------------------------------------------------------------------------------
@@ -174,8 +193,17 @@ def decide(evidence: Evidence, policy: Policy, now: float) -> Decision:
     age_s = signals["age_s"]
     if age_s is not None and age_s < policy.warmup_grace_s:
         return Decision(Verdict.WARMING_UP, (
-            f"started {age_s:.0f} s ago (< warmup_grace_s {policy.warmup_grace_s:.0f})",),
+            f"started {age_s:.0f} s ago (< warmup_grace_s {policy.warmup_grace_s:g})",),
             signals=signals)
+    leak = _leak(evidence, policy, signals)
+    if leak is not None:
+        return leak
+    starting = {name: now - at for name, at in evidence.starting.items()
+                if now - at < policy.idle_timeout_s}
+    if starting:
+        return Decision(Verdict.BUSY, tuple(
+            f"job {name} starting: spec written {age:.0f} s ago, no heartbeat since"
+            for name, age in starting.items()), signals=signals)
     progress_age = signals["heartbeat_age_s"]
     max_util, max_mib = signals["max_utilization_percent"], signals["max_memory_mib"]
     if max_util <= policy.idle_utilization_percent and max_mib <= policy.idle_memory_mib:
@@ -193,6 +221,34 @@ def decide(evidence: Evidence, policy: Policy, now: float) -> Decision:
     return Decision(Verdict.BUSY, tuple(reasons), signals=signals)
 
 
+def live_processes(evidence: Evidence) -> dict[str, list[int]]:
+    """GPU key -> PIDs of the compute processes NVML listed on it during the window."""
+    found = {k: sorted({p.pid for r in rs for p in r.processes or ()})
+             for k, rs in evidence.gpus.items()}
+    return {k: pids for k, pids in found.items() if pids}
+
+
+def _leak(evidence: Evidence, policy: Policy, signals: dict) -> Decision | None:
+    """Memory held with no process on the GPU in any sample while its other GPUs are quiet."""
+    def quiet(r: GpuReading) -> bool:
+        return r.utilization_percent <= policy.idle_utilization_percent
+
+    leaked = [k for k, rs in evidence.gpus.items()
+              if all(quiet(r) and r.memory_used_mib > policy.idle_memory_mib
+                     and not r.processes for r in rs)]
+    others = [r for k, rs in evidence.gpus.items() if k not in leaked for r in rs]
+    if not leaked or not all(quiet(r) and r.memory_used_mib <= policy.idle_memory_mib
+                             for r in others):
+        return None
+    held = ", ".join(f"{k} {max(r.memory_used_mib for r in evidence.gpus[k]):.0f} MiB"
+                     for k in leaked)
+    return Decision(Verdict.LEAK, (
+        f"memory held with no live owner: {held} at <= {policy.idle_utilization_percent:g}% "
+        f"utilization and no compute process in all {signals['samples']} samples",
+        "alert only: memory without an owner is never stopped automatically"),
+        waste_since=evidence.window_start, signals=signals)
+
+
 def _idle(evidence: Evidence, policy: Policy, now: float, signals: dict,
           progress_age: float | None) -> Decision:
     window = (f"utilization <= {policy.idle_utilization_percent:g}% and memory <= "
@@ -200,15 +256,25 @@ def _idle(evidence: Evidence, policy: Policy, now: float, signals: dict,
     if progress_age is not None and progress_age < policy.idle_timeout_s:
         return Decision(Verdict.BUSY, (
             window, f"but heartbeat {progress_age:.0f} s old (< idle_timeout_s "
-            f"{policy.idle_timeout_s:.0f})"), signals=signals)
+            f"{policy.idle_timeout_s:g})"), signals=signals)
+    live = live_processes(evidence)
+    on_gpu = "; ".join(f"PIDs {pids} on {k}" for k, pids in live.items())
+    if live and progress_age is None:
+        # Bursty work can read 0% in every sample: a live process counts until a stale
+        # heartbeat shows its job stalled.
+        return Decision(Verdict.BUSY, (
+            window, f"but compute processes are live ({on_gpu}) and no heartbeat shows their "
+            f"job stalled"), signals=signals)
     since = min(evidence.idle_since or evidence.window_start, evidence.window_start)
     idle_for = now - since
     act = policy.stop_idle and idle_for >= policy.min_idle_s
     beat = ("no heartbeat" if progress_age is None else
-            f"heartbeat {progress_age:.0f} s old (>= idle_timeout_s {policy.idle_timeout_s:.0f})")
+            f"heartbeat {progress_age:.0f} s old (>= idle_timeout_s {policy.idle_timeout_s:g})")
     reasons = [window, beat, f"idle for {idle_for:.0f} s observed"]
+    if live:
+        reasons.insert(1, f"compute processes still listed ({on_gpu})")
     if policy.stop_idle and not act:
-        reasons.append(f"waiting for min_idle_s {policy.min_idle_s:.0f} before stopping")
+        reasons.append(f"waiting for min_idle_s {policy.min_idle_s:g} before stopping")
     return Decision(Verdict.IDLE, tuple(reasons), act=act, waste_since=since,
                     signals=signals | {"idle_for_s": idle_for})
 
@@ -222,11 +288,11 @@ def _held_without_compute(policy: Policy, signals: dict, progress_age: float | N
                         signals=signals)
     if progress_age < policy.stall_timeout_s:
         return Decision(Verdict.BUSY, (holding, f"heartbeat {progress_age:.0f} s old (< "
-                                       f"stall_timeout_s {policy.stall_timeout_s:.0f})"),
+                                       f"stall_timeout_s {policy.stall_timeout_s:g})"),
                         signals=signals)
     return Decision(Verdict.STALLED, (holding, f"heartbeat has not advanced for "
                                       f"{progress_age:.0f} s (>= stall_timeout_s "
-                                      f"{policy.stall_timeout_s:.0f})"),
+                                      f"{policy.stall_timeout_s:g})"),
                     act=policy.stop_stalled, waste_since=evidence.last_progress, signals=signals)
 
 

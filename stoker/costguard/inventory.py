@@ -144,6 +144,41 @@ def discover_containers(client: Any, label_filters: list[str],
     return resources
 
 
+# --- PIDs from NVML ------------------------------------------------------------------------------
+
+NO_PID = 0xFFFFFFFF  # what some drivers report for a process they cannot name (in containers)
+
+
+def pid_problem(pid: object) -> str | None:
+    """Why a PID from NVML does not name a live process on this host; None when it does.
+
+    Never raises: out of range (``psutil.pid_exists`` raises OverflowError for PIDs >= 2**31),
+    <= 0, not a number, or absent (exited, or a PID of another PID namespace).
+    """
+    if isinstance(pid, bool) or not isinstance(pid, int):
+        return f"PID {pid!r} is not a number"
+    if pid == NO_PID:
+        return f"PID {pid} is NVML's 'no PID' value (a process NVML cannot name)"
+    if pid <= 0:
+        return f"PID {pid} is not a process ID (<= 0)"
+    try:
+        exists = psutil.pid_exists(pid)
+    except (OverflowError, ValueError, OSError) as e:
+        return f"PID {pid} is out of range for this host ({type(e).__name__}: {e})"
+    if not exists:
+        return (f"PID {pid} not found on this host (exited, or in another PID namespace: run "
+                f"the guard in the host's PID namespace)")
+    return None
+
+
+def process_name(pid: int) -> str | None:
+    """The name of a live process (None when it cannot be read)."""
+    try:
+        return psutil.Process(pid).name()
+    except (psutil.Error, OverflowError, ValueError, OSError):
+        return None
+
+
 # --- Local jobs --------------------------------------------------------------------------------
 
 def job_pids(job: JobSignals) -> frozenset[int] | None:

@@ -174,6 +174,13 @@ class NvmlReader:
         util = query("utilization", nvml.nvmlDeviceGetUtilizationRates)
         memory = query("memory", nvml.nvmlDeviceGetMemoryInfo)
         procs = query("processes", nvml.nvmlDeviceGetComputeRunningProcesses)
+        processes = None
+        if procs is not None:
+            try:
+                processes = tuple(ProcessUse(_pid(p.pid), _memory(p.usedGpuMemory))
+                                  for p in procs)
+            except (TypeError, ValueError, AttributeError) as e:  # a garbled entry from a binding
+                errors.append(f"processes: unreadable entry: {e}")
         return GpuReading(
             key=uuid or _index_key(index, mig_index), index=index, mig_index=mig_index, uuid=uuid,
             parent_uuid=parent_uuid,
@@ -181,8 +188,7 @@ class NvmlReader:
             utilization_percent=None if util is None else float(util.gpu),
             memory_used_bytes=None if memory is None else int(memory.used),
             memory_total_bytes=None if memory is None else int(memory.total),
-            processes=None if procs is None else tuple(
-                ProcessUse(int(p.pid), _memory(p.usedGpuMemory)) for p in procs),
+            processes=processes,
             error="; ".join(errors) or None,
         )
 
@@ -193,6 +199,13 @@ class NvmlReader:
         except self._errors:
             return None
         return value.decode() if isinstance(value, bytes) else value
+
+
+def _pid(value: object) -> int:
+    # Kept as reported, even out of range (4294967295): the decision names it as unresolvable.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"PID {value!r} is not an integer")
+    return value
 
 
 def _memory(value: int | None) -> int | None:

@@ -8,8 +8,10 @@ Prefect flow run id) and ``mlflow_run_id``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +52,14 @@ class JobSignals:
     spec_path: Path
     errors: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    spec_written_at: float | None = None
+
+    @property
+    def starting(self) -> bool:
+        """Its spec is newer than its heartbeat (or it has none yet): an attempt is starting.
+        The train task rewrites the spec at every run, before the runtime's first heartbeat."""
+        return self.spec_written_at is not None and not self.errors and (
+            self.heartbeat is None or self.spec_written_at > self.heartbeat.time)
 
     @property
     def name(self) -> str:
@@ -108,6 +118,13 @@ def tail_events(job_dir: Path, max_bytes: int = _TAIL_BYTES) -> list[dict]:
     return events
 
 
+@functools.lru_cache(maxsize=8)
+def _mlflow_client(tracking_uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri)  # one per store: creating one checks the store's schema
+
+
 def mlflow_last_metric_time(tracking_uri: str, run_id: str) -> float:
     """Unix time of the newest metric logged to an MLflow run.
 
@@ -115,9 +132,7 @@ def mlflow_last_metric_time(tracking_uri: str, run_id: str) -> float:
         mlflow.exceptions.MlflowException: the run or the store cannot be read.
         LookupError: the run has no metrics yet.
     """
-    from mlflow import MlflowClient
-
-    run = MlflowClient(tracking_uri).get_run(run_id)
+    run = _mlflow_client(tracking_uri).get_run(run_id)
     # RunData.to_proto() keeps each metric's latest value with its timestamp (ms).
     stamps = [m.timestamp for m in run.data.to_proto().metrics]
     if not stamps:
@@ -125,11 +140,18 @@ def mlflow_last_metric_time(tracking_uri: str, run_id: str) -> float:
     return max(stamps) / 1000.0
 
 
-def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
+def read_job(job_dir: Path, read_mlflow: bool = True,
+             mlflow_if_older_than_s: float = 0.0) -> JobSignals:
     """Collect the progress signals of one job folder. Never raises for a bad file: a heartbeat
-    that cannot be read is an error (state unknown); a missing MLflow signal is a note."""
-    from stoker.runtime.spec import RunSpec
+    that cannot be read is an error (state unknown); a missing MLflow signal is a note.
 
+    Args:
+        job_dir: the job folder.
+        read_mlflow: also ask MLflow for the run's last metric time.
+        mlflow_if_older_than_s: ask MLflow only when the folder's own newest signal (heartbeat,
+            progress event) is older than this (s): a fresh heartbeat already says all that
+            MLflow could, and importing MLflow costs seconds.
+    """
     job_dir = Path(job_dir)
     errors: list[str] = []
     notes: list[str] = []
@@ -139,19 +161,22 @@ def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
         heartbeat, errors = None, [str(e)]
     events = tail_events(job_dir)
     spec_path = job_dir / "spec.yaml"
+    finished = heartbeat is not None and heartbeat.outcome is not None
     spec = None
-    if spec_path.is_file():
+    if not finished and spec_path.is_file():  # a finished job's spec tells the guard nothing
         try:
-            spec = RunSpec.load(spec_path)
+            spec = _load_spec(spec_path)
         except ConfigError as e:
             notes.append(f"spec unreadable: {e}")
     starts = [e["time"] for e in events if e.get("event") == "start"]
-    started_at = starts[-1] if starts else (spec_path.stat().st_mtime if spec else None)
+    spec_written_at = _mtime(spec_path)
+    started_at = starts[-1] if starts else spec_written_at
     times = [heartbeat.time] if heartbeat else []
     times += [events[-1]["time"]] if events else []
     run_file = job_dir / "mlflow_run_id"
-    finished = heartbeat is not None and heartbeat.outcome is not None
-    if read_mlflow and not finished and spec and spec.tracking_uri and run_file.is_file():
+    fresh = bool(times) and time.time() - max(times) < mlflow_if_older_than_s
+    ask = read_mlflow and not finished and not fresh
+    if ask and spec and spec.tracking_uri and run_file.is_file():
         try:
             times.append(mlflow_last_metric_time(spec.tracking_uri, run_file.read_text().strip()))
         except Exception as e:  # an optional signal: any store failure is only a note
@@ -160,13 +185,47 @@ def read_job(job_dir: Path, read_mlflow: bool = True) -> JobSignals:
         job_dir=job_dir, heartbeat=heartbeat, started_at=started_at,
         last_progress=max(times) if times else None,
         flow_run_id=(spec.tags.get("prefect.flow_run_id") if spec else None),
-        spec_path=spec_path, errors=tuple(errors), notes=tuple(notes))
+        spec_path=spec_path, errors=tuple(errors), notes=tuple(notes),
+        spec_written_at=spec_written_at)
 
 
-def read_jobs(work_dir: Path, read_mlflow: bool = True) -> list[JobSignals]:
-    """Signals of every job folder under ``<work_dir>/jobs`` that has a heartbeat, by name."""
+_SPECS: dict[tuple[str, int, int], object] = {}
+
+
+def _load_spec(path: Path):
+    """``RunSpec.load``, cached by path, modification time and size: a spec does not change
+    while its job runs, and a sweep reads every job folder once per (re-)check.
+
+    Raises:
+        ConfigError: the spec cannot be read.
+    """
+    from stoker.runtime.spec import RunSpec
+
+    st = path.stat()
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _SPECS:
+        if len(_SPECS) > 1024:
+            _SPECS.clear()
+        _SPECS[key] = RunSpec.load(path)
+    return _SPECS[key]
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def read_jobs(work_dir: Path, read_mlflow: bool = True,
+              mlflow_if_older_than_s: float = 0.0) -> list[JobSignals]:
+    """Signals of every job folder under ``<work_dir>/jobs`` with a heartbeat or a spec, by name.
+
+    A folder with a spec but no heartbeat yet, or a spec newer than its heartbeat, is a job
+    starting; the decision counts it as busy for ``idle_timeout_s``.
+    """
     jobs_dir = Path(work_dir) / "jobs"
     if not jobs_dir.is_dir():
         return []
-    return [read_job(p, read_mlflow) for p in sorted(jobs_dir.iterdir())
-            if p.is_dir() and (p / "heartbeat.json").exists()]
+    return [read_job(p, read_mlflow, mlflow_if_older_than_s) for p in sorted(jobs_dir.iterdir())
+            if p.is_dir() and ((p / "heartbeat.json").exists() or (p / "spec.yaml").exists())]

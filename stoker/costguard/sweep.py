@@ -16,8 +16,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from stoker.costguard.actions import Actor, DockerActor, Ec2Actor
 from stoker.costguard.config import CostGuardConfig, Policy
 from stoker.costguard.decide import (
@@ -28,6 +26,7 @@ from stoker.costguard.decide import (
     evidence_for,
     gpu_problems,
     gpu_windows,
+    starting_jobs,
 )
 from stoker.costguard.inventory import (
     Resource,
@@ -36,8 +35,10 @@ from stoker.costguard.inventory import (
     discover_jobs,
     host_instance,
     jobs_by_name,
+    pid_problem,
+    process_name,
 )
-from stoker.costguard.nvml import NvmlReader, Snapshot
+from stoker.costguard.nvml import GpuReading, NvmlReader, Snapshot, load_nvml
 from stoker.costguard.signals import read_jobs
 from stoker.tracking.pricing import CapacityType, PriceTable
 
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 Discover = Callable[[], tuple[list[Resource], list[str]]]
 _VERB = {"container": "stop container", "job": "cancel flow run", "instance": "stop instance"}
+_RELEASED = {"stopped", "cancelled"}
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,12 @@ class SweepReport:
 
     @property
     def idle_gpu_hours(self) -> float:
-        """Idle or stalled GPU-hours over all GPUs (each GPU counted once)."""
+        """Idle, stalled or leaked GPU-hours over all GPUs (each GPU counted once)."""
         return sum(r.idle_gpu_hours for r in self.gpus)
 
     @property
     def usd_per_hour(self) -> float:
-        """What the idle or stalled GPUs cost per hour."""
+        """What the idle, stalled or leaking GPUs cost per hour."""
         return sum(r.usd_per_hour for r in self.gpus)
 
 
@@ -114,7 +116,8 @@ def sample_window(reader: NvmlReader, policy: Policy,
 
 
 def judge(snapshots: list[Snapshot], resources: list[Resource], policy: Policy, now: float,
-          state: Mapping[str, dict], prices: PriceTable, capacity: CapacityType) -> _Judgement:
+          state: Mapping[str, dict], prices: PriceTable, capacity: CapacityType,
+          released_pids: frozenset[int] = frozenset()) -> _Judgement:
     """Decide every resource and every GPU over ``snapshots`` (no actions).
 
     Args:
@@ -122,18 +125,22 @@ def judge(snapshots: list[Snapshot], resources: list[Resource], policy: Policy, 
         policy: thresholds; now: Unix time of the decision (s).
         state: idle streaks of earlier sweeps (see :func:`load_state`).
         prices, capacity: for the $ per hour of idle or stalled GPUs.
+        released_pids: host PIDs of resources this sweep stopped: their processes are
+            accounted for (left out of the readings), not unresolvable.
 
     Returns:
         Rows by resource key, one row per GPU, and the resources by key.
     """
     windows, nvml_problems = gpu_windows(snapshots)
+    if released_pids:
+        windows = {k: tuple(_without(r, released_pids) for r in rs) for k, rs in windows.items()}
     window_start = snapshots[0].time if snapshots else now
     owned_pids = {pid for r in resources for pid in r.pids}
 
-    def known_pid(pid: int) -> bool:
-        return pid in owned_pids or psutil.pid_exists(pid)
+    def why_unresolved(pid: int) -> str | None:
+        return None if pid in owned_pids else pid_problem(pid)
 
-    problems = {k: gpu_problems(rs, len(snapshots), known_pid) for k, rs in windows.items()}
+    problems = {k: gpu_problems(rs, len(snapshots), why_unresolved) for k, rs in windows.items()}
     names = {k: rs[-1].name or k for k, rs in windows.items()}
     rows: dict[str, Row] = {}
     holders: dict[str, list[Resource]] = {}
@@ -143,25 +150,69 @@ def judge(snapshots: list[Snapshot], resources: list[Resource], policy: Policy, 
         for key in keys:
             holders.setdefault(key, []).append(resource)
         row = _row(resource.key, resource.kind, resource.id, resource.name, keys, names,
-                   decide(evidence, policy, now), now, prices, capacity)
+                   _decide_safely(evidence, policy, now), now, prices, capacity)
         rows[resource.key] = replace(row, flow_run_id=resource.flow_run_id)
+    _block_instances(rows, {r.key: r for r in resources})
     gpu_rows = []
     for key, readings in windows.items():
-        progress = [r.last_progress for r in holders.get(key, []) if r.last_progress]
+        held_by = holders.get(key, [])
+        progress = [r.last_progress for r in held_by if r.last_progress]
         evidence = Evidence(gpus={key: readings}, window_start=window_start,
                             unknown=(*nvml_problems, *(f"{key}: {p}" for p in problems[key])),
                             last_progress=max(progress, default=None),
-                            idle_since=_idle_since(state, f"gpu:{key}", None))
+                            idle_since=_idle_since(state, f"gpu:{key}", None),
+                            starting={n: t for r in held_by
+                                      for n, t in starting_jobs(r.jobs).items()})
         row = _row(f"gpu:{key}", "gpu", key, names[key], [key], names,
-                   decide(evidence, policy, now), now, prices, capacity)
-        owners = ", ".join(r.key for r in holders.get(key, [])) or "no Stoker resource"
-        gpu_rows.append(_with_action(row, "none", f"held by {owners}"))
+                   _decide_safely(evidence, policy, now), now, prices, capacity)
+        gpu_rows.append(_with_action(row, "none", _held_by(held_by, readings, owned_pids)))
     return _Judgement({r.key: r for r in resources}, rows, gpu_rows)
+
+
+def _without(reading: GpuReading, pids: frozenset[int]) -> GpuReading:
+    if not reading.processes:
+        return reading
+    return replace(reading, processes=tuple(p for p in reading.processes if p.pid not in pids))
+
+
+def _decide_safely(evidence: Evidence, policy: Policy, now: float) -> Decision:
+    """The decision, or unknown with the error: one odd reading never ends the whole sweep."""
+    try:
+        return decide(evidence, policy, now)
+    except Exception as e:  # noqa: BLE001 - any failure has one outcome: this row is unknown
+        log.exception("cost guard: deciding failed")
+        return Decision(Verdict.UNKNOWN, (f"cannot judge: {type(e).__name__}: {e}",))
+
+
+def _held_by(holders: list[Resource], readings: tuple[GpuReading, ...],
+             owned_pids: set[int]) -> str:
+    """Who holds a GPU: Stoker resources, and processes on it that are not Stoker's."""
+    names = [f"{r.kind} {r.name}" for r in holders]
+    foreign = sorted({p.pid for r in readings for p in r.processes or ()} - owned_pids)
+    for pid in foreign:
+        name = process_name(pid) if pid_problem(pid) is None else None
+        names.append(f"process {pid} ({name})" if name else f"process {pid} (unresolved)")
+    return "held by " + (", ".join(names) if names else "no process and no Stoker resource")
+
+
+def _block_instances(rows: dict[str, Row], resources: Mapping[str, Resource]) -> None:
+    """An instance is not stopped while a container or job on it is neither idle nor stalled
+    (starting, warming up, busy, unknown, without a GPU): stopping the instance would end it."""
+    others = [row for key, row in rows.items() if resources[key].kind != "instance"
+              and row.decision.verdict not in (Verdict.IDLE, Verdict.STALLED)]
+    if not others:
+        return
+    why = ", ".join(f"{r.kind} {r.name} is {r.decision.verdict}" for r in others)
+    for key, row in rows.items():
+        if resources[key].kind == "instance" and row.decision.act:
+            decision = replace(row.decision, verdict=Verdict.BUSY, act=False,
+                               reasons=(*row.decision.reasons, f"but {why} on it"))
+            rows[key] = replace(row, decision=decision, idle_gpu_hours=0.0, usd_per_hour=0.0)
 
 
 def _row(key: str, kind: str, id_: str, name: str, gpus: list[str], names: dict[str, str],
          decision: Decision, now: float, prices: PriceTable, capacity: CapacityType) -> Row:
-    wasteful = decision.verdict in (Verdict.IDLE, Verdict.STALLED)
+    wasteful = decision.verdict in (Verdict.IDLE, Verdict.STALLED, Verdict.LEAK)
     hours = 0.0
     if wasteful and decision.waste_since is not None:
         hours = len(gpus) * max(0.0, now - decision.waste_since) / 3600
@@ -232,15 +283,21 @@ def run_sweep(config: CostGuardConfig, reader: NvmlReader, discover: Discover,
     # Jobs and containers first: stopping the instance ends them anyway, but less gracefully.
     order = {"job": 0, "container": 1, "instance": 2}
     rows = []
+    released: set[int] = set()  # PIDs of what this sweep stopped: gone on purpose
     for key in sorted(judgement.rows, key=lambda k: (order.get(judgement.rows[k].kind, 3), k)):
         row = judgement.rows[key]
         if row.decision.act:
             status, detail = _act(config, row, judgement.resources[key], snapshots, reader,
-                                  discover, actors, state, clock)
+                                  discover, actors, state, clock, frozenset(released))
+            if status in _RELEASED:
+                released |= judgement.resources[key].pids
         elif row.decision.verdict == Verdict.IDLE and config.policy.stop_idle:
-            status, detail = "waiting", "idle, not yet for min_idle_s"
+            status, detail = "waiting", (f"idle, not yet for min_idle_s "
+                                         f"{config.policy.min_idle_s:g}")
         elif row.decision.verdict in (Verdict.IDLE, Verdict.STALLED):
             status, detail = "none", "report only (policy)"
+        elif row.decision.verdict == Verdict.LEAK:
+            status, detail = "none", "alert only"
         else:
             status, detail = "none", ""
         rows.append(_with_action(row, status, detail))
@@ -255,18 +312,20 @@ def run_sweep(config: CostGuardConfig, reader: NvmlReader, discover: Discover,
 
 def _act(config: CostGuardConfig, row: Row, resource: Resource, snapshots: list[Snapshot],
          reader: NvmlReader, discover: Discover, actors: Mapping[str, Actor],
-         state: Mapping[str, dict], clock: Callable[[], float]) -> tuple[str, str]:
+         state: Mapping[str, dict], clock: Callable[[], float],
+         released: frozenset[int]) -> tuple[str, str]:
     actor = actors.get(resource.kind)
     verb = _VERB.get(resource.kind, "stop")
     if actor is None:
         return "none", f"no {resource.kind} actor enabled"
     if config.dry_run:
         return "dry_run", f"dry run: would {verb}"
-    # Re-check right before acting: a fresh sample, fresh heartbeats, the resource as it is now.
+    # Re-check right before acting: a fresh sample, and everything re-read (containers, job
+    # folders, heartbeats): a container or job that started since blocks its instance's stop.
     fresh = reader.snapshot()
     resources, _ = discover()
     again = judge([*snapshots, fresh], resources, config.policy, clock(), state, config.prices,
-                  config.capacity_type)
+                  config.capacity_type, released)
     current = again.rows.get(resource.key)
     if current is None:
         return "gone", "gone before acting"
@@ -283,7 +342,10 @@ def discover_all(config: CostGuardConfig, docker_client: Any | None) -> Discover
     configured instance. Containers that cannot be listed become a note, not a failure."""
 
     def discover() -> tuple[list[Resource], list[str]]:
-        jobs = read_jobs(config.work_dir, read_mlflow=config.read_mlflow)
+        policy = config.policy
+        # MLflow matters only where the heartbeat alone would let a job count as idle or stalled.
+        jobs = read_jobs(config.work_dir, read_mlflow=config.read_mlflow,
+                         mlflow_if_older_than_s=min(policy.idle_timeout_s, policy.stall_timeout_s))
         notes = [f"job {j.name}: {n}" for j in jobs for n in j.notes]
         resources: list[Resource] = []
         if docker_client is not None:
@@ -327,3 +389,30 @@ def standard_actors(config: CostGuardConfig, docker_client: Any | None) -> dict[
     if config.ec2.instance_id:
         actors["instance"] = Ec2Actor.connect(config.ec2.region, config.ec2.endpoint_url)
     return actors
+
+
+def sweep_host(config: CostGuardConfig, extra_actors: Mapping[str, Actor] | None = None
+               ) -> SweepReport:
+    """One sweep of this host with the real NVML binding, Docker Engine and EC2 API.
+
+    Args:
+        config: what to read, how to decide, what may be acted on.
+        extra_actors: further actors by kind (the Prefect actor for jobs lives in ``tasks/``).
+
+    Returns:
+        The report; an unreachable Docker Engine is a note in it, not a failure.
+    """
+    client, note = connect_docker(config)
+    actors = {**standard_actors(config, client), **(extra_actors or {})}
+    discover = discover_all(config, client)
+
+    def discover_with_note() -> tuple[list[Resource], list[str]]:
+        resources, notes = discover()
+        return resources, [note, *notes] if note else notes
+
+    try:
+        with NvmlReader(load_nvml(config.nvml_module)) as reader:
+            return run_sweep(config, reader, discover_with_note, actors)
+    finally:
+        if client is not None:
+            client.close()

@@ -8,6 +8,11 @@ that mark it as Stoker's (the cost guard acts only on those). Several nodes on o
 rendezvous on 127.0.0.1 (node 0 hosts the store); on several hosts, point ``rdzv_endpoint``
 at node 0.
 
+Before any container that asks for GPUs is created, the CUDA preflight compares the image's
+``io.stoker.cuda-version`` label (read from the engine; the image is pulled first if absent) with
+the host driver's CUDA version, whatever the image's source (built by the flow or given). A
+container that fails to start is removed.
+
 ``docker stop`` sends SIGTERM to the entrypoint, which passes it to the workers: they commit a
 checkpoint and the container exits 75, which the retry policy resumes.
 """
@@ -21,7 +26,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from stoker.images.preflight import HostCuda, image_cuda_version, preflight_cuda
 from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
 from stoker.runtime import EXIT_PREEMPTED
 from stoker.runtime.spec import RunSpec
@@ -49,6 +56,7 @@ class DockerLauncher:
         extra_mounts: further host paths to mount at the same path (e.g. a sqlite MLflow store).
         environment: extra environment variables for the containers.
         docker_host: Docker Engine URL; None uses DOCKER_HOST or the local socket.
+        nvml: NVML module for the GPU preflight; None: ``pynvml`` (imported when GPUs are asked).
     """
 
     image: str
@@ -62,6 +70,7 @@ class DockerLauncher:
     extra_mounts: list[str] = field(default_factory=list)
     environment: dict[str, str] = field(default_factory=dict)
     docker_host: str | None = None
+    nvml: Any = None
     containers: list = field(default_factory=list, init=False)
 
     def client(self):
@@ -107,22 +116,65 @@ class DockerLauncher:
     def _device_requests(self) -> list:
         from docker.types import DeviceRequest
 
-        if self.gpus in (0, "0", None):
+        if self.gpus in (0, "0", None, "none"):
             return []
         count = -1 if self.gpus == "all" else int(self.gpus)
         return [DeviceRequest(count=count, capabilities=[["gpu"]])]
 
+    def image_labels(self, client) -> dict[str, str]:
+        """The image's labels from the engine, pulling the image first when it is absent.
+
+        Raises:
+            DockerLaunchError: the image cannot be found or pulled.
+        """
+        import docker.errors
+
+        try:
+            try:
+                attrs = client.api.inspect_image(self.image)
+            except docker.errors.ImageNotFound:
+                client.images.pull(self.image)
+                attrs = client.api.inspect_image(self.image)
+        except docker.errors.DockerException as e:
+            raise DockerLaunchError(f"image {self.image}: not on the engine and not pulled: "
+                                    f"{e}") from e
+        return (attrs.get("Config") or {}).get("Labels") or {}
+
+    def preflight(self, labels: dict[str, str]) -> HostCuda | None:
+        """Refuse an image whose CUDA the host driver cannot run, before a GPU container exists.
+
+        Returns:
+            The host's driver facts; None when no GPU is asked or the image records no CUDA.
+
+        Raises:
+            stoker.images.preflight.PreflightError: driver too old, no driver, or no GPU.
+        """
+        if not self._device_requests():
+            return None
+        nvml = self.nvml
+        if nvml is None:
+            import pynvml as nvml
+        return preflight_cuda(image_cuda_version(labels), nvml)
+
     def start(self, spec_path: Path) -> list:
-        """Start the containers of one attempt (detached) and return them."""
+        """Start the containers of one attempt (detached) and return them.
+
+        Raises:
+            stoker.images.preflight.PreflightError: GPUs asked and the host cannot run the image.
+            DockerLaunchError: the engine is unreachable or a container cannot start (every
+                container of the attempt, including the one that failed, is removed).
+        """
         spec = RunSpec.load(spec_path)
         client = self.client()
+        self.preflight(self.image_labels(client))
         job = Path(spec.job_dir).name
         rdzv_id = f"{job}-{uuid.uuid4().hex[:8]}"
         user = self.user or f"{os.getuid()}:{os.getgid()}"
         self.containers = []
         for node in range(self.nnodes):
             try:
-                self.containers.append(client.containers.run(
+                # create, then start: a container that cannot start is already ours to remove.
+                self.containers.append(client.containers.create(
                     self.image, command=self.command(spec_path, node, rdzv_id), detach=True,
                     name=f"stoker-{job[:40]}-n{node}-{uuid.uuid4().hex[:6]}",
                     network_mode="host", ipc_mode="host", shm_size=self.shm_size, user=user,
@@ -132,6 +184,7 @@ class DockerLauncher:
                             "dev.stoker.node_rank": str(node)},
                     stop_signal="SIGTERM",
                 ))
+                self.containers[-1].start()
             except Exception as e:
                 self.stop(remove=True)
                 raise DockerLaunchError(f"cannot start node {node} of job {job} from image "
