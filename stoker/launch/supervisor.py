@@ -16,13 +16,13 @@ from mlflow import MlflowClient
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
+from stoker.launch.lease import JobBusy
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
 from stoker.tracking.lineage import code_version
 
-
-class JobBusy(RuntimeError):
-    """Another process holds the job's lock: it is training this job right now."""
+__all__ = ["JobBusy", "ProgressWatcher", "TrainResult", "TrainingFailed", "finish_run",
+           "lineage_tags", "nproc", "write_spec"]
 
 
 class TrainingFailed(RuntimeError):
@@ -77,8 +77,11 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
 
 
 def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
-               world_size: int, tags: dict[str, str]) -> Path:
-    """Write ``<job_dir>/spec.yaml`` for the runtime (rewritten each run with current lineage)."""
+               world_size: int, tags: dict[str, str], lease_token: str | None = None) -> Path:
+    """Write ``<job_dir>/spec.yaml`` for the runtime (rewritten each run with current lineage).
+
+    Call it only while holding the job's lease (``lease_token``): the runtime stops once the
+    lease is no longer that one."""
     spec = RunSpec(
         train=config.train, data_dir=dataset.local_path, job_dir=str(job_dir),
         tracking_uri=config.tracking_uri(), experiment=config.tracking.experiment,
@@ -86,6 +89,7 @@ def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
         else (config.work_dir.resolve() / "mlartifacts").as_uri(),
         run_name=job_dir.name, tags=tags,
         system_metrics_interval_s=config.tracking.system_metrics_interval_s,
+        lease_token=lease_token,
     )
     job_dir.mkdir(parents=True, exist_ok=True)
     spec.dump(job_dir / "spec.yaml")
@@ -114,9 +118,10 @@ class ProgressWatcher(threading.Thread):
         self.stopped = threading.Event()
 
     def poll(self) -> None:
-        events = read_events(self.job_dir)
-        starts = [e for e in events if e["event"] == "start"]
-        steps = [e for e in events if e["event"] == "step"]
+        events = [e for e in read_events(self.job_dir)
+                  if isinstance(e.get("time"), int | float) and isinstance(e.get("step"), int)]
+        starts = [e for e in events if e.get("event") == "start"]
+        steps = [e for e in events if e.get("event") == "step"]
         if not starts or not steps:
             return
         total, last = starts[-1].get("total_steps") or 1, steps[-1]
