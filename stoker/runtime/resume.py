@@ -80,8 +80,10 @@ def resume_point(ckpt: Checkpointer, env: DistEnv, on_none: str = "restart",
         elif not candidates:  # an interrupted save newer than any commit
             skipped.append(f"{ckpt.step_dir(step)}: no COMMITTED marker (interrupted save)")
     result: Loaded | None = None
-    for index in range(len(candidates) + 1):
+    index = 0
+    while True:  # every rank loops until rank 0 proposes -1 (only rank 0 knows candidates)
         step = _agree_int(candidates[index] if index < len(candidates) else -1, env)
+        index += 1
         if step < 0:
             break
         try:
