@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from stoker.data.git import git
+from stoker.runtime.records import read_json, write_json
 
 
 class DatasetError(RuntimeError):
@@ -150,7 +151,7 @@ def pull_dataset(
         local_path=str(final),
     )
     record = datasets_dir / f"{md5}.json"
-    if final.is_dir() and record.is_file():
+    if final.is_dir() and read_json(record) is not None:  # a torn record: pulled again
         return ref  # content-addressed: same hash, same files
 
     git(clone, "checkout", "-q", "--force", "--detach", commit)
@@ -192,5 +193,5 @@ def pull_dataset(
         staging.rename(final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    record.write_text(ref.to_json())
+    write_json(record, asdict(ref))  # atomically: the record marks the dataset complete
     return ref
