@@ -56,7 +56,7 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
     with contextlib.ExitStack() as stack:
         if job_dir is None or held_lease(job_dir) is None:
             claim = stack.enter_context(JobClaim(config, flow_run.get_id()))
-            job_dir = claim.bind(dataset.md5)
+            job_dir = claim.bind(dataset.md5) if job_dir is None else claim.take(job_dir)
             if claim.done is not None:
                 raise TrainingFailed(f"job {job_dir.name} is already done; nothing to train")
         return _train(config, dataset, image, Path(job_dir))

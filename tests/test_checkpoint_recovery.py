@@ -18,7 +18,6 @@ import yaml
 from conftest import events
 from mlflow import MlflowClient
 
-from stoker.launch.lease import JobLease
 from stoker.launch.local import LocalLauncher
 from stoker.runtime.checkpoint import MARKER, Checkpointer
 from stoker.runtime.spec import RunSpec
@@ -124,6 +123,8 @@ def test_retention_never_deletes_the_checkpoint_that_resumes(make_spec):
     code, output = run(spec)
     assert code == 0, output[-3000:]
     assert starts(spec)[-1] == stopped  # not step 0
+    steps = [e["step"] for e in events(spec.parent) if e["event"] == "step" and not e.get("rerun")]
+    assert steps == list(range(1, 23))  # re-run steps are marked: one unmarked line per step
 
 
 def test_no_usable_checkpoint_refuses_or_restarts_loudly(make_spec):
@@ -158,6 +159,8 @@ def test_no_usable_checkpoint_refuses_or_restarts_loudly(make_spec):
 def test_runtime_stops_with_a_checkpoint_when_the_lease_is_lost(make_spec):
     """Input 1(b): the orchestrator owning the job stops renewing its lease (it died): the
     training processes commit a checkpoint and exit 75 instead of training on as orphans."""
+    from stoker.launch.lease import JobLease
+
     spec = make_spec("orphan", epochs=20)
     lease = JobLease(spec.parent, ttl_s=3).acquire()
     values = yaml.safe_load(spec.read_text())

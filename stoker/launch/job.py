@@ -97,6 +97,10 @@ class JobClaim:
     def job_dir(self) -> Path | None:
         return self.lease.job_dir if self.lease else None
 
+    def take(self, job_dir: Path) -> Path:
+        """Lease ``job_dir`` itself (a job chosen elsewhere); see ``bind``."""
+        return self._take(Path(job_dir))
+
     def _take(self, job_dir: Path) -> Path:
         summary = done_summary(job_dir)  # a done job needs no lease: it is never trained again
         if summary is None:
