@@ -116,3 +116,26 @@ def test_refuses_while_an_earlier_runs_container_trains_the_job(docker_engine, m
         assert [c.id for c in found] == [orphan.id]  # no second trainer was started
     finally:
         orphan.remove(force=True)
+
+
+def test_waits_for_an_orphan_that_stops_once_the_lease_moved(docker_engine, make_spec):
+    """Input 1(b): an orphan that exits by itself (as the runtime does once the job lease is no
+    longer its own) is waited for, not refused."""
+    from stoker.launch.docker import DockerLaunchError, JobContainersRunning
+
+    image = sleeper_image(docker_engine)
+    spec = make_spec(f"adopted-{uuid.uuid4().hex[:8]}", epochs=1, tracking=False)
+    job = spec.parent.name
+    orphan = docker_engine.containers.run(
+        image, ["/bin/sleep", "3"], detach=True, name=f"stoker-{job}-n0-orphan",
+        labels={DOCKER_OWNER_LABEL: "true", DOCKER_JOB_LABEL: job})
+    try:
+        launcher = launcher_for(image, orphan_wait_s=60)
+        # The stand-in image has no torchrun: starting fails, but only after the orphan left.
+        with pytest.raises(DockerLaunchError) as failure:
+            launcher.run(spec, timeout_s=60)
+        assert not isinstance(failure.value, JobContainersRunning), failure.value
+        orphan.reload()
+        assert orphan.status == "exited"
+    finally:
+        orphan.remove(force=True)
