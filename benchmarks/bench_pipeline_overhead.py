@@ -19,7 +19,6 @@ time; target <= 1.05.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -47,6 +46,7 @@ from benchmarks.common import (  # noqa: E402
     torchrun,
 )
 from benchmarks.jobs import demo_dataset, write_spec  # noqa: E402
+from stoker.launch.attempts import AttemptLog  # noqa: E402
 from stoker.runtime.progress import read_events  # noqa: E402
 
 TARGET = Target("<=", 1.05)
@@ -190,8 +190,7 @@ def main() -> None:
             if not (job / "pipeline_done.json").is_file():
                 raise RuntimeError(f"{job}: the pipeline did not finish the job")
             cand_train_s.append(training_s(job))
-            attempts = [json.loads(line) for line in
-                        (job / "attempts.jsonl").read_text().splitlines()]
+            attempts = AttemptLog(job).history()  # started + ended records, folded
             attempt_s.append(sum(a["duration_s"] for a in attempts))
             return wall
 
