@@ -19,7 +19,6 @@ time; target <= 1.05.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -45,6 +44,7 @@ from benchmarks.common import (  # noqa: E402
     torchrun,
 )
 from benchmarks.jobs import demo_dataset, write_spec  # noqa: E402
+from stoker.launch.attempts import AttemptLog  # noqa: E402
 from stoker.runtime.progress import read_events  # noqa: E402
 
 TARGET = Target("<=", 1.05)
@@ -177,8 +177,7 @@ def main() -> None:
             if not (job / "pipeline_done.json").is_file():
                 raise RuntimeError(f"{job}: the pipeline did not finish the job")
             keep(i, "cand_train_s", training_s(job))
-            attempts = [json.loads(line) for line in
-                        (job / "attempts.jsonl").read_text().splitlines() if line.strip()]
+            attempts = AttemptLog(job).history()  # started + ended records, folded
             keep(i, "attempt_s", sum(a["duration_s"] for a in attempts))
             return wall
 

@@ -6,11 +6,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from prefect import flow
+from prefect.runtime import flow_run
 
 from stoker.config import PipelineConfig
 from stoker.images.spec import ImageRequest
 from stoker.launch.factory import check_before_pull, needs_image
-from stoker.launch.job import mark_done
+from stoker.launch.job import JobClaim, mark_done
 from tasks.data import pull
 from tasks.images import build_image
 from tasks.registry import register
@@ -24,15 +25,25 @@ DEFAULT_IMAGE = ImageRequest()
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE) -> dict:
     """Pull data at a pinned revision, build the training image when training runs in
-    containers, train (resuming any unfinished job), register, report."""
-    check_before_pull(config)
-    dataset = pull(config)
-    training_image = build_image(image) if needs_image(config) else None
-    trained = train(config, dataset, training_image)
-    registration = register(config, dataset, trained)
-    report(dataset, trained, registration, config.tracking, config.tracking_uri())
-    summary = {"dataset": asdict(dataset), "run_id": trained.run_id,
-               "metrics": trained.metrics, "cost": trained.cost,
-               "registration": registration.to_dict()}
-    mark_done(Path(trained.job_dir), summary)
+    containers, train (resuming any unfinished job), register, report.
+
+    The job is owned (leased) from before anything in its folder is written until it is marked
+    done: with ``job_id`` before the pull, otherwise right after it. A done ``job_id`` returns
+    its summary and does nothing."""
+    with JobClaim(config, flow_run.get_id()) as job:
+        if job.done is not None:
+            return job.done
+        check_before_pull(config)
+        dataset = pull(config)
+        job_dir = job.bind(dataset.md5)
+        if job.done is not None:
+            return job.done
+        training_image = build_image(image) if needs_image(config) else None
+        trained = train(config, dataset, training_image, job_dir)
+        registration = register(config, dataset, trained)
+        report(dataset, trained, registration, config.tracking, config.tracking_uri())
+        summary = {"dataset": asdict(dataset), "run_id": trained.run_id,
+                   "metrics": trained.metrics, "cost": trained.cost,
+                   "registration": registration.to_dict()}
+        mark_done(Path(trained.job_dir), summary)
     return summary

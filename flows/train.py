@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from prefect import flow
+from prefect.runtime import flow_run
 
 from stoker.config import PipelineConfig
 from stoker.images.spec import ImageRequest
 from stoker.launch.factory import check_before_pull, needs_image
+from stoker.launch.job import JobClaim
 from tasks.data import pull
 from tasks.images import build_image
 from tasks.train import train
@@ -18,10 +20,17 @@ DEFAULT_IMAGE = ImageRequest()
 @flow(name="train", log_prints=True)
 def train_only(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE
                ) -> dict:
-    """Pull data at a pinned revision and train; returns the MLflow run id, metrics and cost."""
-    check_before_pull(config)
-    dataset = pull(config)
-    training_image = build_image(image) if needs_image(config) else None
-    trained = train(config, dataset, training_image)
+    """Pull data at a pinned revision and train; returns the MLflow run id, metrics and cost.
+    The job is leased while this flow runs (see ``flows.pipeline``)."""
+    with JobClaim(config, flow_run.get_id()) as job:
+        if job.done is not None:
+            return job.done
+        check_before_pull(config)
+        dataset = pull(config)
+        job_dir = job.bind(dataset.md5)
+        if job.done is not None:
+            return job.done
+        training_image = build_image(image) if needs_image(config) else None
+        trained = train(config, dataset, training_image, job_dir)
     return {"run_id": trained.run_id, "metrics": trained.metrics, "cost": trained.cost,
             "job_dir": trained.job_dir}

@@ -61,12 +61,32 @@ def run(
 ) -> None:
     """Run the main job: pull the dataset, train with torchrun, register the model in MLflow."""
     config = _config(config_file, overrides)
+    from stoker.launch.lease import JobBusy
+
+    try:
+        summary = _run_pipeline(config)
+    except JobBusy as e:  # one line, no traceback: another run owns the job
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(EXIT_BUSY) from None
+    typer.echo(json.dumps(summary, indent=2, default=str))
+
+
+EXIT_BUSY = 3  # `stoker run`: the job is owned by another live run (nothing was changed)
+
+
+def _run_pipeline(config: PipelineConfig) -> dict:
+    """A done ``job_id`` is reported and a busy one refused before the flow starts."""
+    from stoker.launch.job import check_job_early
+
+    done = check_job_early(config)
+    if done is not None:
+        typer.echo(f"job {config.job_id} is already done; nothing to do", err=True)
+        return done
     _check_before_pull(config)
     quiet_telemetry(config.work_dir)
     from flows.pipeline import pipeline
 
-    summary = pipeline(config)
-    typer.echo(json.dumps(summary, indent=2, default=str))
+    return pipeline(config)
 
 
 @app.command("cost-guard")

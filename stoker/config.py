@@ -137,6 +137,9 @@ class TrainConfig(_Frozen):
         "validation metric (e.g. val_accuracy), beyond the latest k.")
     keep_best_direction: Literal["max", "min"] = Field(
         "max", description="Whether larger or smaller keep_best_metric values are better.")
+    on_no_usable_checkpoint: Literal["restart", "refuse"] = Field(
+        "restart", description="When checkpoint folders exist but none can be loaded: restart "
+        "from step 0 (warned loudly, tagged on the MLflow run) or refuse (exit 2).")
     async_checkpoint: bool = Field(
         False, description="Write checkpoints in a background thread after a host copy."
     )
@@ -310,6 +313,10 @@ class PipelineConfig(_Frozen):
         None, description="Resume this job; empty: resume the unfinished job of the same config, "
         "or start a new one.",
     )
+    job_lease_s: float = Field(
+        60.0, ge=3, description="Seconds a job stays owned by a flow run that stopped renewing "
+        "its lease (the run died): after that another run may take the job over, and the "
+        "job's training processes and containers stop (checkpoint, exit 75).")
     train_timeout_s: float | None = Field(
         None, gt=0, description="Fail the train task after this many seconds (all attempts); "
         "the whole torchrun process tree is terminated."

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import subprocess
 import time
+from pathlib import Path
 
-from filelock import FileLock, Timeout
 from mlflow import MlflowClient
 from mlflow.entities import Metric, RunTag
 from prefect import get_run_logger, task
@@ -17,11 +17,12 @@ from prefect.runtime import flow_run
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
+from stoker.launch.attempts import AttemptLog
 from stoker.launch.factory import make_launcher
-from stoker.launch.job import resolve_job_dir
+from stoker.launch.job import JobClaim
+from stoker.launch.lease import JobBusy, held_lease
 from stoker.launch.retry import Attempt, Outcome, run_with_retries
 from stoker.launch.supervisor import (
-    JobBusy,
     ProgressWatcher,
     TrainingFailed,
     TrainResult,
@@ -32,34 +33,55 @@ from stoker.launch.supervisor import (
     write_spec,
 )
 from stoker.runtime.progress import read_events
+from stoker.runtime.records import read_json, read_text
+from stoker.runtime.tracking import ensure_store
 from stoker.tracking.cost import cost_report
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None = None
-          ) -> TrainResult:
+def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None = None,
+          job_dir: Path | None = None) -> TrainResult:
     """Train (or resume) the job for ``config`` on ``dataset`` with torchrun.
 
-    Each attempt runs as a nested task run ``attempt-N`` (visible in the Prefect UI with its exit
-    code and outcome); preemptions and infrastructure failures resume from the last committed
-    checkpoint within their budgets.
+    ``job_dir`` is the job the calling flow leased (``JobClaim``); without it the task leases
+    the job itself for the time it trains. Each attempt runs as a nested task run ``attempt-N``
+    (visible in the Prefect UI with its exit code and outcome); preemptions and infrastructure
+    failures resume from the last committed checkpoint within their budgets.
 
     Raises:
+        JobBusy: another live run owns the job (one line naming it; nothing written).
         TrainingFailed: the last attempt did not complete; the message lists every attempt.
     """
+    with contextlib.ExitStack() as stack:
+        if job_dir is None or held_lease(job_dir) is None:
+            claim = stack.enter_context(JobClaim(config, flow_run.get_id()))
+            job_dir = claim.bind(dataset.md5) if job_dir is None else claim.take(job_dir)
+            if claim.done is not None:
+                raise TrainingFailed(f"job {job_dir.name} is already done; nothing to train")
+        return _train(config, dataset, image, Path(job_dir))
+
+
+def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None,
+           job_dir: Path) -> TrainResult:
     logger = get_run_logger()
+    lease = held_lease(job_dir)
     world_size = nproc(config)
-    job_dir = resolve_job_dir(config, dataset.md5)
     tags = lineage_tags(config, dataset, world_size, image, flow_run.get_id(),
                         flow_run.get_flow_run_ui_url())
-    spec_path = write_spec(config, dataset, job_dir, world_size, tags)
+    spec_path = write_spec(config, dataset, job_dir, world_size, tags, lease.token)
     logger.info("job %s: %d process(es) per node, spec %s", job_dir.name, world_size, spec_path)
     # The docker launcher runs the CUDA preflight before each GPU container, whatever the image.
     launcher = make_launcher(config, world_size, image.pinned_ref if image else None)
+    ensure_store(config.tracking_uri())
     client = MlflowClient(config.tracking_uri())
     run_file = job_dir / "mlflow_run_id"
+    attempts_log = AttemptLog(job_dir)
+    for closed in attempts_log.close_interrupted():  # a flow run that died mid-attempt left it open
+        logger.warning("attempt %d of an earlier run closed as %s after %.1f s", closed["number"],
+                       closed["outcome"], closed["duration_s"])
+    first_number = attempts_log.next_number()
     capacities: dict[int, str] = {}
-    preempted = 0
+    preempted = sum(a["outcome"] == Outcome.PREEMPTED for a in attempts_log.history())
 
     # Our own deadline, not Prefect's timeout_seconds: a sync task's timeout cannot interrupt a
     # blocking wait, while the launcher's wait(timeout) ends the attempt and its process tree.
@@ -76,30 +98,25 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
                                f"{job_dir.name} stopped (process tree terminated)") from None
 
     def launch(number: int) -> int:
+        if lease.lost:  # another run took the job over: never launch a second trainer
+            raise JobBusy(f"job {job_dir.name}: lease lost ({lease.lost}); not launching")
+        number += first_number - 1  # numbering continues over every run of the job
         capacities[number] = capacity_for(config, preempted)
+        attempts_log.start(number, capacities[number], flow_run.get_id())
         return attempt_task.with_options(task_run_name=f"attempt-{number}")(
             number, capacities[number])
 
     def record(attempt: Attempt) -> None:
         nonlocal preempted
         preempted += attempt.outcome == Outcome.PREEMPTED
-        entry = {**attempt.to_dict(), "capacity_type": capacities[attempt.number]}
-        with open(job_dir / "attempts.jsonl", "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        number = attempt.number + first_number - 1
+        attempts_log.end(number, {**attempt.to_dict(), "capacity_type": capacities[number]})
         level = logger.info if attempt.outcome == Outcome.COMPLETED else logger.warning
-        level("attempt %d ended: %s (exit %d) after %.1f s", attempt.number, attempt.outcome,
+        level("attempt %d ended: %s (exit %d) after %.1f s", number, attempt.outcome,
               attempt.exit_code, attempt.duration_s)
-        if attempt.outcome == Outcome.INFRASTRUCTURE and run_file.exists():
-            finish_run(client, run_file.read_text().strip(), "KILLED")
+        if attempt.outcome == Outcome.INFRASTRUCTURE and read_text(run_file):
+            finish_run(client, read_text(run_file), "KILLED")
 
-    # One trainer per job: a second `stoker run` of the same config must not train it at once.
-    lock = FileLock(job_dir / ".train.lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise JobBusy(f"job {job_dir.name} is being trained by another process (lock "
-                      f"{lock.lock_file}); wait for it, or set job_id to start another job") \
-            from None
     artifact_id = create_progress_artifact(
         progress=0.0, key=None, description=f"training progress of {job_dir.name}")
 
@@ -112,21 +129,23 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
     try:
         attempts = run_with_retries(launch, config.retry, on_attempt=record)
     except BaseException:  # cancelled or timed out: the tree is already gone, close the run
-        if run_file.exists():
-            finish_run(client, run_file.read_text().strip(), "KILLED")
+        if read_text(run_file):
+            finish_run(client, read_text(run_file), "KILLED")
         raise
     finally:
         watcher.stop()
-        lock.release()
-    history = [json.loads(line) for line in (job_dir / "attempts.jsonl").read_text().splitlines()]
-    history = history[-len(attempts):]  # this run's attempts (earlier runs of the job precede)
+    history = attempts_log.history()  # every attempt of the job, whichever flow run made it
     if attempts[-1].outcome != Outcome.COMPLETED:
-        if run_file.exists():
-            finish_run(client, run_file.read_text().strip(), "FAILED")
-        summary = ", ".join(f"#{a.number} {a.outcome} (exit {a.exit_code})" for a in attempts)
+        if read_text(run_file):
+            finish_run(client, read_text(run_file), "FAILED")
+        summary = ", ".join(f"#{a['number']} {a['outcome']} (exit {a['exit_code']})"
+                            for a in history[-len(attempts):])
         raise TrainingFailed(f"job {job_dir.name} did not complete: {summary}")
 
-    result = json.loads((job_dir / "result.json").read_text())
+    result = read_json(job_dir / "result.json")
+    if not isinstance(result, dict) or "run_id" not in result:
+        raise TrainingFailed(f"job {job_dir.name}: {job_dir / 'result.json'} missing or "
+                             "unreadable after a completed attempt")
     report = cost_report(history, read_events(job_dir), result["train_time_s"], world_size,
                          result["gpu_model"], config.cost.prices)
     now_ms = int(time.time() * 1000)

@@ -73,3 +73,69 @@ def test_docker_stop_checkpoints_and_the_next_attempt_resumes(training_image, ma
     starts = [e for e in events(spec.parent) if e["event"] == "start"]
     assert starts[-1]["resumed"] and starts[-1]["step"] == stopped["step"]
     assert json.loads((spec.parent / "result.json").read_text())["step"] == 6 * 22
+
+
+def sleeper_image(engine) -> str:
+    """A tiny image holding only the host's /bin/sleep and its libraries (imported, not built)."""
+    import io
+    import os
+    import subprocess
+    import tarfile
+
+    libs = [part for line in subprocess.run(["ldd", "/bin/sleep"], capture_output=True,
+                                            text=True, check=True).stdout.splitlines()
+            for part in line.split() if part.startswith("/")]
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        for path in ["/bin/sleep", *libs]:
+            tar.add(os.path.realpath(path), arcname=path.lstrip("/"))
+    engine.api.import_image_from_data(data.getvalue(), repository="stoker-test/sleeper",
+                                      tag="1")
+    return "stoker-test/sleeper:1"
+
+
+def test_refuses_while_an_earlier_runs_container_trains_the_job(docker_engine, make_spec):
+    """Input 1(a): an orphaned container of the job (its orchestrator was killed) still runs:
+    the launcher starts no second one, and names the container and how to stop it."""
+    from stoker.launch.docker import DockerLaunchError
+
+    image = sleeper_image(docker_engine)
+    spec = make_spec(f"orphaned-{uuid.uuid4().hex[:8]}", epochs=1, tracking=False)
+    job = spec.parent.name
+    orphan = docker_engine.containers.run(
+        image, ["/bin/sleep", "300"], detach=True, name=f"stoker-{job}-n0-orphan",
+        labels={DOCKER_OWNER_LABEL: "true", DOCKER_JOB_LABEL: job})
+    try:
+        launcher = launcher_for(image, orphan_wait_s=2)
+        started = time.monotonic()
+        with pytest.raises(DockerLaunchError, match=rf"docker stop -t \d+ {orphan.name}"):
+            launcher.run(spec, timeout_s=60)
+        assert time.monotonic() - started < 30
+        found = docker_engine.containers.list(all=True, filters={
+            "label": f"{DOCKER_JOB_LABEL}={job}"})
+        assert [c.id for c in found] == [orphan.id]  # no second trainer was started
+    finally:
+        orphan.remove(force=True)
+
+
+def test_waits_for_an_orphan_that_stops_once_the_lease_moved(docker_engine, make_spec):
+    """Input 1(b): an orphan that exits by itself (as the runtime does once the job lease is no
+    longer its own) is waited for, not refused."""
+    from stoker.launch.docker import DockerLaunchError, JobContainersRunning
+
+    image = sleeper_image(docker_engine)
+    spec = make_spec(f"adopted-{uuid.uuid4().hex[:8]}", epochs=1, tracking=False)
+    job = spec.parent.name
+    orphan = docker_engine.containers.run(
+        image, ["/bin/sleep", "3"], detach=True, name=f"stoker-{job}-n0-orphan",
+        labels={DOCKER_OWNER_LABEL: "true", DOCKER_JOB_LABEL: job})
+    try:
+        launcher = launcher_for(image, orphan_wait_s=60)
+        # The stand-in image has no torchrun: starting fails, but only after the orphan left.
+        with pytest.raises(DockerLaunchError) as failure:
+            launcher.run(spec, timeout_s=60)
+        assert not isinstance(failure.value, JobContainersRunning), failure.value
+        orphan.reload()
+        assert orphan.status == "exited"
+    finally:
+        orphan.remove(force=True)

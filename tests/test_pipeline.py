@@ -205,15 +205,14 @@ def test_train_timeout_terminates_the_tree(harness, tmp_path):
 
 
 def test_a_job_trains_in_one_process_at_a_time(harness, tmp_path):
-    from filelock import FileLock
-
     from flows.pipeline import pipeline
+    from stoker.launch.lease import JobLease
     from stoker.launch.supervisor import JobBusy
 
     work = tmp_path / "work"
     job = work / "jobs" / "busy"
-    job.mkdir(parents=True)
     config = load_pipeline_config(None, [f"work_dir={work}", "job_id=busy", "train.epochs=1"])
-    with FileLock(job / ".train.lock"), pytest.raises(JobBusy, match="job busy is being trained"):
+    with JobLease(job, ttl_s=30), pytest.raises(JobBusy, match="job busy is being trained by"):
         pipeline(config)
     assert not (job / "attempts.jsonl").exists()  # nothing was launched
+    assert not (job / "spec.yaml").exists()  # nothing in the job folder was written

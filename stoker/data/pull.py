@@ -30,6 +30,7 @@ import yaml
 
 from stoker.data.git import git
 from stoker.data.remote import check_reachable, is_local, original_remotes, resolve_repo_url
+from stoker.runtime.records import read_json, write_json
 
 LOCK_TIMEOUT_S = 3600.0  # a cold pull of a large dataset holds the clone's lock this long at most
 
@@ -258,10 +259,8 @@ def _publish(objects: Path, link: bool, ref: DatasetRef, datasets_dir: Path) -> 
         staging.rename(final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    record = datasets_dir / f"{final.name}.json"
-    tmp = record.with_suffix(".json.tmp")
-    tmp.write_text(ref.to_json())
-    tmp.replace(record)
+    # Atomically (fsync, rename): the record marks the dataset complete; a torn one is pulled again.
+    write_json(datasets_dir / f"{final.name}.json", asdict(ref))
 
 
 def pull_dataset(
@@ -316,7 +315,7 @@ def _pull_locked(repo_url: str, rev: str, path: str, datasets_dir: Path,
         nfiles=int(out.get("nfiles", 0)), size_bytes=int(out.get("size", 0)),
         local_path=str(final),
     )
-    if final.is_dir() and (datasets_dir / f"{final.name}.json").is_file():
+    if final.is_dir() and read_json(datasets_dir / f"{final.name}.json") is not None:
         return ref  # content-addressed: same hash, same files
 
     git(clone, "checkout", "-q", "--force", "--detach", commit)  # .dvc files only: no data

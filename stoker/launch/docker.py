@@ -15,6 +15,11 @@ container that fails to start is removed.
 
 ``docker stop`` sends SIGTERM to the entrypoint, which passes it to the workers: they commit a
 checkpoint and the container exits 75, which the retry policy resumes.
+
+One trainer per job: before starting, the launcher looks for running containers labelled with
+the same job (an orphan of an orchestrator that died). Such a container stops by itself once it
+sees the job lease taken over (it commits and exits 75); the launcher waits up to
+``orphan_wait_s`` for that, and otherwise refuses, naming the container and how to stop it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +42,10 @@ from stoker.runtime.spec import RunSpec
 
 class DockerLaunchError(RuntimeError):
     """The Docker Engine is unreachable or refused to start a container (named in the message)."""
+
+
+class JobContainersRunning(DockerLaunchError):
+    """Containers of the same job, started by an earlier run, are still running."""
 
 
 @dataclass
@@ -57,6 +67,8 @@ class DockerLauncher:
         environment: extra environment variables for the containers.
         docker_host: Docker Engine URL; None uses DOCKER_HOST or the local socket.
         nvml: NVML module for the GPU preflight; None: ``pynvml`` (imported when GPUs are asked).
+        orphan_wait_s: how long to wait for running containers of the same job to exit
+            before refusing to start.
     """
 
     image: str
@@ -71,6 +83,7 @@ class DockerLauncher:
     environment: dict[str, str] = field(default_factory=dict)
     docker_host: str | None = None
     nvml: Any = None
+    orphan_wait_s: float = 60.0
     containers: list = field(default_factory=list, init=False)
 
     def client(self):
@@ -156,11 +169,35 @@ class DockerLauncher:
             import pynvml as nvml
         return preflight_cuda(image_cuda_version(labels), nvml)
 
+    def running_for(self, client, job: str) -> list:
+        """Running containers labelled with ``job`` (ours or an earlier run's)."""
+        return client.containers.list(filters={"label": f"{DOCKER_JOB_LABEL}={job}",
+                                               "status": "running"})
+
+    def wait_for_orphans(self, client, job: str) -> None:
+        """Wait up to ``orphan_wait_s`` for running containers of ``job`` to exit.
+
+        Raises:
+            JobContainersRunning: some still run (named, with the command that stops them).
+        """
+        deadline = time.monotonic() + self.orphan_wait_s
+        running = self.running_for(client, job)
+        while running and time.monotonic() < deadline:
+            time.sleep(1.0)
+            running = self.running_for(client, job)
+        if running:
+            names = " ".join(c.name for c in running)
+            raise JobContainersRunning(
+                f"job {job}: container(s) {names} of an earlier run still train it; stop them "
+                f"with `docker stop -t {int(self.shutdown_grace_s) + 15} {names}` (they commit "
+                "a checkpoint and exit 75; this run then resumes from it)")
+
     def start(self, spec_path: Path) -> list:
         """Start the containers of one attempt (detached) and return them.
 
         Raises:
             stoker.images.preflight.PreflightError: GPUs asked and the host cannot run the image.
+            JobContainersRunning: an earlier run's containers of this job are still running.
             DockerLaunchError: the engine is unreachable or a container cannot start (every
                 container of the attempt, including the one that failed, is removed).
         """
@@ -168,6 +205,7 @@ class DockerLauncher:
         client = self.client()
         self.preflight(self.image_labels(client))
         job = Path(spec.job_dir).name
+        self.wait_for_orphans(client, job)
         rdzv_id = f"{job}-{uuid.uuid4().hex[:8]}"
         user = self.user or f"{os.getuid()}:{os.getgid()}"
         self.containers = []

@@ -12,11 +12,17 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 
 from stoker.config import PipelineConfig
+from stoker.launch.lease import JobLease, check_free, holder_alive
+from stoker.runtime.lease import read_lease
+from stoker.runtime.records import read_json, write_json
 from stoker.runtime.trainer import TRAJECTORY_FIELDS
+
+log = logging.getLogger(__name__)
 
 DONE_MARKER = "pipeline_done.json"
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -30,18 +36,21 @@ def job_key(config: PipelineConfig, dataset_md5: str) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def resolve_job_dir(config: PipelineConfig, dataset_md5: str) -> Path:
+def resolve_job_dir(config: PipelineConfig, dataset_md5: str | None) -> Path:
     """The folder of the job to run: ``config.job_id`` if given, else the newest unfinished job
     with the same key, else a new one.
 
     Raises:
-        ValueError: ``job_id`` is not a plain folder name.
+        ValueError: ``job_id`` is not a plain folder name, or neither it nor the dataset hash
+            is given.
     """
     jobs = config.work_dir.resolve() / "jobs"
     if config.job_id:
         if not _JOB_ID.match(config.job_id):
             raise ValueError(f"job_id {config.job_id!r}: use letters, digits, '.', '_' or '-'")
         return jobs / config.job_id
+    if dataset_md5 is None:
+        raise ValueError("resolve_job_dir: without job_id the dataset hash picks the job")
     key = job_key(config, dataset_md5)
     unfinished = [p for p in sorted(jobs.glob(f"{key}-*")) if not (p / DONE_MARKER).exists()]
     if unfinished:
@@ -52,6 +61,100 @@ def resolve_job_dir(config: PipelineConfig, dataset_md5: str) -> Path:
 
 def mark_done(job_dir: Path, summary: dict) -> None:
     """Record that the pipeline finished this job (training, registration, report)."""
-    tmp = job_dir / (DONE_MARKER + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    tmp.replace(job_dir / DONE_MARKER)
+    write_json(job_dir / DONE_MARKER, summary)
+
+
+def done_summary(job_dir: Path) -> dict | None:
+    """The summary of a done job (its ``pipeline_done.json``), or None while it is not done.
+
+    A done marker that a crash truncated still means done: its summary is then ``{}``."""
+    if not (job_dir / DONE_MARKER).exists():
+        return None
+    summary = read_json(job_dir / DONE_MARKER, default={})
+    return summary if isinstance(summary, dict) else {}
+
+
+class JobClaim:
+    """A flow run's ownership of its job, from before anything in the job folder is written
+    until the flow ends (after the job is marked done).
+
+    With ``config.job_id`` the job is known before the dataset is pulled: entering the claim
+    leases it at once, or refuses at once (``JobBusy``), or finds it done (``done`` holds its
+    summary and nothing is leased). Without it, ``bind(dataset_md5)`` picks and leases the job
+    after the pull. Leaving the claim releases the lease, however the flow ends.
+
+    Args:
+        config: the pipeline config (``work_dir``, ``job_id``, ``job_lease_s``).
+        flow_run_id: the orchestrator run, recorded in the lease for whoever is refused.
+    """
+
+    def __init__(self, config: PipelineConfig, flow_run_id: str | None = None):
+        self.config, self.flow_run_id = config, flow_run_id
+        self.lease: JobLease | None = None
+        self.done: dict | None = None
+
+    @property
+    def job_dir(self) -> Path | None:
+        return self.lease.job_dir if self.lease else None
+
+    def take(self, job_dir: Path) -> Path:
+        """Lease ``job_dir`` itself (a job chosen elsewhere); see ``bind``."""
+        return self._take(Path(job_dir))
+
+    def _take(self, job_dir: Path) -> Path:
+        summary = done_summary(job_dir)  # a done job needs no lease: it is never trained again
+        if summary is None:
+            check_free(job_dir)  # refuse before creating anything
+            self.lease = JobLease(job_dir, self.config.job_lease_s, self.flow_run_id).acquire()
+            summary = done_summary(job_dir)  # finished by the owner we just followed?
+            if summary is not None:
+                self.lease.release()
+                self.lease = None
+        if summary is not None:
+            self.done = {**summary, "already_done": True, "job_dir": str(job_dir)}
+            log.warning("job %s is already done (%s); nothing to do", job_dir.name,
+                        job_dir / DONE_MARKER)
+        return job_dir
+
+    def __enter__(self) -> JobClaim:
+        if self.config.job_id:
+            self._take(resolve_job_dir(self.config, None))
+        return self
+
+    def bind(self, dataset_md5: str) -> Path:
+        """The job folder, leased: the one named by ``job_id`` or picked by the dataset hash.
+
+        Raises:
+            JobBusy: another live run holds the unfinished job of this config.
+        """
+        if self.lease is not None:
+            return self.lease.job_dir
+        job_dir = resolve_job_dir(self.config, dataset_md5)
+        return self._take(job_dir)
+
+    def __exit__(self, *exc) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+
+def job_owner(job_dir: Path) -> dict | None:
+    """The live lease on ``job_dir`` (who trains it now), or None."""
+    lease = read_lease(job_dir)
+    return lease if lease is not None and holder_alive(lease) else None
+
+
+def check_job_early(config: PipelineConfig) -> dict | None:
+    """Before a flow starts: with ``job_id``, refuse a busy job or return a done job's summary
+    (None otherwise). Reads only; the flow's ``JobClaim`` makes the binding decision.
+
+    Raises:
+        JobBusy: a live run owns the job (one line naming it).
+    """
+    if not config.job_id:
+        return None
+    job_dir = resolve_job_dir(config, None)
+    summary = done_summary(job_dir)
+    if summary is not None:
+        return {**summary, "already_done": True, "job_dir": str(job_dir)}
+    check_free(job_dir)
+    return None

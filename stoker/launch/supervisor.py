@@ -16,14 +16,14 @@ from mlflow import MlflowClient
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
+from stoker.launch.lease import JobBusy
 from stoker.launch.status import job_progress
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
 from stoker.tracking.lineage import code_version
 
-
-class JobBusy(RuntimeError):
-    """Another process holds the job's lock: it is training this job right now."""
+__all__ = ["JobBusy", "ProgressWatcher", "TrainResult", "TrainingFailed", "finish_run",
+           "lineage_tags", "nproc", "write_spec"]
 
 
 class TrainingFailed(RuntimeError):
@@ -96,11 +96,12 @@ def run_description(config: PipelineConfig, dataset: DatasetRef, world_size: int
 
 
 def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
-               world_size: int, tags: dict[str, str]) -> Path:
+               world_size: int, tags: dict[str, str], lease_token: str | None = None) -> Path:
     """Write ``<job_dir>/spec.yaml`` for the runtime (rewritten each run with current lineage).
 
-    The MLflow run gets a readable name (:func:`run_name`), the job folder as tag ``stoker.job``
-    and a description with the dataset and config summary."""
+    Call it only while holding the job's lease (``lease_token``): the runtime stops once the
+    lease is no longer that one. The MLflow run gets a readable name (:func:`run_name`), the job
+    folder as tag ``stoker.job`` and a description with the dataset and config summary."""
     tags = {**tags, "stoker.job": job_dir.name,
             "mlflow.note.content": run_description(config, dataset, world_size)}
     spec = RunSpec(
@@ -110,6 +111,7 @@ def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
         else (config.work_dir.resolve() / "mlartifacts").as_uri(),
         run_name=run_name(config, dataset, job_dir), tags=tags,
         system_metrics_interval_s=config.tracking.system_metrics_interval_s,
+        lease_token=lease_token,
     )
     job_dir.mkdir(parents=True, exist_ok=True)
     spec.dump(job_dir / "spec.yaml")
@@ -141,7 +143,9 @@ class ProgressWatcher(threading.Thread):
 
     def poll(self) -> None:
         """Report the job's state when it changed since the last report (no repeated lines)."""
-        progress = job_progress(read_events(self.job_dir))
+        events = [e for e in read_events(self.job_dir)
+                  if isinstance(e.get("time"), int | float) and isinstance(e.get("step"), int)]
+        progress = job_progress(events)
         if progress is None:
             return
         message = progress.describe()

@@ -17,6 +17,7 @@ from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
 from stoker.runtime.checkpoint import CheckpointError
 from stoker.runtime.data import DataError
 from stoker.runtime.distributed import init_distributed, teardown
+from stoker.runtime.lease import watch_lease
 from stoker.runtime.preemption import StopFlag, die_with_parent
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.trainer import Trainer
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer: Trainer | None = None
     outcome = "failed"
     try:
+        if spec.lease_token and env.rank == 0:  # rank 0 alone: any rank's stop stops all
+            watch_lease(spec.job_dir, spec.lease_token, stop.request)
         if spec.train.preemption_notice_url:
             stop.watch_notice_url(spec.train.preemption_notice_url,
                                   spec.train.preemption_notice_interval_s)

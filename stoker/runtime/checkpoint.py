@@ -10,6 +10,10 @@ Every file is written under a temporary name and renamed; ``COMMITTED`` is writt
 once every rank's file exists. A step folder without it (killed mid-write, disk full) is never
 loaded. "latest" is the highest committed step whose files match their recorded hashes; a
 corrupt one is skipped with a warning naming the reason, and the previous one is used.
+
+Retention (``keep_latest_k``) counts only verified checkpoints at or below the one just written,
+never deletes that one, and never touches folders above it. A committed folder found unusable is
+moved aside to ``corrupt-step-<step>-<unix time>/`` (with a ``REASON`` file), never deleted.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class Checkpointer:
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
         self._pending: threading.Thread | None = None
+        self._verified: set[int] = set()  # steps this process wrote or verified
         self._error: BaseException | None = None
         self.last_blocking_s = 0.0
         self.fs.makedirs(self.root, exist_ok=True)
@@ -105,6 +110,10 @@ class Checkpointer:
                 step = int(match.group(1))
                 found.append((step, self.fs.exists(f"{self.step_dir(step)}/{MARKER}")))
         return sorted(found)
+
+    def step_folders(self) -> list[tuple[int, bool]]:
+        """(step, committed) for every ``step-*`` folder, ascending."""
+        return self._steps()
 
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending."""
@@ -185,6 +194,7 @@ class Checkpointer:
         marker = {"step": step, "world_size": self.world_size, "files": hashes,
                   "metrics": metrics or {}, "time": time.time()}
         self._write(f"{folder}/{MARKER}", json.dumps(marker, indent=1).encode())
+        self._verified.add(step)
         self._purge(step)
 
     def wait(self) -> None:
@@ -197,16 +207,48 @@ class Checkpointer:
             raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
 
     def _purge(self, latest: int) -> None:
-        """Keep the newest ``keep_latest_k`` committed steps; drop older and stale partial ones."""
+        """Keep the newest ``keep_latest_k`` verified steps at or below ``latest`` (always
+        ``latest`` itself) and the best one; drop older ones and stale partial ones. Folders
+        above ``latest`` are left alone; unusable committed ones are moved aside."""
         steps = self._steps()
-        committed = [s for s, c in steps if c]
-        keep = set(committed[-self.keep_latest_k:])
-        best = self.best_step(committed)
+        usable: list[int] = []
+        for step in reversed([s for s, c in steps if c and s <= latest]):
+            if len(usable) < self.keep_latest_k and self._usable(step):
+                usable.append(step)
+        keep = set(usable) | {latest}
+        best = self.best_step([s for s, c in self._steps() if c and s <= latest])
         if best is not None:
             keep.add(best)
         for step, _ in steps:
-            if step <= latest and step not in keep:
+            if step < latest and step not in keep and self.fs.exists(self.step_dir(step)):
                 self.fs.rm(self.step_dir(step), recursive=True)
+                self._verified.discard(step)
+
+    def _usable(self, step: int) -> bool:
+        """Whether committed ``step`` verifies (each step hashed once per process); an
+        unusable one is moved aside."""
+        if step in self._verified:
+            return True
+        try:
+            self._verify_and_read(step)
+        except Exception as e:  # unreadable marker or files: not a checkpoint to count on
+            self.set_aside(step, f"{type(e).__name__}: {e}")
+            return False
+        self._verified.add(step)
+        return True
+
+    def set_aside(self, step: int, reason: str) -> str:
+        """Move step folder ``step`` to ``corrupt-step-<step>-<unix time>`` with a ``REASON``
+        file, so it is neither loaded nor counted again (and nothing is deleted). Returns the
+        new path."""
+        target = f"{self.root}/corrupt-step-{step:09d}-{int(time.time())}"
+        self.fs.mv(self.step_dir(step), target, recursive=True)
+        with self.fs.open(f"{target}/REASON", "wb") as f:
+            f.write((reason + "\n").encode())
+        self._verified.discard(step)
+        log.warning("checkpoint %s unusable (%s): moved aside to %s", self.step_dir(step),
+                    reason, target)
+        return target
 
     def best_step(self, committed: list[int] | None = None) -> int | None:
         """The committed step with the best ``keep_best`` metric (None: not configured/none)."""
@@ -215,9 +257,12 @@ class Checkpointer:
         metric, direction = self.keep_best
         scored = []
         for step in committed if committed is not None else self.committed_steps():
-            with self.fs.open(f"{self.step_dir(step)}/{MARKER}", "rb") as f:
-                value = json.loads(f.read()).get("metrics", {}).get(metric)
-            if value is not None:
+            try:
+                with self.fs.open(f"{self.step_dir(step)}/{MARKER}", "rb") as f:
+                    value = json.loads(f.read()).get("metrics", {}).get(metric)
+            except (OSError, ValueError, AttributeError):
+                continue  # an unreadable marker is no candidate
+            if isinstance(value, int | float):
                 scored.append((value if direction == "max" else -value, step))
         return max(scored)[1] if scored else None
 
@@ -235,32 +280,47 @@ class Checkpointer:
                 raise CheckpointError(f"{folder}/{name}: sha256 does not match {MARKER}")
         return marker, blobs
 
+    def load_step(self, step: int, map_location: str | torch.device = "cpu") -> Loaded:
+        """Verify and load committed checkpoint ``step`` for this rank.
+
+        Raises:
+            CheckpointError: it is not committed, or a file is missing, corrupt or unreadable.
+        """
+        folder = self.step_dir(step)
+        if not self.fs.exists(f"{folder}/{MARKER}"):
+            raise CheckpointError(f"checkpoint {folder}: no {MARKER} marker (interrupted save)")
+        try:
+            marker, blobs = self._verify_and_read(step)
+            shared = torch.load(io.BytesIO(blobs["shared.pt"]), map_location=map_location,
+                                weights_only=False)
+            own = blobs.get(f"rank-{self.rank:05d}.pt")
+            same_world = marker["world_size"] == self.world_size
+            rank_state = (
+                torch.load(io.BytesIO(own), map_location="cpu", weights_only=False)
+                if own is not None and same_world else None
+            )
+        except Exception as e:  # any unreadable file makes the whole checkpoint unusable
+            raise CheckpointError(f"checkpoint {folder}: unusable ({type(e).__name__}: {e})") \
+                from e
+        self._verified.add(step)
+        return Loaded(step, marker["world_size"], shared, rank_state, folder)
+
     def load_latest(self, map_location: str | torch.device = "cpu",
                     warn: Callable[[str], None] = log.warning) -> Loaded | None:
         """The newest committed checkpoint that verifies, or None if there is none.
 
         Uncommitted folders are skipped (with a warning when newer than the result); a committed
         one whose files are missing, corrupt or unreadable is skipped with a warning naming why.
+        One process only: under torchrun use ``stoker.runtime.resume.resume_point`` so every
+        rank loads the step rank 0 chose.
         """
-        steps = self._steps()
-        for step, committed in reversed(steps):
+        for step, committed in reversed(self._steps()):
             folder = self.step_dir(step)
             if not committed:
                 warn(f"checkpoint {folder}: no {MARKER} marker (interrupted save); skipped")
                 continue
             try:
-                marker, blobs = self._verify_and_read(step)
-                shared = torch.load(io.BytesIO(blobs["shared.pt"]), map_location=map_location,
-                                    weights_only=False)
-                own = blobs.get(f"rank-{self.rank:05d}.pt")
-                same_world = marker["world_size"] == self.world_size
-                rank_state = (
-                    torch.load(io.BytesIO(own), map_location="cpu", weights_only=False)
-                    if own is not None and same_world else None
-                )
-            except Exception as e:  # any unreadable checkpoint falls back to the previous one
-                warn(f"checkpoint {folder}: unusable ({type(e).__name__}: {e}); "
-                     "falling back to the previous committed checkpoint")
-                continue
-            return Loaded(step, marker["world_size"], shared, rank_state, folder)
+                return self.load_step(step, map_location)
+            except CheckpointError as e:
+                warn(f"{e}; falling back to the previous committed checkpoint")
         return None

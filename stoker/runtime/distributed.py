@@ -80,3 +80,17 @@ def barrier(env: DistEnv) -> None:
             dist.barrier(device_ids=[env.local_rank])
         else:
             dist.barrier()
+
+
+def broadcast_from_main(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Overwrite ``values`` (on ``env.device``) with rank 0's, in place; a no-op on one process."""
+    if env.distributed:
+        dist.broadcast(values, src=0)
+    return values
+
+
+def all_reduce_min(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Element-wise minimum over all ranks, in place; a no-op on one process."""
+    if env.distributed:
+        dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    return values

@@ -3,7 +3,12 @@
 ``<job_dir>/progress.jsonl``: one JSON object per line, appended. Every line has ``event``
 (``start``, ``step``, ``eval``, ``checkpoint``, ``end``), ``time`` (Unix seconds) and ``step``
 (global optimizer step). ``step`` lines add ``epoch``, ``loss``, ``lr``, ``samples_per_s``;
-``eval`` lines add ``val_accuracy``, ``val_loss``; ``end`` lines add ``outcome``.
+``eval`` lines add ``val_accuracy``, ``val_loss``; ``end`` lines add ``outcome``. Every line also
+has ``attempt`` (1 for the job's first runtime start, counted from the ``start`` lines already in
+the file), and a ``step`` line for a step an earlier attempt already reported (re-run after
+resuming from an older checkpoint) has ``rerun: true``: readers that want one line per step drop
+those, nothing else to de-duplicate. Lines are appended whole; a torn last line (a crash
+mid-write) is skipped by readers with a warning and ended by the next writer.
 
 ``<job_dir>/heartbeat.json``: rewritten atomically at most once per second with
 ``{"time", "step", "epoch", "pid", "world_size", "outcome"}``; its ``time`` going stale while the
@@ -18,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stoker.runtime.records import JsonlAppender, read_jsonl
+
 
 class ProgressWriter:
     """Appends progress events and keeps the heartbeat fresh. Use on rank 0 only."""
@@ -27,13 +34,20 @@ class ProgressWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.world_size = world_size
         self.heartbeat_every_s = heartbeat_every_s
-        # Line-buffered: a reader sees whole events; closed in close().
-        self._events = open(self.dir / "progress.jsonl", "a", buffering=1)  # noqa: SIM115
+        earlier = read_events(self.dir)
+        self.attempt = 1 + sum(e.get("event") == "start" for e in earlier)
+        # Steps an earlier attempt reported: reported again only as re-runs.
+        self.reported_up_to = max((e["step"] for e in earlier if e.get("event") == "step"
+                                   and isinstance(e.get("step"), int)), default=0)
+        self._events = JsonlAppender(self.dir / "progress.jsonl")  # closed in close()
         self._last_beat = 0.0
 
     def event(self, event: str, step: int, **fields: Any) -> None:
-        record = {"event": event, "time": round(time.time(), 3), "step": step, **fields}
-        self._events.write(json.dumps(record) + "\n")
+        record = {"event": event, "time": round(time.time(), 3), "step": step,
+                  "attempt": self.attempt, **fields}
+        if event == "step" and step <= self.reported_up_to:
+            record["rerun"] = True
+        self._events.append(record)
         self.heartbeat(step, fields.get("epoch"), force=event != "step")
 
     def heartbeat(self, step: int, epoch: int | None = None, outcome: str | None = None,
@@ -53,8 +67,9 @@ class ProgressWriter:
 
 
 def read_events(job_dir: str | Path) -> list[dict[str, Any]]:
-    """All progress events of a job, oldest first ([] when there are none)."""
+    """All progress events of a job, oldest first ([] when there are none; a torn or foreign
+    line is skipped with a warning)."""
     path = Path(job_dir) / "progress.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)

@@ -32,6 +32,9 @@ class RunSpec(_Frozen):
         10.0, gt=0, description="Sample MLflow system metrics (CPU, memory, GPU via NVML) this "
         "often; empty: off.")
     tags: dict[str, str] = Field(default_factory=dict, description="Lineage tags for the run.")
+    lease_token: str | None = Field(
+        None, description="Token of the job lease this run trains under; the runtime stops "
+        "(checkpoint, exit 75) once <job_dir>/lease.json no longer holds it. Empty: no watch.")
 
     @property
     def checkpoint_location(self) -> str:

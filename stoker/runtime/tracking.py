@@ -48,6 +48,7 @@ class RunTracker:
                  flush_every_s: float = 2.0, system_metrics_interval_s: float | None = None):
         from mlflow import MlflowClient
 
+        ensure_store(tracking_uri)
         self.client = MlflowClient(tracking_uri)
         self.flush_every_s = flush_every_s
         self._buffer: list = []
@@ -194,3 +195,23 @@ class RunTracker:
                 logging.getLogger(__name__).warning("system metrics not logged: %s", e)
         self.flush()
         self.client.set_terminated(self.run_id, status=status)
+
+
+def ensure_store(tracking_uri: str) -> None:
+    """Create (migrate) an embedded ``sqlite:///`` MLflow store under a file lock next to it.
+
+    MLflow creates the schema on first use; two processes doing it at once on a fresh file race
+    (``table _alembic_tmp_experiments already exists``). Serialised, the second one finds the
+    schema in place. Other URIs (an MLflow server) are left alone.
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        return
+    from pathlib import Path
+
+    from filelock import FileLock
+    from mlflow import MlflowClient
+
+    db = Path(tracking_uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{db}.lock", timeout=300):
+        MlflowClient(tracking_uri).search_experiments(max_results=1)

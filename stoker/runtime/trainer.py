@@ -31,6 +31,8 @@ from stoker.runtime.models import build_model
 from stoker.runtime.preemption import StopFlag
 from stoker.runtime.profiling import ProfilingMixin
 from stoker.runtime.progress import ProgressWriter
+from stoker.runtime.records import read_text
+from stoker.runtime.resume import resume_point
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import RunTracker, flatten
 
@@ -85,10 +87,14 @@ class Trainer(ProfilingMixin):
         self.train_time_s = 0.0  # time in committed training steps, summed over attempts
         self.run_id: str | None = None
         self.metrics: dict[str, float] = {}
-        self._restore(self.ckpt.load_latest(env.device))
+        # Rank 0 chooses the checkpoint; every rank loads and confirms the same step.
+        self.resume = resume_point(self.ckpt, env, self.cfg.on_no_usable_checkpoint, env.device)
+        self._restore(self.resume.loaded)
         self.model = self._wrap()  # load the snapshot before wrapping in DDP
         self.progress = ProgressWriter(spec.job_dir, env.world_size) if env.is_main else None
         self.tracker = self._open_tracker() if env.is_main and spec.tracking_uri else None
+        if self.tracker is not None and self.resume.skipped:
+            self.tracker.set_tags(self.resume.tags())
         self._last_save = time.monotonic()
 
     # -- setup --------------------------------------------------------------------------------
@@ -189,7 +195,7 @@ class Trainer(ProfilingMixin):
 
     def _open_tracker(self) -> RunTracker:
         run_file = Path(self.spec.job_dir) / "mlflow_run_id"
-        run_id = self.run_id or (run_file.read_text().strip() if run_file.is_file() else None)
+        run_id = self.run_id or read_text(run_file)
         tracker = RunTracker(
             self.spec.tracking_uri, self.spec.experiment, run_id=run_id,
             run_name=self.spec.run_name, tags=self.spec.tags,
@@ -225,7 +231,8 @@ class Trainer(ProfilingMixin):
 
     def train(self) -> str:
         """Run until done or preempted. Returns ``"completed"`` or ``"preempted"``."""
-        self._event("start", total_steps=self.total_steps, resumed=self.step > 0)
+        self._event("start", total_steps=self.total_steps, resumed=self.step > 0,
+                    restarted_from_zero=self.resume.restarted_from_zero)
         started = time.perf_counter()
         start_step = self.step
         profiler = self._profiler()

@@ -41,11 +41,13 @@ def steps_lost(events: list[dict]) -> int:
     """Steps that had to be run again, from ``progress.jsonl`` events (``start`` then ``step``)."""
     lost, reached = 0, None
     for event in events:
-        if event["event"] == "start":
+        if not isinstance(event.get("step"), int):
+            continue  # a foreign or damaged record
+        if event.get("event") == "start":
             if reached is not None:
                 lost += max(0, reached - event["step"])
             reached = event["step"]
-        elif event["event"] in ("step", "checkpoint", "end") and reached is not None:
+        elif event.get("event") in ("step", "checkpoint", "end") and reached is not None:
             reached = max(reached, event["step"])
     return lost
 

@@ -1,0 +1,84 @@
+"""The attempt history of a job, across every flow run that trained it.
+
+``<job_dir>/attempts.jsonl`` holds two records per attempt: ``{"state": "started", ...}``
+appended before the launch and ``{"state": "ended", ...}`` after it. A flow run that dies
+between the two (Ctrl-C, SIGKILL, a lost node) leaves an open attempt; the next run closes it as
+``interrupted`` (or with the outcome the runtime wrote, e.g. preempted when it checkpointed on
+the way out), billed from its start to the last heartbeat. Numbers continue over the job, so
+attempts, preemptions, billed time and cost add up over all of them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from stoker.runtime.records import append_jsonl, read_json, read_jsonl
+
+ATTEMPTS_FILE = "attempts.jsonl"
+# What the runtime's last `end` event says, as an attempt outcome (stoker.launch.retry.Outcome).
+_END_OUTCOME = {"completed": "completed", "preempted": "preempted", "failed": "user_error"}
+
+
+class AttemptLog:
+    """Reads and appends the attempt records of one job folder."""
+
+    def __init__(self, job_dir: Path):
+        self.job_dir = Path(job_dir)
+        self.path = self.job_dir / ATTEMPTS_FILE
+
+    def _latest(self) -> dict[int, dict[str, Any]]:
+        """The newest record per attempt number (records without a number are skipped)."""
+        latest: dict[int, dict[str, Any]] = {}
+        for record in read_jsonl(self.path):
+            number = record.get("number")
+            if isinstance(number, int):
+                latest[number] = {**latest.get(number, {}), **record}
+        return latest
+
+    def next_number(self) -> int:
+        return max(self._latest(), default=0) + 1
+
+    def history(self) -> list[dict[str, Any]]:
+        """Every closed attempt of the job, oldest first (dicts with ``number``, ``outcome``,
+        ``exit_code``, ``started``, ``duration_s`` in seconds, ``capacity_type``)."""
+        return [r for _, r in sorted(self._latest().items()) if r.get("state", "ended") == "ended"]
+
+    def start(self, number: int, capacity_type: str, flow_run_id: str | None = None) -> None:
+        """Record attempt ``number`` as started (before it is launched)."""
+        append_jsonl(self.path, {"number": number, "state": "started", "started": time.time(),
+                                 "capacity_type": capacity_type, "flow_run_id": flow_run_id})
+
+    def end(self, number: int, record: dict[str, Any]) -> None:
+        """Close attempt ``number`` with its outcome record (``Attempt.to_dict()`` fields)."""
+        append_jsonl(self.path, {**record, "number": number, "state": "ended"})
+
+    def close_interrupted(self) -> list[dict[str, Any]]:
+        """Close the attempts a dead flow run left open; returns the records written."""
+        closed = []
+        for number, record in sorted(self._latest().items()):
+            if record.get("state") != "started":
+                continue
+            started = float(record.get("started") or 0.0)
+            outcome, last_seen = self._runtime_end(started)
+            entry = {"exit_code": -1, "outcome": outcome, "started": started,
+                     "duration_s": round(max(0.0, last_seen - started), 3),
+                     "capacity_type": record.get("capacity_type", "on_demand"),
+                     "interrupted": True}
+            self.end(number, entry)
+            closed.append({**entry, "number": number})
+        return closed
+
+    def _runtime_end(self, started: float) -> tuple[str, float]:
+        """(outcome, last time the runtime was seen) for an attempt started at ``started``."""
+        events = [e for e in read_jsonl(self.job_dir / "progress.jsonl")
+                  if isinstance(e.get("time"), int | float) and e["time"] >= started]
+        ends = [e for e in events if e.get("event") == "end"]
+        outcome = _END_OUTCOME.get(ends[-1].get("outcome"), "interrupted") if ends \
+            else "interrupted"
+        beat = read_json(self.job_dir / "heartbeat.json", default={})
+        times = [e["time"] for e in events]
+        if isinstance(beat, dict) and isinstance(beat.get("time"), int | float):
+            times.append(beat["time"])
+        return outcome, max([t for t in times if t >= started], default=started)

@@ -1,0 +1,152 @@
+"""One trainer per job: a lease in the job folder, held by the orchestrator until the job is done.
+
+``JobLease.acquire`` is the first thing that writes to a job folder. Under a file lock
+(``.lease.lock``, the atomic part) it reads ``lease.json``: a lease that is still valid and not
+ours refuses at once with ``JobBusy`` naming its holder; a missing, released or expired one (its
+owner died: the expiry passed, or the owner's pid is gone on this host) is taken over. A
+daemon thread renews the expiry every ``ttl_s / 3`` while the lease is held; ``release`` (the
+flow ending, however it ends) removes it. The runtime watches the same file and stops when the
+lease it was launched under is lost (see ``stoker.runtime.lease``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+from filelock import FileLock
+
+from stoker.runtime.lease import LEASE_FILE, describe, read_lease
+from stoker.runtime.records import write_json
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lease.lock"
+_held: dict[Path, JobLease] = {}
+
+
+class JobBusy(RuntimeError):
+    """Another process holds the job's lease: it is training this job right now."""
+
+
+def holder_alive(lease: dict[str, Any], now: float | None = None) -> bool:
+    """Whether ``lease`` still binds: not expired, and (on this host) its owner process lives."""
+    now = time.time() if now is None else now
+    if now > lease["expires"]:
+        return False
+    if lease.get("host") == socket.gethostname() and isinstance(lease.get("pid"), int):
+        return psutil.pid_exists(lease["pid"])
+    return True
+
+
+class JobLease:
+    """Exclusive, renewed ownership of one job folder.
+
+    Args:
+        job_dir: the job folder (created on acquire).
+        ttl_s: seconds the lease stays valid without a renewal (the orphan detection delay).
+        flow_run_id: the orchestrator run that owns the job (named to whoever is refused).
+    """
+
+    def __init__(self, job_dir: Path, ttl_s: float = 60.0, flow_run_id: str | None = None):
+        self.job_dir, self.ttl_s, self.flow_run_id = Path(job_dir), ttl_s, flow_run_id
+        self.token = uuid.uuid4().hex
+        self.lost: str | None = None  # why the lease was lost while held (taken over)
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.job_dir / LEASE_FILE
+
+    def _lock(self) -> FileLock:
+        return FileLock(self.job_dir / LOCK_FILE, timeout=30)
+
+    def _record(self, acquired: float) -> dict[str, Any]:
+        now = time.time()
+        return {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
+                "flow_run_id": self.flow_run_id, "acquired": acquired, "renewed": now,
+                "expires": now + self.ttl_s, "ttl_s": self.ttl_s}
+
+    def acquire(self) -> JobLease:
+        """Take the lease now or refuse.
+
+        Raises:
+            JobBusy: a live owner holds it (the message names host, pid, flow run and expiry).
+        """
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock():
+            current = read_lease(self.job_dir)
+            if current is not None and current["token"] != self.token and holder_alive(current):
+                raise JobBusy(f"job {self.job_dir.name} is being trained by {describe(current)}; "
+                              "wait for it, stop it, or set job_id to start another job")
+            if current is not None and current["token"] != self.token:
+                log.warning("job %s: taking over the lease of %s (expired or owner gone)",
+                            self.job_dir.name, describe(current))
+            write_json(self.path, self._record(time.time()))
+        self._acquired = time.time()
+        _held[self.job_dir.resolve()] = self
+        self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
+                                         name=f"lease-{self.job_dir.name}")
+        self._renewer.start()
+        return self
+
+    def renew(self) -> bool:
+        """Extend the expiry; False (and ``lost`` set) when another run took the lease over."""
+        with self._lock():
+            current = read_lease(self.job_dir)
+            if current is None or current["token"] != self.token:
+                self.lost = f"taken over by {describe(current)}" if current else "lease removed"
+                return False
+            write_json(self.path, self._record(self._acquired))
+        return True
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if not self.renew():
+                    log.error("job %s: lease lost (%s)", self.job_dir.name, self.lost)
+                    return
+            except OSError as e:  # a full disk must not kill the orchestrator; expiry decides
+                log.warning("job %s: lease renewal failed: %s", self.job_dir.name, e)
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease if it is still ours (safe to call twice)."""
+        self._stop.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(timeout=5)
+        _held.pop(self.job_dir.resolve(), None)
+        with self._lock():
+            current = read_lease(self.job_dir)
+            if current is not None and current["token"] == self.token:
+                self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> JobLease:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def held_lease(job_dir: Path) -> JobLease | None:
+    """The lease this process holds on ``job_dir``, if any."""
+    return _held.get(Path(job_dir).resolve())
+
+
+def check_free(job_dir: Path) -> None:
+    """Refuse at once, without writing anything, when a live owner holds ``job_dir``.
+
+    Raises:
+        JobBusy: as ``JobLease.acquire`` would.
+    """
+    current = read_lease(job_dir)
+    if current is not None and holder_alive(current) and held_lease(job_dir) is None:
+        raise JobBusy(f"job {Path(job_dir).name} is being trained by {describe(current)}; "
+                      "wait for it, stop it, or set job_id to start another job")

@@ -1,0 +1,141 @@
+"""Stoker's own record files, written so a crash leaves them readable and read so a torn one
+does not stop a job.
+
+Writers: ``append_jsonl`` appends one whole line per call (one ``write`` on an ``O_APPEND``
+descriptor) and first ends a torn last line, so a record written after a crash is never glued
+onto half a record; ``write_json`` writes a temporary file and renames it. Readers:
+``read_jsonl`` skips a torn or foreign line with a warning; ``read_json`` returns a default,
+with a warning, for a missing, truncated or unparsable file. No Prefect, no torch: used by the
+runtime, the launchers, the tasks and the cost guard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Warn = Callable[[str], None]
+
+
+def _ends_torn(fd: int) -> bool:
+    """Whether the file behind ``fd`` is non-empty and does not end with a newline."""
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+
+
+def line_of(record: dict[str, Any]) -> bytes:
+    """One record as a JSON line (bytes, newline-terminated)."""
+    return (json.dumps(record, default=str) + "\n").encode()
+
+
+def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
+    """Append ``record`` to ``path`` as one JSON line with a single write call.
+
+    A file that ends in a torn line (a crash mid-write) first gets a newline, so the torn line
+    stays one unreadable line and this record stays whole.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (b"\n" if _ends_torn(fd) else b"") + line_of(record))
+    finally:
+        os.close(fd)
+
+
+class JsonlAppender:
+    """An open JSON-lines file for a writer that appends often (progress events).
+
+    Same guarantees as ``append_jsonl``: one write per record, a torn tail ended first.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self._prefix = b"\n" if _ends_torn(self._fd) else b""
+
+    def append(self, record: dict[str, Any]) -> None:
+        os.write(self._fd, self._prefix + line_of(record))
+        self._prefix = b""
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_jsonl(path: str | Path, warn: Warn = log.warning) -> list[dict[str, Any]]:
+    """Every JSON object in ``path``, oldest first ([] when the file does not exist).
+
+    A line that is not a JSON object (torn by a crash, or foreign) is skipped with a warning
+    naming the file and the line number.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    records = []
+    lines = data.split(b"\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            record = None
+        if not isinstance(record, dict):
+            where = "last line" if number >= len(lines) - 1 else f"line {number}"
+            warn(f"{path}: {where} is not a whole JSON record ({len(line)} bytes, e.g. torn by a "
+                 "crash); skipped")
+            continue
+        records.append(record)
+    return records
+
+
+def read_json(path: str | Path, default: Any = None, warn: Warn = log.warning) -> Any:
+    """The JSON value in ``path``; ``default`` when it is missing, or (with a warning) when it
+    is empty, truncated or not JSON."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return default
+    except (OSError, UnicodeDecodeError) as e:
+        warn(f"{path}: unreadable ({e}); ignored")
+        return default
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        warn(f"{path}: not valid JSON ({e}; {len(text)} bytes, e.g. truncated by a crash); "
+             "ignored")
+        return default
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    """Write ``value`` as JSON atomically (temporary file, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def read_text(path: str | Path, warn: Warn = log.warning) -> str | None:
+    """A one-value text record (e.g. ``mlflow_run_id``), stripped; None when missing or empty."""
+    try:
+        text = Path(path).read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        warn(f"{path}: unreadable ({e}); ignored")
+        return None
+    if not text:
+        warn(f"{path}: empty (e.g. truncated by a crash); ignored")
+    return text or None

@@ -1,0 +1,164 @@
+"""One trainer per job, on real processes: `stoker run` (Prefect, DVC, torchrun, MLflow sqlite)
+started again while the job runs, after its training, after it is done, after its
+orchestrator was killed; torn record files left by a crash."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from stoker.runtime.progress import read_events
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def api_env():
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+
+
+def command(work: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "stoker.cli", "run", f"work_dir={work}",
+            "tracking.system_metrics_interval_s=null", *overrides]
+
+
+def start(cmd: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def wait_for(condition, timeout_s: float = 240, process: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"process ended ({process.returncode}): "
+                                 f"{process.stdout.read()[-3000:]}")
+        time.sleep(0.01)
+    raise AssertionError("timed out waiting")
+
+
+def attempt_history(job: Path) -> list[dict]:
+    from stoker.launch.attempts import AttemptLog
+
+    return AttemptLog(job).history()
+
+
+def stepped(job: Path, at_least: int = 1) -> bool:
+    return any(e.get("event") == "step" and e["step"] >= at_least for e in read_events(job))
+
+
+def test_a_second_run_is_refused_at_once_until_the_job_is_done(api_env, tmp_path):
+    """Inputs 2 and 3: a concurrent run is refused in one line before anything is written, also
+    between training and registration; a run of the done job says so and does nothing."""
+    work, job = tmp_path / "work", tmp_path / "work" / "jobs" / "owned"
+    cmd = command(work, "job_id=owned", "train.epochs=2")
+    first = start(cmd, api_env)
+    try:
+        wait_for(lambda: stepped(job), process=first)
+        spec = (job / "spec.yaml").read_bytes()
+        started = time.monotonic()
+        second = subprocess.run(cmd, env=api_env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 3, second.stdout[-2000:] + second.stderr[-2000:]
+        assert time.monotonic() - started < 30  # before any pull or flow start
+        assert second.stderr.strip().count("\n") == 0 and "Traceback" not in second.stderr
+        assert "job owned is being trained by host" in second.stderr and f"pid {first.pid}" \
+            in second.stderr
+        assert (job / "spec.yaml").read_bytes() == spec  # the running job is untouched
+
+        # Training over, registration running: the job is still owned.
+        wait_for(lambda: (job / "result.json").exists(), process=first)
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            assert not (job / "pipeline_done.json").exists()
+            third = subprocess.run(cmd, env=api_env, capture_output=True, text=True, timeout=300)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        assert third.returncode == 3, third.stdout[-2000:] + third.stderr[-2000:]
+        assert first.wait(timeout=300) == 0, first.stdout.read()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    events, attempts = read_events(job), (job / "attempts.jsonl").read_bytes()
+
+    done = subprocess.run(cmd, env=api_env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "job owned is already done; nothing to do" in done.stderr
+    assert json.loads(done.stdout)["already_done"] is True
+    assert read_events(job) == events and (job / "attempts.jsonl").read_bytes() == attempts
+    made = attempt_history(job)
+    assert [(a["number"], a["outcome"]) for a in made] == [(1, "completed")]
+    assert [e["event"] for e in events].count("start") == 1
+    assert not (job / "lease.json").exists()  # released when the flow ended
+
+
+def test_a_killed_orchestrator_is_taken_over_and_its_attempt_is_billed(api_env, tmp_path):
+    """Input 7 (and an orphaned lease): SIGKILL of `stoker run` mid-training; the rerun takes
+    the dead owner's lease over, closes its open attempt, and numbers, preemptions, billed
+    time and cost add up over both attempts."""
+    work, job = tmp_path / "work", tmp_path / "work" / "jobs" / "killed"
+    cmd = command(work, "job_id=killed", "train.epochs=3")
+    first = start(cmd, api_env)
+    try:
+        wait_for(lambda: any(e.get("event") == "checkpoint" for e in read_events(job)),
+                 process=first)
+        os.kill(first.pid, signal.SIGKILL)  # the orchestrator only; torchrun gets PDEATHSIG
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    wait_for(lambda: any(e.get("event") == "end" for e in read_events(job)), timeout_s=120)
+    left = (job / "lease.json").read_text() if (job / "lease.json").exists() else "{}"
+
+    rerun = subprocess.run(cmd, env=api_env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    run_id = (job / "mlflow_run_id").read_text()
+    run = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id)
+    assert run.data.tags["stoker.attempts"] == "2" and run.data.tags["stoker.preemptions"] == "1"
+    history = attempt_history(job)
+    assert [a["number"] for a in history] == [1, 2]
+    assert history[0]["outcome"] == "preempted" and history[0]["interrupted"]
+    assert history[0]["duration_s"] > 1.0 and history[1]["outcome"] == "completed"
+    billed = sum(a["duration_s"] for a in history)
+    assert run.data.metrics["billed_s"] == pytest.approx(billed, abs=0.01)
+    assert run.data.metrics["attempts"] == 2.0
+    assert json.loads(left).get("pid") == first.pid  # the dead owner's lease was taken over
+
+
+def test_torn_records_after_a_crash_do_not_break_the_job(api_env, tmp_path):
+    """Input 6: an unfinished job whose progress, attempts and heartbeat files were torn by a
+    crash trains to the end; the torn lines stay skipped and new lines stay whole."""
+    work, job = tmp_path / "work", tmp_path / "work" / "jobs" / "torn"
+    job.mkdir(parents=True)
+    (job / "progress.jsonl").write_text(
+        json.dumps({"event": "start", "time": time.time() - 60, "step": 0, "total_steps": 22})
+        + '\n{"event": "step", "time": 17')
+    (job / "attempts.jsonl").write_text(
+        json.dumps({"number": 1, "state": "started", "started": time.time() - 60,
+                    "capacity_type": "on_demand"}) + '\n{"number": 1, "state": "en')
+    (job / "heartbeat.json").write_text('{"time": 17')
+    cmd = command(work, "job_id=torn", "train.epochs=1")
+    run = subprocess.run(cmd, env=api_env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    warnings: list[str] = []
+    from stoker.runtime.records import read_jsonl
+
+    events = read_jsonl(job / "progress.jsonl", warn=warnings.append)
+    assert len(warnings) == 1 and "line 2" in warnings[0]  # the torn line, and only it
+    starts = [e for e in events if e["event"] == "start"]
+    assert [s.get("attempt") for s in starts] == [None, 2]  # the first predates the field
+    steps = [e["step"] for e in events if e["event"] == "step" and not e.get("rerun")]
+    assert steps == list(range(1, 23))
+    assert [a["number"] for a in attempt_history(job)] == [1, 2]

@@ -1,0 +1,37 @@
+"""Stoker's record files after a crash: torn lines skipped with a warning, new lines whole."""
+
+from __future__ import annotations
+
+import json
+
+from stoker.runtime.records import JsonlAppender, append_jsonl, read_json, read_jsonl
+
+
+def test_a_record_appended_after_a_torn_line_stays_whole(tmp_path):
+    path = tmp_path / "attempts.jsonl"
+    path.write_text(json.dumps({"number": 1}) + '\n{"number": 2, "sta')  # power loss
+    append_jsonl(path, {"number": 3})
+    appender = JsonlAppender(path)
+    appender.append({"number": 4})
+    appender.close()
+    warnings: list[str] = []
+    assert read_jsonl(path, warn=warnings.append) == [{"number": 1}, {"number": 3},
+                                                       {"number": 4}]
+    assert len(warnings) == 1 and "line 2" in warnings[0] and str(path) in warnings[0]
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path):
+    path = tmp_path / "progress.jsonl"
+    path.write_text('{"event": "start", "step": 0}\n{"event": "st')
+    warnings: list[str] = []
+    assert read_jsonl(path, warn=warnings.append) == [{"event": "start", "step": 0}]
+    assert "last line" in warnings[0]
+
+
+def test_a_truncated_json_file_reads_as_the_default_with_a_warning(tmp_path):
+    path = tmp_path / "heartbeat.json"
+    path.write_text('{"time": 17')
+    warnings: list[str] = []
+    assert read_json(path, default={}, warn=warnings.append) == {}
+    assert "not valid JSON" in warnings[0]
+    assert read_json(tmp_path / "missing.json", default=None) is None
