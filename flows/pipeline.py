@@ -15,13 +15,14 @@ from tasks.data import pull
 from tasks.images import build_image
 from tasks.registry import register
 from tasks.report import report
+from tasks.stopping import cancel_stopped_flow_run
 from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()
 DEFAULT_IMAGE = ImageRequest()
 
 
-@flow(name="pipeline", log_prints=True)
+@flow(name="pipeline", log_prints=True, on_crashed=[cancel_stopped_flow_run])
 def pipeline(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE) -> dict:
     """Pull data at a pinned revision, build the training image when training runs in
     containers, train (resuming any unfinished job), register, report."""

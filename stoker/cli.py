@@ -7,6 +7,7 @@ Prefect without a separately started server (unless PREFECT_API_URL is set), MLf
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ from typing import Annotated
 
 import typer
 
+from stoker import stopping
 from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -51,10 +53,49 @@ def run(
     """Run the main job: pull the dataset, train with torchrun, register the model in MLflow."""
     config = _config(config_file, overrides)
     quiet_telemetry(config.work_dir)
-    from flows.pipeline import pipeline
+    stopping.install()
+    try:
+        with prefect_api():
+            from flows.pipeline import pipeline
 
-    summary = pipeline(config)
+            summary = pipeline(config)
+    except KeyboardInterrupt as e:
+        typer.echo(f"stoker run: {stopping.stop_reason() or 'interrupted'}: stopped", err=True)
+        raise typer.Exit(stopping.exit_code(e)) from None
     typer.echo(json.dumps(summary, indent=2, default=str))
+
+
+@contextlib.contextmanager
+def prefect_api():
+    """The Prefect API for this command: PREFECT_API_URL when set, else a temporary server that
+    this process owns (its own session, ends with this process; see stoker.embedded_server)."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield
+        return
+    from stoker.embedded_server import EmbeddedServer
+
+    server = EmbeddedServer(Path(os.environ["PREFECT_HOME"]) / "server.log",
+                            float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+    try:
+        server.start()
+        # Before Prefect is imported: its global settings (seen by every thread) read the env.
+        os.environ["PREFECT_API_URL"] = server.api_url
+        yield
+    finally:
+        if "prefect" in sys.modules:
+            _drain_prefect_workers()
+        os.environ.pop("PREFECT_API_URL", None)
+        server.stop()
+
+
+def _drain_prefect_workers() -> None:
+    """Send Prefect's queued logs and events before the server they go to stops."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=5)
 
 
 @app.command("cost-guard")
