@@ -6,7 +6,9 @@ with one collective, save together and exit with EXIT_PREEMPTED.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import threading
 
@@ -20,11 +22,23 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     SIGTERM (the runtime checkpoints and exits) instead of training on as orphans. No-op where
     prctl is unavailable.
     """
-    import contextlib
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+# torchrun's wrapper (stoker.runtime.launch) names a file here; a rank writes it once the stop
+# checkpoint has committed on every rank, so "preempted" (75) is claimed only when it is true.
+STOP_COMMITTED_ENV = "STOKER_STOP_COMMITTED_FILE"
+
+
+def record_stop_committed(step: int) -> None:
+    """Note that the stop checkpoint at ``step`` committed (no-op outside the launch wrapper)."""
+    path = os.environ.get(STOP_COMMITTED_ENV)
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(f"{step}\n")
 
 
 class StopFlag:
