@@ -34,6 +34,18 @@ def start_run(work: Path, *overrides: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+@pytest.fixture(autouse=True)
+def _no_leftovers(tmp_path):
+    """Whatever a failed test left running is killed (a test must not leak a trainer)."""
+    yield
+    for proc in psutil.process_iter():
+        try:
+            if str(tmp_path) in " ".join(proc.cmdline()) + proc.environ().get("PREFECT_HOME", ""):
+                proc.kill()
+        except psutil.Error:
+            pass
+
+
 def wait_for_training(work: Path, process: subprocess.Popen, timeout_s: float = 300) -> Path:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
