@@ -11,6 +11,7 @@ from stoker.config import PipelineConfig
 from stoker.images.spec import ImageRequest
 from stoker.launch.factory import needs_image
 from stoker.launch.job import mark_done
+from stoker.stdio import guard_stdio
 from tasks.data import pull
 from tasks.images import build_image
 from tasks.registry import register
@@ -26,6 +27,7 @@ DEFAULT_IMAGE = ImageRequest()
 def pipeline(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE) -> dict:
     """Pull data at a pinned revision, build the training image when training runs in
     containers, train (resuming any unfinished job), register, report."""
+    guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
     dataset = pull(config)
     training_image = build_image(image) if needs_image(config) else None
     trained = train(config, dataset, training_image)
