@@ -23,7 +23,8 @@ DEFAULT_CONFIG = PipelineConfig()
 DEFAULT_IMAGE = ImageRequest()
 
 
-@flow(name="pipeline", log_prints=True, on_crashed=[cancel_stopped_flow_run])
+@flow(name="pipeline", log_prints=True, on_crashed=[cancel_stopped_flow_run],
+      on_failure=[cancel_stopped_flow_run])
 def pipeline(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE) -> dict:
     """Pull data at a pinned revision, build the training image when training runs in
     containers, train (resuming any unfinished job), register, report."""
