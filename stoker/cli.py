@@ -57,8 +57,13 @@ def run(
     try:
         with prefect_api():
             from flows.pipeline import pipeline
+            from tasks.stopping import TrainingStopped
 
-            summary = pipeline(config)
+            try:
+                summary = pipeline(config)
+            except TrainingStopped as e:  # the cost guard or a user stopped the job
+                typer.echo(f"stoker run: {e}", err=True)
+                raise typer.Exit(stopping.EXIT_STOPPED) from None
     except KeyboardInterrupt as e:
         typer.echo(f"stoker run: {stopping.stop_reason() or 'interrupted'}: stopped", err=True)
         raise typer.Exit(stopping.exit_code(e)) from None

@@ -17,6 +17,7 @@ import signal
 
 import psutil
 
+EXIT_STOPPED = 3  # the cost guard or a user stopped the job (stop-requested.json): not retried
 EXIT_SIGINT = 130  # 128 + SIGINT, what shells report for Ctrl-C
 EXIT_SIGTERM = 143  # 128 + SIGTERM
 
