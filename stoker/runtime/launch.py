@@ -68,4 +68,8 @@ def _run_torchrun(argv: list[str], marker: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The workers are gone; torch's finalizers would hold the exit code back for seconds.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
