@@ -94,3 +94,34 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     assert "attempt-3" not in tasks
     train = next(state for name, state in tasks.items() if name.startswith("train"))
     assert train.type.value == "CANCELLED"
+
+
+def test_a_requested_stop_is_not_retried_whatever_the_exit_code():
+    from stoker.config import RetryConfig
+    from stoker.launch.retry import Outcome, run_with_retries
+
+    for code in (75, 137, 1):
+        calls: list[int] = []
+        attempts = run_with_retries(lambda n, c=code, log=calls: log.append(n) or c,
+                                    RetryConfig(backoff_s=0, max_user_errors=3),
+                                    sleep=lambda s: None, stop_requested=lambda: True)
+        assert calls == [1] and attempts[-1].outcome is Outcome.STOPPED
+    attempts = run_with_retries(lambda n: 0, RetryConfig(), stop_requested=lambda: True)
+    assert attempts[-1].outcome is Outcome.COMPLETED  # it finished before the stop landed
+
+
+def test_stop_request_file_round_trip_and_torn_file(tmp_path):
+    from stoker.launch.stop_request import (
+        STOP_FILE,
+        clear_stop_request,
+        read_stop_request,
+        request_stop,
+    )
+
+    assert read_stop_request(tmp_path) is None
+    request_stop(tmp_path, "user", "maintenance")
+    assert read_stop_request(tmp_path).describe() == "stopped by user: maintenance"
+    (tmp_path / STOP_FILE).write_text('{"by": "cost-gu')  # torn write
+    assert read_stop_request(tmp_path).by == "unknown"  # still a stop someone asked for
+    clear_stop_request(tmp_path)
+    assert read_stop_request(tmp_path) is None

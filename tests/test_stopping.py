@@ -98,7 +98,9 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
     process = start_run(work)
     job_dir = wait_for_training(work, process)
     os.killpg(process.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    sent = time.monotonic()
     code = process.wait(timeout=120)
+    print(f"Ctrl-C to exit: {time.monotonic() - sent:.1f} s")  # measured, not asserted
     log = (tmp_path / "stoker-run.log").read_text()
     assert code == 130, log[-3000:]
     assert wait_gone(work) == []  # no rank, no torchrun, no Prefect server left
