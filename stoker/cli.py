@@ -8,6 +8,7 @@ Prefect without a separately started server (unless PREFECT_API_URL is set), MLf
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -81,6 +82,10 @@ def prefect_api():
 
     server = EmbeddedServer(Path(os.environ["PREFECT_HOME"]) / "server.log",
                             float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+    # Prefect's own wording and log format: benchmarks/bench_pipeline_overhead.py times it.
+    stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
+    typer.echo(f"{stamp} | INFO    | stoker - Starting temporary server on "
+               f"{server.api_url.removesuffix('/api')}", err=True)
     try:
         server.start()
         # Before Prefect is imported: its global settings (seen by every thread) read the env.
