@@ -77,7 +77,9 @@ class EmbeddedServer:
         command = [sys.executable, "-m", "uvicorn", "--app-dir",
                    str(prefect_dir.parent), "--factory",
                    "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
+                   "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
+                   # Open websockets (Prefect's event client) would hold a graceful stop open.
+                   "--timeout-graceful-shutdown", "1"]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
