@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -55,6 +56,7 @@ def run(
     config = _config(config_file, overrides)
     quiet_telemetry(config.work_dir)
     stopping.install()
+    code = 0
     try:
         with prefect_api():
             from flows.pipeline import pipeline
@@ -62,13 +64,19 @@ def run(
 
             try:
                 summary = pipeline(config)
+                typer.echo(json.dumps(summary, indent=2, default=str))
             except TrainingStopped as e:  # the cost guard or a user stopped the job
                 typer.echo(f"stoker run: {e}", err=True)
-                raise typer.Exit(stopping.EXIT_STOPPED) from None
+                code = stopping.EXIT_STOPPED
     except KeyboardInterrupt as e:
         typer.echo(f"stoker run: {stopping.stop_reason() or 'interrupted'}: stopped", err=True)
-        raise typer.Exit(stopping.exit_code(e)) from None
-    typer.echo(json.dumps(summary, indent=2, default=str))
+        code = stopping.exit_code(e)
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    # Everything is recorded and the training tree is gone: skip the interpreter's finalizers
+    # (Prefect's exit hooks, torch), which held the exit back for seconds.
+    stopping.exit_now(code)
 
 
 @contextlib.contextmanager
@@ -76,7 +84,10 @@ def prefect_api():
     """The Prefect API for this command: PREFECT_API_URL when set, else a temporary server that
     this process owns (its own session, ends with this process; see stoker.embedded_server)."""
     if os.environ.get("PREFECT_API_URL"):
-        yield
+        try:
+            yield
+        finally:
+            drain_prefect_workers()
         return
     from stoker.embedded_server import EmbeddedServer
 
@@ -92,14 +103,15 @@ def prefect_api():
         os.environ["PREFECT_API_URL"] = server.api_url
         yield
     finally:
-        if "prefect" in sys.modules:
-            _drain_prefect_workers()
+        drain_prefect_workers()
         os.environ.pop("PREFECT_API_URL", None)
         server.stop()
 
 
-def _drain_prefect_workers() -> None:
-    """Send Prefect's queued logs and events before the server they go to stops."""
+def drain_prefect_workers() -> None:
+    """Send Prefect's queued logs and events (before the server they go to stops)."""
+    if "prefect" not in sys.modules:
+        return
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 

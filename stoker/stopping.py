@@ -78,3 +78,19 @@ def exit_code(error: BaseException) -> int:
     if isinstance(error, Interrupted):
         return error.exit_code
     return EXIT_SIGINT if isinstance(error, KeyboardInterrupt) else 1
+
+
+def exit_now(code: int) -> None:
+    """Flush output and logs, then end the process at once with ``code`` (``os._exit``).
+
+    For the end of a command whose work is recorded: the interpreter's finalizers (exit hooks
+    of Prefect's services, torch) add seconds and can do nothing useful any more.
+    """
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

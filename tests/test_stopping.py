@@ -99,8 +99,16 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
     job_dir = wait_for_training(work, process)
     os.killpg(process.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     sent = time.monotonic()
-    code = process.wait(timeout=120)
-    print(f"Ctrl-C to exit: {time.monotonic() - sent:.1f} s")  # measured, not asserted
+    tree_gone = None
+    while process.poll() is None and time.monotonic() - sent < 120:
+        if tree_gone is None and not [p for p in processes_of(work) if "stoker.runtime" in p]:
+            tree_gone = time.monotonic()
+        time.sleep(0.05)
+    code = process.wait(timeout=10)
+    exited = time.monotonic()
+    # Measured, not asserted (a shared machine's load decides these).
+    print(f"\nCtrl-C -> training tree gone {(tree_gone or exited) - sent:.1f} s -> exit "
+          f"{exited - (tree_gone or exited):.1f} s later")
     log = (tmp_path / "stoker-run.log").read_text()
     assert code == 130, log[-3000:]
     assert wait_gone(work) == []  # no rank, no torchrun, no Prefect server left
