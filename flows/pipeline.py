@@ -12,17 +12,20 @@ from stoker.config import PipelineConfig
 from stoker.images.spec import ImageRequest
 from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.job import JobClaim, mark_done
+from stoker.stdio import guard_stdio
 from tasks.data import pull
 from tasks.images import build_image
 from tasks.registry import register
 from tasks.report import report
+from tasks.stopping import cancel_stopped_flow_run
 from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()
 DEFAULT_IMAGE = ImageRequest()
 
 
-@flow(name="pipeline", log_prints=True)
+@flow(name="pipeline", log_prints=True, on_crashed=[cancel_stopped_flow_run],
+      on_failure=[cancel_stopped_flow_run])
 def pipeline(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE) -> dict:
     """Pull data at a pinned revision, build the training image when training runs in
     containers, train (resuming any unfinished job), register, report.
@@ -30,6 +33,7 @@ def pipeline(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFA
     The job is owned (leased) from before anything in its folder is written until it is marked
     done: with ``job_id`` before the pull, otherwise right after it. A done ``job_id`` returns
     its summary and does nothing."""
+    guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
     with JobClaim(config, flow_run.get_id()) as job:
         if job.done is not None:
             return job.done

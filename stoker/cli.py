@@ -7,14 +7,18 @@ Prefect without a separately started server (unless PREFECT_API_URL is set), MLf
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from stoker import stopping
 from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -59,34 +63,94 @@ def run(
     config_file: Annotated[Path | None, typer.Option(
         "--config", "-c", help="YAML file with PipelineConfig fields")] = None,
 ) -> None:
-    """Run the main job: pull the dataset, train with torchrun, register the model in MLflow."""
+    """Run the main job: pull the dataset, train with torchrun, register the model in MLflow.
+
+    Exit codes: 0 done, 1 failed, 2 bad input, 3 stopped on request, 4 the job is owned by
+    another live run, 130/143 Ctrl-C/SIGTERM (docs: reference/exit-codes.md)."""
     config = _config(config_file, overrides)
+    from stoker.launch.job import check_job_early
     from stoker.launch.lease import JobBusy
 
     try:
-        summary = _run_pipeline(config)
+        done = check_job_early(config)  # a busy or done job_id: before the flow starts
     except JobBusy as e:  # one line, no traceback: another run owns the job
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(EXIT_BUSY) from None
-    typer.echo(json.dumps(summary, indent=2, default=str))
-
-
-EXIT_BUSY = 3  # `stoker run`: the job is owned by another live run (nothing was changed)
-
-
-def _run_pipeline(config: PipelineConfig) -> dict:
-    """A done ``job_id`` is reported and a busy one refused before the flow starts."""
-    from stoker.launch.job import check_job_early
-
-    done = check_job_early(config)
     if done is not None:
         typer.echo(f"job {config.job_id} is already done; nothing to do", err=True)
-        return done
+        typer.echo(json.dumps(done, indent=2, default=str))
+        return
     _check_before_pull(config)
     quiet_telemetry(config.work_dir)
-    from flows.pipeline import pipeline
+    stopping.install()
+    code = 0
+    try:
+        with prefect_api():
+            from flows.pipeline import pipeline
+            from tasks.stopping import TrainingStopped
 
-    return pipeline(config)
+            try:
+                summary = pipeline(config)
+                typer.echo(json.dumps(summary, indent=2, default=str))
+            except TrainingStopped as e:  # the cost guard or a user stopped the job
+                typer.echo(f"stoker run: {e}", err=True)
+                code = stopping.EXIT_STOPPED
+            except JobBusy as e:  # found after the pull (no job_id): still one line
+                typer.echo(f"error: {e}", err=True)
+                code = EXIT_BUSY
+    except KeyboardInterrupt as e:
+        typer.echo(f"stoker run: {stopping.stop_reason() or 'interrupted'}: stopped", err=True)
+        code = stopping.exit_code(e)
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    # Everything is recorded and the training tree is gone: skip the interpreter's finalizers
+    # (Prefect's exit hooks, torch), which held the exit back for seconds.
+    stopping.exit_now(code)
+
+
+EXIT_BUSY = 4  # `stoker run`: the job is owned by another live run (nothing was changed)
+
+
+@contextlib.contextmanager
+def prefect_api():
+    """The Prefect API for this command: PREFECT_API_URL when set, else a temporary server that
+    this process owns (its own session, ends with this process; see stoker.embedded_server)."""
+    if os.environ.get("PREFECT_API_URL"):
+        try:
+            yield
+        finally:
+            drain_prefect_workers()
+        return
+    from stoker.embedded_server import EmbeddedServer
+
+    server = EmbeddedServer(Path(os.environ["PREFECT_HOME"]) / "server.log",
+                            float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+    # Prefect's own wording and log format: benchmarks/bench_pipeline_overhead.py times it.
+    stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
+    typer.echo(f"{stamp} | INFO    | stoker - Starting temporary server on "
+               f"{server.api_url.removesuffix('/api')}", err=True)
+    try:
+        server.start()
+        # Before Prefect is imported: its global settings (seen by every thread) read the env.
+        os.environ["PREFECT_API_URL"] = server.api_url
+        yield
+    finally:
+        drain_prefect_workers()
+        os.environ.pop("PREFECT_API_URL", None)
+        server.stop()
+
+
+def drain_prefect_workers() -> None:
+    """Send Prefect's queued logs and events (before the server they go to stops)."""
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=5)
 
 
 @app.command("cost-guard")

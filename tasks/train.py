@@ -13,6 +13,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
+from prefect.states import State
+from prefect.transactions import CommitMode, transaction
 
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
@@ -22,6 +24,7 @@ from stoker.launch.factory import make_launcher
 from stoker.launch.job import JobClaim
 from stoker.launch.lease import JobBusy, held_lease
 from stoker.launch.retry import Attempt, Outcome, run_with_retries
+from stoker.launch.stop_request import clear_stop_request, read_stop_request
 from stoker.launch.supervisor import (
     ProgressWatcher,
     TrainingFailed,
@@ -36,6 +39,7 @@ from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.tracking import ensure_store
 from stoker.tracking.cost import cost_report
+from tasks.stopping import attempt_state, stopped
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -87,24 +91,36 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     # blocking wait, while the launcher's wait(timeout) ends the attempt and its process tree.
     deadline = (time.monotonic() + config.train_timeout_s) if config.train_timeout_s else None
 
+    codes: dict[int, int] = {}
+
     @task(name="attempt", cache_policy=NO_CACHE)
-    def attempt_task(number: int, capacity_type: str) -> int:
+    def attempt_task(number: int, capacity_type: str) -> State:
         get_run_logger().info("attempt %d on %s capacity", number, capacity_type)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return launcher.run(spec_path, on_line=get_run_logger().info, timeout_s=left)
+            codes[number] = launcher.run(spec_path, on_line=get_run_logger().info,
+                                         timeout_s=left)
         except (subprocess.TimeoutExpired, TimeoutError):
             raise TimeoutError(f"train_timeout_s={config.train_timeout_s:g} s reached: job "
                                f"{job_dir.name} stopped (process tree terminated)") from None
+        return attempt_state(codes[number], read_stop_request(job_dir))
 
     def launch(number: int) -> int:
         if lease.lost:  # another run took the job over: never launch a second trainer
             raise JobBusy(f"job {job_dir.name}: lease lost ({lease.lost}); not launching")
+        if number == 1:
+            clear_stop_request(job_dir)  # an earlier run's stop request is not this run's
         number += first_number - 1  # numbering continues over every run of the job
         capacities[number] = capacity_for(config, preempted)
         attempts_log.start(number, capacities[number], flow_run.get_id())
-        return attempt_task.with_options(task_run_name=f"attempt-{number}")(
-            number, capacities[number])
+        # Committed at once: a finished attempt's named state stays, even if `train` fails later
+        # (a lazy transaction would roll it back to "RolledBack").
+        with transaction(commit_mode=CommitMode.EAGER):
+            state = attempt_task.with_options(task_run_name=f"attempt-{number}")(
+                number, capacities[number], return_state=True)
+        if number not in codes:
+            state.result()  # the attempt raised (timeout, cancel): raise it here
+        return codes[number]
 
     def record(attempt: Attempt) -> None:
         nonlocal preempted
@@ -127,7 +143,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     watcher = ProgressWatcher(job_dir, on_progress)
     watcher.start()
     try:
-        attempts = run_with_retries(launch, config.retry, on_attempt=record)
+        attempts = run_with_retries(launch, config.retry, on_attempt=record,
+                                    stop_requested=lambda: read_stop_request(job_dir) is not None)
     except BaseException:  # cancelled or timed out: the tree is already gone, close the run
         if read_text(run_file):
             finish_run(client, read_text(run_file), "KILLED")
@@ -135,6 +152,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     finally:
         watcher.stop()
     history = attempts_log.history()  # every attempt of the job, whichever flow run made it
+    if attempts[-1].outcome == Outcome.STOPPED:
+        stopped(client, run_file, read_stop_request(job_dir), job_dir.name)
     if attempts[-1].outcome != Outcome.COMPLETED:
         if read_text(run_file):
             finish_run(client, read_text(run_file), "FAILED")

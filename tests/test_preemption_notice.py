@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,5 +47,94 @@ def test_a_spot_notice_sets_the_stop_flag():
         while not flag.requested and time.monotonic() < deadline:
             time.sleep(0.02)
         assert flag.requested and "terminate" in flag.reason and url in flag.reason
+    finally:
+        server.shutdown()
+
+
+class TokenEndpoint(BaseHTTPRequestHandler):
+    """IMDSv2: GET answers 401 without the session token from ``PUT /latest/api/token``."""
+
+    TOKEN = "AQAEAtoken=="
+    notice: dict | None = None
+    token_requests = 0
+
+    def do_PUT(self):  # noqa: N802
+        if self.path != "/latest/api/token" or \
+                not self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+            self.send_response(400)
+            self.end_headers()
+            return
+        type(self).token_requests += 1
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(self.TOKEN.encode())
+
+    def do_GET(self):  # noqa: N802
+        if self.headers.get("X-aws-ec2-metadata-token") != self.TOKEN:
+            self.send_response(401)
+            self.end_headers()
+            return
+        self._answer()
+
+    def _answer(self):
+        if self.notice is None:
+            self.send_response(404)
+            self.end_headers()
+            return
+        body = json.dumps(self.notice).encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def serve(handler) -> tuple[ThreadingHTTPServer, str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}/latest/meta-data/spot/instance-action"
+
+
+def test_a_notice_behind_an_imdsv2_token_is_seen():
+    server, url = serve(TokenEndpoint)
+    try:
+        flag = StopFlag()
+        flag.watch_notice_url(url, interval_s=0.05)
+        time.sleep(0.3)
+        assert not flag.requested
+        TokenEndpoint.notice = {"action": "stop", "time": "2026-11-30T08:00:00Z"}
+        deadline = time.monotonic() + 5
+        while not flag.requested and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert flag.requested and "stop" in flag.reason
+        assert TokenEndpoint.token_requests >= 1
+    finally:
+        server.shutdown()
+
+
+class BrokenEndpoint(BaseHTTPRequestHandler):
+    def do_PUT(self):  # noqa: N802
+        self.send_response(404)
+        self.end_headers()
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(403)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_erroring_notice_endpoint_is_warned_about_once(caplog):
+    server, url = serve(BrokenEndpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger="stoker.runtime.preemption"):
+            flag = StopFlag()
+            flag.watch_notice_url(url, interval_s=0.02)
+            time.sleep(0.5)
+            flag.request("test over")
+        warnings = [r for r in caplog.records if "answered HTTP 403" in r.getMessage()]
+        assert len(warnings) == 1 and url in warnings[0].getMessage()
     finally:
         server.shutdown()

@@ -8,6 +8,7 @@ ones from a :class:`CostGuardConfig`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -40,6 +41,7 @@ from stoker.costguard.inventory import (
 )
 from stoker.costguard.nvml import GpuReading, NvmlReader, Snapshot, load_nvml
 from stoker.costguard.signals import read_jobs
+from stoker.launch.stop_request import request_stop
 from stoker.tracking.pricing import CapacityType, PriceTable
 
 log = logging.getLogger(__name__)
@@ -332,6 +334,11 @@ def _act(config: CostGuardConfig, row: Row, resource: Resource, snapshots: list[
     if not current.decision.act:
         why = "; ".join(current.decision.reasons)
         return "skipped", f"re-check: now {current.decision.verdict} ({why})"
+    # Before the signal: the job's retry policy must see a guard stop, not a preemption.
+    for job in again.resources[resource.key].jobs:
+        with contextlib.suppress(OSError):
+            request_stop(job.job_dir, "cost-guard", f"{current.decision.verdict}: "
+                         + "; ".join(current.decision.reasons))
     result = actor.act(again.resources[resource.key])
     log.info("%s %s: %s", resource.key, result.status, result.detail)
     return result.status, result.detail

@@ -23,6 +23,7 @@ class Outcome(StrEnum):
     PREEMPTED = "preempted"
     INFRASTRUCTURE = "infrastructure_failure"
     USER_ERROR = "user_error"
+    STOPPED = "stopped"  # the cost guard or a user asked for the stop: not retried
 
 
 def classify_exit(code: int) -> Outcome:
@@ -34,6 +35,13 @@ def classify_exit(code: int) -> Outcome:
     if code in (137, -signal.SIGKILL):
         return Outcome.INFRASTRUCTURE
     return Outcome.USER_ERROR
+
+
+def outcome_of(code: int, stop_requested: bool) -> Outcome:
+    """The attempt's outcome: a stop someone asked for (``stop_requested``) is STOPPED, whatever
+    the exit code, unless the attempt completed anyway."""
+    outcome = classify_exit(code)
+    return Outcome.STOPPED if stop_requested and outcome != Outcome.COMPLETED else outcome
 
 
 @dataclass(frozen=True)
@@ -62,11 +70,13 @@ def budget_for(policy: RetryConfig, outcome: Outcome) -> int:
 
 def run_with_retries(launch: Callable[[int], int], policy: RetryConfig,
                      on_attempt: Callable[[Attempt], None] = lambda a: None,
-                     sleep: Callable[[float], None] = time.sleep) -> list[Attempt]:
+                     sleep: Callable[[float], None] = time.sleep,
+                     stop_requested: Callable[[], bool] = lambda: False) -> list[Attempt]:
     """Call ``launch(attempt_number)`` until it completes or a retry budget is spent.
 
-    Each outcome has its own budget (``policy``). A preempted attempt is resumed at once; after
-    failures the wait grows exponentially from ``policy.backoff_s`` up to
+    Each outcome has its own budget (``policy``). An attempt that ends while
+    ``stop_requested()`` is true is STOPPED and never retried. A preempted attempt is resumed at
+    once; after failures the wait grows exponentially from ``policy.backoff_s`` up to
     ``policy.backoff_max_s`` seconds.
 
     Returns:
@@ -77,7 +87,7 @@ def run_with_retries(launch: Callable[[int], int], policy: RetryConfig,
     def once() -> Attempt:
         started = time.time()
         code = launch(len(attempts) + 1)
-        attempt = Attempt(len(attempts) + 1, code, classify_exit(code), started,
+        attempt = Attempt(len(attempts) + 1, code, outcome_of(code, stop_requested()), started,
                           round(time.time() - started, 3))
         attempts.append(attempt)
         on_attempt(attempt)

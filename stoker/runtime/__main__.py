@@ -1,46 +1,60 @@
 """``python -m stoker.runtime SPEC.yaml``: one rank of one attempt, with exit codes.
 
 0 done, 75 preempted (stop checkpoint committed), 2 a named user error (config, data, checkpoint),
-1 a bug (traceback in the rank's log).
+1 a bug (traceback in the rank's log), 137 stopped but a peer left before the stop checkpoint
+committed (infrastructure, like a SIGKILL). SIGTERM/SIGINT are caught from the first line on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 from pathlib import Path
 
-from stoker.config import ConfigError
-from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
-from stoker.runtime.checkpoint import CheckpointError
-from stoker.runtime.data import DataError
-from stoker.runtime.distributed import init_distributed, teardown
-from stoker.runtime.lease import watch_lease
-from stoker.runtime.preemption import StopFlag, die_with_parent
-from stoker.runtime.spec import RunSpec
-from stoker.runtime.trainer import Trainer
+# Only light imports before the handler is installed: a SIGTERM that arrives while torch is
+# still importing (a second or more) must be a preemption, not a death by signal (exit 143).
+from stoker.runtime.preemption import StopFlag, die_with_parent, record_stop_committed
+
+# Stopped, but a peer died before the stop checkpoint committed: steps since the last commit are
+# lost, as with a SIGKILL, and the launcher classes it the same way (infrastructure).
+EXIT_STOP_LOST = 137
 
 log = logging.getLogger("stoker.runtime")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m stoker.runtime SPEC.yaml``; returns the process exit code."""
+    stop = StopFlag().install()
+    die_with_parent()  # torchrun SIGKILLed: stop (and checkpoint) instead of training on orphaned
     parser = argparse.ArgumentParser(prog="python -m stoker.runtime",
                                      description="Train (or resume) the job described by SPEC.")
     parser.add_argument("spec", type=Path, help="run spec YAML written by the orchestrator")
     args = parser.parse_args(argv)
+    return run(args.spec, stop)
+
+
+def run(spec_path: Path, stop: StopFlag) -> int:
+    """Load the spec and train; ``stop`` is already listening. Returns the exit code."""
+    from stoker.config import ConfigError
+    from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
+    from stoker.runtime.checkpoint import CheckpointError
+    from stoker.runtime.data import DataError
+    from stoker.runtime.distributed import init_distributed, teardown
+    from stoker.runtime.lease import watch_lease
+    from stoker.runtime.spec import RunSpec
+    from stoker.runtime.trainer import Trainer
+
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        spec = RunSpec.load(args.spec)
+        spec = RunSpec.load(spec_path)
     except ConfigError as e:
         log.error("%s", e)
         return 2
-    stop = StopFlag().install()
-    die_with_parent()  # torchrun SIGKILLed: stop (and checkpoint) instead of training on orphaned
     env = init_distributed()
     trainer: Trainer | None = None
     outcome = "failed"
@@ -52,11 +66,19 @@ def main(argv: list[str] | None = None) -> int:
                                   spec.train.preemption_notice_interval_s)
         trainer = Trainer(spec, env, stop)
         outcome = trainer.train()
-        return EXIT_PREEMPTED if outcome == "preempted" else EXIT_OK
+        if outcome == "preempted":
+            record_stop_committed(trainer.step)
+            return EXIT_PREEMPTED
+        return EXIT_OK
     except (ConfigError, DataError, CheckpointError) as e:
         log.error("%s", e)
         return 2
-    except Exception:
+    except Exception as e:
+        if stop.requested and is_peer_lost(e):
+            # A coordinated stop whose peer was killed first (grace ran out): not a bug here.
+            log.warning("stop requested (%s) but a peer left before the stop checkpoint "
+                        "committed: %s", stop.reason, e)
+            return EXIT_STOP_LOST
         log.exception("training failed at step %s", trainer.step if trainer else 0)
         return 1
     finally:
@@ -65,5 +87,26 @@ def main(argv: list[str] | None = None) -> int:
         teardown()
 
 
+def is_peer_lost(error: Exception) -> bool:
+    """Whether ``error`` is a collective failing because another rank is gone (gloo/NCCL)."""
+    text = str(error)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                                   "Broken pipe", "NCCL communicator was aborted"))
+
+
+def exit_now(code: int) -> None:
+    """Flush logs and output, then end the process without the interpreter's finalization.
+
+    Everything that must outlive the rank is durable by now (the checkpoint committed, MLflow
+    closed, the process group destroyed); the finalizers of torch, gloo and MLflow's threads
+    took 3-5 s more, which is time a stop (and the grace of the other ranks) does not have.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -6,9 +6,12 @@ with one collective, save together and exit with EXIT_PREEMPTED.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import threading
+from urllib.parse import urlsplit, urlunsplit
 
 log = logging.getLogger(__name__)
 
@@ -20,11 +23,23 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     SIGTERM (the runtime checkpoints and exits) instead of training on as orphans. No-op where
     prctl is unavailable.
     """
-    import contextlib
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+# torchrun's wrapper (stoker.runtime.launch) names a file here; a rank writes it once the stop
+# checkpoint has committed on every rank, so "preempted" (75) is claimed only when it is true.
+STOP_COMMITTED_ENV = "STOKER_STOP_COMMITTED_FILE"
+
+
+def record_stop_committed(step: int) -> None:
+    """Note that the stop checkpoint at ``step`` committed (no-op outside the launch wrapper)."""
+    path = os.environ.get(STOP_COMMITTED_ENV)
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            f.write(f"{step}\n")
 
 
 class StopFlag:
@@ -38,6 +53,10 @@ class StopFlag:
     @property
     def requested(self) -> bool:
         return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` seconds; True once a stop was requested."""
+        return self._event.wait(timeout_s)
 
     def request(self, reason: str) -> None:
         if not self._event.is_set():
@@ -56,26 +75,73 @@ class StopFlag:
         The AWS spot format: ``GET http://169.254.169.254/latest/meta-data/spot/instance-action``
         answers 404 until a notice exists, then 200 with JSON ``{"action": "terminate"|"stop",
         "time": "..."}``. Any 200 whose JSON action is terminate/stop/hibernate sets the flag.
-        Connection errors are logged at debug level and polling goes on.
+        A session token is fetched first (IMDSv2: ``PUT /latest/api/token``) and sent with every
+        poll; an endpoint without tokens (IMDSv1, other clouds) is polled without one. An answer
+        other than 200/404 is logged once as a warning (a misconfigured notice must be visible);
+        connection errors are logged at debug level and polling goes on.
         """
+        self._poller = threading.Thread(target=NoticePoller(url, self, timeout_s).run,
+                                        args=(interval_s,), name="preemption-notice",
+                                        daemon=True)
+        self._poller.start()
+
+
+class NoticePoller:
+    """Polls one notice URL with an IMDSv2 session token when the endpoint issues one."""
+
+    TOKEN_TTL_S = 21600  # the IMDSv2 maximum; renewed when the endpoint answers 401
+
+    def __init__(self, url: str, flag: StopFlag, timeout_s: float = 2.0):
         import requests
 
-        def poll() -> None:
-            session = requests.Session()
-            while not self._event.wait(interval_s):
-                try:
-                    response = session.get(url, timeout=timeout_s)
-                except requests.RequestException as e:
-                    log.debug("preemption notice poll %s failed: %s", url, e)
-                    continue
-                if response.status_code != 200:
-                    continue
-                try:
-                    action = response.json().get("action")
-                except ValueError:
-                    action = None
-                if action in ("terminate", "stop", "hibernate"):
-                    self.request(f"preemption notice ({action}) from {url}")
+        self.url, self.flag, self.timeout_s = url, flag, timeout_s
+        parts = urlsplit(url)
+        self.token_url = urlunsplit((parts.scheme, parts.netloc, "/latest/api/token", "", ""))
+        self.session = requests.Session()
+        self.token: str | None = None
+        self.warned = False
 
-        self._poller = threading.Thread(target=poll, name="preemption-notice", daemon=True)
-        self._poller.start()
+    def fetch_token(self) -> str | None:
+        """An IMDSv2 token, or None where the endpoint has no token API."""
+        import requests
+
+        try:
+            response = self.session.put(self.token_url, timeout=self.timeout_s, headers={
+                "X-aws-ec2-metadata-token-ttl-seconds": str(self.TOKEN_TTL_S)})
+        except requests.RequestException as e:
+            log.debug("preemption notice token %s failed: %s", self.token_url, e)
+            return None
+        return response.text.strip() if response.status_code == 200 else None
+
+    def poll(self) -> str | None:
+        """One poll; returns the notice's action (terminate/stop/hibernate) or None."""
+        import requests
+
+        if self.token is None:
+            self.token = self.fetch_token()
+        headers = {"X-aws-ec2-metadata-token": self.token} if self.token else {}
+        try:
+            response = self.session.get(self.url, timeout=self.timeout_s, headers=headers)
+        except requests.RequestException as e:
+            log.debug("preemption notice poll %s failed: %s", self.url, e)
+            return None
+        if response.status_code == 401:
+            self.token = None  # expired or never issued: fetch a new one next time
+        if response.status_code not in (200, 404) and not self.warned:
+            self.warned = True
+            log.warning("preemption notice endpoint %s answered HTTP %d: notices from it are "
+                        "not seen (check train.preemption_notice_url)", self.url,
+                        response.status_code)
+        if response.status_code != 200:
+            return None
+        try:
+            action = response.json().get("action")
+        except (ValueError, AttributeError):
+            return None
+        return action if action in ("terminate", "stop", "hibernate") else None
+
+    def run(self, interval_s: float) -> None:
+        while not self.flag.wait(interval_s):
+            action = self.poll()
+            if action:
+                self.flag.request(f"preemption notice ({action}) from {self.url}")

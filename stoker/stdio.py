@@ -1,0 +1,78 @@
+"""Output that cannot fail a run: stdout/stderr that survive the reader going away.
+
+A flow run started by a Prefect worker writes to pipes the worker reads. When the worker dies,
+the next write (MLflow's "Successfully registered model", a print, a log line) raises
+``BrokenPipeError`` in whatever call made it, and a finished training ends FAILED. After
+:func:`guard_stdio`, a write that finds its reader gone points the descriptor at a file instead
+(``os.dup2``, so C code, child processes and the interpreter's final flush are covered too) and
+writes there: nothing is lost and nothing raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+import threading
+from pathlib import Path
+
+_LOST_READER = (errno.EPIPE, errno.ECONNRESET, errno.EBADF)
+
+
+class GuardedStream:
+    """A text stream that, when its reader is gone, moves its descriptor to ``fallback``."""
+
+    def __init__(self, stream, fallback: Path):
+        self._stream = stream
+        self._fallback = Path(fallback)
+        self._lock = threading.Lock()
+        self.redirected = False
+
+    def _redirect(self) -> None:
+        with self._lock:
+            if self.redirected:
+                return
+            self._fallback.parent.mkdir(parents=True, exist_ok=True)
+            target = os.open(self._fallback, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(target, self._stream.fileno())
+            os.close(target)
+            self.redirected = True
+
+    def _call(self, name: str, *args):
+        try:
+            return getattr(self._stream, name)(*args)
+        except OSError as e:
+            if e.errno not in _LOST_READER:
+                raise
+            self._redirect()
+            with contextlib.suppress(OSError):
+                return getattr(self._stream, name)(*args)
+            return len(args[0]) if name == "write" else None
+
+    def write(self, text: str) -> int:
+        return self._call("write", text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def guard_stdio(fallback: Path) -> None:
+    """Make ``sys.stdout`` and ``sys.stderr`` survive a dead reader (idempotent).
+
+    Args:
+        fallback: file that receives the output once the reader is gone (appended to).
+    """
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None or isinstance(stream, GuardedStream):
+            continue
+        setattr(sys, name, GuardedStream(stream, fallback))

@@ -1,0 +1,96 @@
+"""How ``stoker run`` stops: Ctrl-C and SIGTERM end it with one defined outcome.
+
+The first SIGINT (Ctrl-C) or SIGTERM raises :class:`Interrupted` in the main thread, where the
+flow runs: the launcher's ``finally`` passes SIGTERM to the training tree, the ranks commit a stop
+checkpoint within ``train.preemption_grace_s``, the MLflow run ends KILLED, the flow run ends
+Cancelled, and ``stoker run`` exits 130 (SIGINT) or 143 (SIGTERM). A second signal while that is
+under way kills every process ``stoker run`` started at once and exits with the same code.
+
+No Prefect here; :func:`stop_reason` tells Prefect glue why the run was stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import psutil
+
+EXIT_STOPPED = 3  # the cost guard or a user stopped the job (stop-requested.json): not retried
+EXIT_SIGINT = 130  # 128 + SIGINT, what shells report for Ctrl-C
+EXIT_SIGTERM = 143  # 128 + SIGTERM
+
+_received: list[int] = []
+
+
+class Interrupted(KeyboardInterrupt):
+    """``stoker run`` received SIGINT or SIGTERM; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+def stop_reason() -> str | None:
+    """Why this process is stopping (``"SIGINT (Ctrl-C)"``, ``"SIGTERM"``), or None."""
+    if not _received:
+        return None
+    name = signal.Signals(_received[0]).name
+    return f"{name} (Ctrl-C)" if name == "SIGINT" else name
+
+
+def kill_descendants() -> list[int]:
+    """SIGKILL every process this one started (and their process groups); returns the pids."""
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)  # a child that leads its own session
+    return [c.pid for c in children]
+
+
+def _handle(signum: int, _frame) -> None:
+    _received.append(signum)
+    if len(_received) == 1:
+        raise Interrupted(signum)
+    # Second signal: the user does not want to wait for the stop checkpoint.
+    kill_descendants()
+    with contextlib.suppress(OSError):
+        os.write(2, b"\nstopped at once (second signal): no stop checkpoint\n")
+    os._exit(128 + _received[0])
+
+
+def install() -> None:
+    """Route SIGINT and SIGTERM of this process to the stop sequence (main thread only)."""
+    _received.clear()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _handle)
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit code for an exception that ended ``stoker run`` by a signal."""
+    if isinstance(error, Interrupted):
+        return error.exit_code
+    return EXIT_SIGINT if isinstance(error, KeyboardInterrupt) else 1
+
+
+def exit_now(code: int) -> None:
+    """Flush output and logs, then end the process at once with ``code`` (``os._exit``).
+
+    For the end of a command whose work is recorded: the interpreter's finalizers (exit hooks
+    of Prefect's services, torch) add seconds and can do nothing useful any more.
+    """
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

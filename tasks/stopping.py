@@ -1,0 +1,79 @@
+"""Prefect states for how attempts and runs end: named attempt states (Preempted,
+InfrastructureFailure, StoppedByGuard), and Cancelled for a run someone stopped.
+
+Ctrl-C or SIGTERM to ``stoker run``, or a stop requested by the cost guard or a user, ends the
+flow run Cancelled with the reason.
+
+Prefect records a KeyboardInterrupt as Crashed; a stop the user asked for is not a crash. The
+flow's ``on_crashed`` hook, run once Prefect has recorded the crash, replaces it with Cancelled
+and the reason.
+"""
+
+from __future__ import annotations
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    TaskRunFilter,
+    TaskRunFilterState,
+    TaskRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.states import Cancelled, Completed, Failed, State
+
+from stoker.launch.retry import Outcome, outcome_of
+from stoker.launch.stop_request import StopRequest
+from stoker.launch.supervisor import finish_run
+from stoker.stopping import stop_reason
+
+
+class TrainingStopped(RuntimeError):
+    """The cost guard or a user stopped the job; the flow run ends Cancelled with this message."""
+
+
+def attempt_state(code: int, request: StopRequest | None) -> State:
+    """The attempt task run's final state, named after its outcome; ``data`` is the exit code."""
+    outcome = outcome_of(code, request is not None)
+    message = f"exit {code}: {outcome}"
+    if outcome == Outcome.COMPLETED:
+        return Completed(data=code, message=message)
+    if outcome == Outcome.PREEMPTED:
+        return Completed(name="Preempted", data=code, message=f"{message} (checkpoint "
+                         "committed, resumed)")
+    if outcome == Outcome.STOPPED:
+        name = "StoppedByGuard" if request.by == "cost-guard" else "StoppedByUser"
+        return Cancelled(name=name, data=code, message=f"{message}: {request.describe()}")
+    if outcome == Outcome.INFRASTRUCTURE:
+        return Failed(name="InfrastructureFailure", data=code, message=message)
+    return Failed(name="UserError", data=code, message=message)
+
+
+def stopped(client, run_file, request: StopRequest | None, job: str) -> None:
+    """End the MLflow run KILLED and raise :class:`TrainingStopped` with who stopped the job."""
+    if run_file.exists():
+        finish_run(client, run_file.read_text().strip(), "KILLED")
+    reason = request.describe() if request else "stopped on request"
+    raise TrainingStopped(f"job {job} {reason}; run the same command to resume it")
+
+
+def cancel_stopped_flow_run(_flow, flow_run, state) -> None:
+    """``on_crashed``/``on_failure`` hook of a flow: after a stop (a signal to ``stoker run``, or
+    :class:`TrainingStopped`), the flow run and its crashed or failed task runs (``train``,
+    ``attempt-N``) become Cancelled with the reason."""
+    if state.is_failed() and TrainingStopped.__name__ in (state.message or ""):
+        message = (state.message or "").split(f"{TrainingStopped.__name__}: ", 1)[-1]
+    elif state.is_crashed() and stop_reason() is not None:
+        message = f"stopped by {stop_reason()}"
+    else:  # a real failure or crash stays as it is
+        return
+    with get_client(sync_client=True) as client:
+        crashed = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])),
+            task_run_filter=TaskRunFilter(state=TaskRunFilterState(
+                type=TaskRunFilterStateType(any_=[StateType.CRASHED, StateType.FAILED]))))
+        for task_run in crashed:
+            if task_run.state and task_run.state.name in ("InfrastructureFailure", "UserError"):
+                continue  # an earlier attempt's own outcome
+            client.set_task_run_state(task_run.id, Cancelled(message=message), force=True)
+        client.set_flow_run_state(flow_run.id, Cancelled(message=message), force=True)

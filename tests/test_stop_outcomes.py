@@ -1,0 +1,127 @@
+"""Attempt outcomes as named Prefect states, and a stop the cost guard asked for is not retried:
+the pipeline flow on a real Prefect server, torchrun signalled like ``docker stop`` would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+from stoker.config import load_pipeline_config
+from stoker.launch.stop_request import request_stop
+from stoker.runtime.progress import read_events
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def torchrun_of_this_process() -> psutil.Process | None:
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if "stoker.runtime.launch" in " ".join(child.cmdline()):
+                return child
+        except psutil.Error:
+            continue
+    return None
+
+
+def wait_for_attempt(work, attempt: int, timeout_s: float = 300):
+    """The job folder once attempt ``attempt`` has trained a step."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for job in (work / "jobs").glob("*") if (work / "jobs").exists() else []:
+            events = read_events(job)
+            starts = [i for i, e in enumerate(events) if e["event"] == "start"]
+            if len(starts) >= attempt and any(e["event"] == "step"
+                                               for e in events[starts[attempt - 1]:]):
+                return job
+        time.sleep(0.05)
+    raise AssertionError(f"attempt {attempt} never trained")
+
+
+def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    from flows.pipeline import pipeline
+    from tasks.stopping import TrainingStopped
+
+    work = tmp_path / "work"
+    config = load_pipeline_config(None, [f"work_dir={work}", "train.epochs=6",
+                                         "tracking.system_metrics_interval_s=null"])
+    fired: list[str] = []
+
+    def preempt_then_guard_stop() -> None:
+        wait_for_attempt(work, 1)
+        torchrun_of_this_process().send_signal(signal.SIGTERM)  # a preemption
+        fired.append("preempt")
+        job = wait_for_attempt(work, 2)
+        request_stop(job, "cost-guard", "stalled: no progress for 600 s")  # what the guard does
+        torchrun_of_this_process().send_signal(signal.SIGTERM)  # then docker stop's SIGTERM
+        fired.append("guard")
+
+    threading.Thread(target=preempt_then_guard_stop, daemon=True).start()
+    with pytest.raises(TrainingStopped, match="stopped by cost-guard: stalled"):
+        pipeline(config)
+    assert fired == ["preempt", "guard"]
+
+    job = next((work / "jobs").glob("*"))
+    attempts = [json.loads(line) for line in (job / "attempts.jsonl").read_text().splitlines()]
+    assert [a["outcome"] for a in attempts] == ["preempted", "stopped"]  # not relaunched
+    run_id = (job / "mlflow_run_id").read_text().strip()
+    assert MlflowClient(config.tracking_uri()).get_run(run_id).info.status == "KILLED"
+
+    with get_client(sync_client=True) as client:
+        [flow_run] = client.read_flow_runs()
+        tasks = {t.name: t.state for t in client.read_task_runs()}
+    assert flow_run.state.type.value == "CANCELLED"
+    assert "cost-guard" in flow_run.state.message
+    assert (tasks["attempt-1"].type.value, tasks["attempt-1"].name) == ("COMPLETED", "Preempted")
+    assert (tasks["attempt-2"].type.value, tasks["attempt-2"].name) == ("CANCELLED",
+                                                                      "StoppedByGuard")
+    assert "attempt-3" not in tasks
+    train = next(state for name, state in tasks.items() if name.startswith("train"))
+    assert train.type.value == "CANCELLED"
+
+
+def test_a_requested_stop_is_not_retried_whatever_the_exit_code():
+    from stoker.config import RetryConfig
+    from stoker.launch.retry import Outcome, run_with_retries
+
+    for code in (75, 137, 1):
+        calls: list[int] = []
+        attempts = run_with_retries(lambda n, c=code, log=calls: log.append(n) or c,
+                                    RetryConfig(backoff_s=0, max_user_errors=3),
+                                    sleep=lambda s: None, stop_requested=lambda: True)
+        assert calls == [1] and attempts[-1].outcome is Outcome.STOPPED
+    attempts = run_with_retries(lambda n: 0, RetryConfig(), stop_requested=lambda: True)
+    assert attempts[-1].outcome is Outcome.COMPLETED  # it finished before the stop landed
+
+
+def test_stop_request_file_round_trip_and_torn_file(tmp_path):
+    from stoker.launch.stop_request import (
+        STOP_FILE,
+        clear_stop_request,
+        read_stop_request,
+        request_stop,
+    )
+
+    assert read_stop_request(tmp_path) is None
+    request_stop(tmp_path, "user", "maintenance")
+    assert read_stop_request(tmp_path).describe() == "stopped by user: maintenance"
+    (tmp_path / STOP_FILE).write_text('{"by": "cost-gu')  # torn write
+    assert read_stop_request(tmp_path).by == "unknown"  # still a stop someone asked for
+    clear_stop_request(tmp_path)
+    assert read_stop_request(tmp_path) is None

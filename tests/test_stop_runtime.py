@@ -1,0 +1,83 @@
+"""Stops that reach the ranks under real torchrun (2 gloo ranks on CPU): a SIGTERM while a rank is
+still importing, and a stop whose checkpoint never commits."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import events
+
+from stoker.launch.local import LocalLauncher
+from stoker.launch.retry import Outcome, classify_exit
+
+pytestmark = pytest.mark.integration
+
+
+def ranks(launcher: LocalLauncher) -> list[psutil.Process]:
+    proc = launcher.process
+    if proc is None or proc.poll() is not None:
+        return []
+    try:
+        return [p for p in psutil.Process(proc.pid).children(recursive=True)
+                if "RANK" in p.environ()]
+    except psutil.Error:
+        return []
+
+
+def test_sigterm_while_a_rank_imports_is_a_preemption(make_spec):
+    """SIGTERM to rank 1 about 1 s after it spawned (torch still importing) -> 75, not 143."""
+    spec = make_spec(epochs=3, tracking=False)
+    launcher = LocalLauncher(2, shutdown_grace_s=20, python=sys.executable)
+    sent: list[float] = []
+
+    def early_sigterm() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            victims = [p for p in ranks(launcher) if p.environ().get("RANK") == "1"]
+            if victims:
+                time.sleep(1.0 - (time.time() - victims[0].create_time()))
+                victims[0].send_signal(signal.SIGTERM)
+                sent.append(time.time() - victims[0].create_time())
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=early_sigterm, daemon=True).start()
+    output: list[str] = []
+    code = launcher.run(spec, on_line=output.append)
+    assert sent, "rank 1 never appeared"
+    assert not any(e["event"] == "step" and e["step"] > 1 for e in events(spec.parent))
+    assert code == 75, "\n".join(output[-30:])
+    assert classify_exit(code) is Outcome.PREEMPTED
+
+
+def test_a_stop_that_does_not_commit_is_not_a_preemption(make_spec):
+    """torchrun gets SIGTERM and rank 0 is killed before its stop checkpoint commits (the grace
+    ran out mid-save): the launcher must not claim 75, and rank 1's broken collective is not
+    logged as a training failure."""
+    spec = make_spec(epochs=50, checkpoint_every_steps=1000, tracking=False)
+    launcher = LocalLauncher(2, shutdown_grace_s=20, python=sys.executable)
+
+    def stop_then_kill() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            found = ranks(launcher)
+            if len(found) == 2 and any(e["event"] == "step" for e in events(spec.parent)):
+                rank0 = next(p for p in found if p.environ().get("RANK") == "0")
+                psutil.Process(launcher.process.pid).send_signal(signal.SIGTERM)
+                rank0.kill()
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=stop_then_kill, daemon=True).start()
+    output: list[str] = []
+    code = launcher.run(spec, on_line=output.append)
+    text = "\n".join(output)
+    assert "checkpoint committed at step" not in text
+    assert code == 137, text[-3000:]
+    assert classify_exit(code) is Outcome.INFRASTRUCTURE
+    assert "training failed" not in text, text[-3000:]

@@ -1,0 +1,156 @@
+"""Every way to stop ``stoker run`` on real processes: Ctrl-C, a second Ctrl-C, SIGTERM, SIGKILL.
+
+``stoker run`` runs as a subprocess in the default embedded mode (no PREFECT_API_URL: it starts its
+own temporary Prefect server), in its own session so that ``killpg`` reaches it like a terminal's
+Ctrl-C reaches the foreground process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+from stoker.runtime.checkpoint import Checkpointer
+from stoker.runtime.progress import read_events
+
+pytestmark = pytest.mark.integration
+
+
+def start_run(work: Path, *overrides: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    command = [sys.executable, "-m", "stoker.cli", "run", f"work_dir={work}", "train.epochs=40",
+               "tracking.system_metrics_interval_s=null", *overrides]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(work.parent / "stoker-run.log", "w"),  # noqa: SIM115
+                            start_new_session=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(tmp_path):
+    """Whatever a failed test left running is killed (a test must not leak a trainer)."""
+    yield
+    for proc in psutil.process_iter():
+        try:
+            if str(tmp_path) in " ".join(proc.cmdline()) + proc.environ().get("PREFECT_HOME", ""):
+                proc.kill()
+        except psutil.Error:
+            pass
+
+
+def wait_for_training(work: Path, process: subprocess.Popen, timeout_s: float = 300) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        jobs = list((work / "jobs").glob("*")) if (work / "jobs").exists() else []
+        if jobs and any(e["event"] == "step" for e in read_events(jobs[0])):
+            return jobs[0]
+        time.sleep(0.05)
+    log = (work.parent / "stoker-run.log").read_text()[-3000:]
+    raise AssertionError(f"training never started (exit {process.poll()}):\n{log}")
+
+
+def processes_of(work: Path) -> list[str]:
+    """Live processes whose command line or environment names this test's work folder."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
+            continue
+        try:
+            text = " ".join(proc.info["cmdline"] or []) + " " + proc.environ().get(
+                "PREFECT_HOME", "")
+        except psutil.Error:
+            continue
+        if str(work) in text:
+            found.append(text[:200])
+    return found
+
+
+def wait_gone(work: Path, timeout_s: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := processes_of(work)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def mlflow_status(work: Path, job_dir: Path) -> str:
+    run_id = (job_dir / "mlflow_run_id").read_text().strip()
+    return MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id).info.status
+
+
+def prefect_states(work: Path, table: str) -> dict[str, tuple[str, str]]:
+    """name -> (state type, state message) read from the embedded server's own database."""
+    with sqlite3.connect(work / ".prefect" / "prefect.db") as db:
+        rows = db.execute(f"SELECT r.name, s.type, s.message FROM {table} r JOIN "
+                          f"{table}_state s ON s.id = r.state_id").fetchall()
+    return {name: (kind, message) for name, kind, message in rows}
+
+
+def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
+    work = tmp_path / "work"
+    process = start_run(work)
+    job_dir = wait_for_training(work, process)
+    os.killpg(process.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    sent = time.monotonic()
+    tree_gone = None
+    while process.poll() is None and time.monotonic() - sent < 120:
+        if tree_gone is None and not [p for p in processes_of(work) if "stoker.runtime" in p]:
+            tree_gone = time.monotonic()
+        time.sleep(0.05)
+    code = process.wait(timeout=10)
+    exited = time.monotonic()
+    # Measured, not asserted (a shared machine's load decides these).
+    print(f"\nCtrl-C -> training tree gone {(tree_gone or exited) - sent:.1f} s -> exit "
+          f"{exited - (tree_gone or exited):.1f} s later")
+    log = (tmp_path / "stoker-run.log").read_text()
+    assert code == 130, log[-3000:]
+    assert wait_gone(work) == []  # no rank, no torchrun, no Prefect server left
+    end = [e for e in read_events(job_dir) if e["event"] == "end"][-1]
+    assert end["outcome"] == "preempted"
+    assert Checkpointer(str(job_dir / "checkpoints"), 0, 1).committed_steps()[-1] == end["step"]
+    assert mlflow_status(work, job_dir) == "KILLED"
+    last = max(e["step"] for e in read_events(job_dir) if e["event"] == "step")
+    assert last < 40 * 22  # it stopped, it did not train to the end
+    [(flow_state, message)] = prefect_states(work, "flow_run").values()
+    assert flow_state == "CANCELLED" and "SIGINT" in message
+    assert prefect_states(work, "task_run")["attempt-1"][0] == "CANCELLED"
+
+
+def test_second_ctrl_c_stops_at_once(tmp_path):
+    work = tmp_path / "work"
+    process = start_run(work, "train.preemption_grace_s=60")
+    wait_for_training(work, process)
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(0.3)
+    os.killpg(process.pid, signal.SIGINT)
+    assert process.wait(timeout=30) == 130
+    assert wait_gone(work, timeout_s=10) == []
+
+
+def test_sigterm_to_stoker_run_exits_143(tmp_path):
+    work = tmp_path / "work"
+    process = start_run(work)
+    job_dir = wait_for_training(work, process)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 143, (tmp_path / "stoker-run.log").read_text()[-3000:]
+    assert wait_gone(work) == []
+    end = [e for e in read_events(job_dir) if e["event"] == "end"][-1]
+    assert end["outcome"] == "preempted"
+    assert mlflow_status(work, job_dir) == "KILLED"
+
+
+def test_sigkill_of_stoker_run_leaves_no_server(tmp_path):
+    work = tmp_path / "work"
+    process = start_run(work)
+    wait_for_training(work, process)
+    assert any("uvicorn" in p for p in processes_of(work))  # the embedded server is running
+    process.kill()
+    process.wait(timeout=10)
+    assert wait_gone(work, timeout_s=60) == []
