@@ -72,7 +72,7 @@ def test_a_second_run_is_refused_at_once_until_the_job_is_done(api_env, tmp_path
         spec = (job / "spec.yaml").read_bytes()
         started = time.monotonic()
         second = subprocess.run(cmd, env=api_env, capture_output=True, text=True, timeout=120)
-        assert second.returncode == 3, second.stdout[-2000:] + second.stderr[-2000:]
+        assert second.returncode == 4, second.stdout[-2000:] + second.stderr[-2000:]
         assert time.monotonic() - started < 30  # before any pull or flow start
         assert second.stderr.strip().count("\n") == 0 and "Traceback" not in second.stderr
         assert "job owned is being trained by host" in second.stderr and f"pid {first.pid}" \
@@ -87,7 +87,7 @@ def test_a_second_run_is_refused_at_once_until_the_job_is_done(api_env, tmp_path
             third = subprocess.run(cmd, env=api_env, capture_output=True, text=True, timeout=300)
         finally:
             os.kill(first.pid, signal.SIGCONT)
-        assert third.returncode == 3, third.stdout[-2000:] + third.stderr[-2000:]
+        assert third.returncode == 4, third.stdout[-2000:] + third.stderr[-2000:]
         assert first.wait(timeout=300) == 0, first.stdout.read()[-3000:]
     finally:
         if first.poll() is None:
