@@ -87,7 +87,7 @@ def run(
     try:
         with prefect_api():
             from flows.pipeline import pipeline
-            from tasks.stopping import TrainingStopped
+            from stoker.launch.stop_request import TrainingStopped
 
             try:
                 summary = pipeline(config)

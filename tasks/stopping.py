@@ -23,13 +23,8 @@ from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Completed, Failed, State
 
 from stoker.launch.retry import Outcome, outcome_of
-from stoker.launch.stop_request import StopRequest
-from stoker.launch.supervisor import finish_run
+from stoker.launch.stop_request import StopRequest, TrainingStopped
 from stoker.stopping import stop_reason
-
-
-class TrainingStopped(RuntimeError):
-    """The cost guard or a user stopped the job; the flow run ends Cancelled with this message."""
 
 
 def attempt_state(code: int, request: StopRequest | None) -> State:
@@ -47,14 +42,6 @@ def attempt_state(code: int, request: StopRequest | None) -> State:
     if outcome == Outcome.INFRASTRUCTURE:
         return Failed(name="InfrastructureFailure", data=code, message=message)
     return Failed(name="UserError", data=code, message=message)
-
-
-def stopped(client, run_file, request: StopRequest | None, job: str) -> None:
-    """End the MLflow run KILLED and raise :class:`TrainingStopped` with who stopped the job."""
-    if run_file.exists():
-        finish_run(client, run_file.read_text().strip(), "KILLED")
-    reason = request.describe() if request else "stopped on request"
-    raise TrainingStopped(f"job {job} {reason}; run the same command to resume it")
 
 
 def cancel_stopped_flow_run(_flow, flow_run, state) -> None:

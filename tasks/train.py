@@ -24,7 +24,7 @@ from stoker.launch.factory import make_launcher
 from stoker.launch.job import JobClaim
 from stoker.launch.lease import JobBusy, held_lease
 from stoker.launch.retry import Attempt, Outcome, run_with_retries
-from stoker.launch.stop_request import clear_stop_request, read_stop_request
+from stoker.launch.stop_request import clear_stop_request, read_stop_request, stopped
 from stoker.launch.supervisor import (
     ProgressWatcher,
     TrainingFailed,
@@ -39,7 +39,7 @@ from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.tracking import ensure_store
 from stoker.tracking.cost import cost_report
-from tasks.stopping import attempt_state, stopped
+from tasks.stopping import attempt_state
 
 
 @task(name="train", cache_policy=NO_CACHE)

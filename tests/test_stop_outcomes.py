@@ -56,7 +56,7 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     from prefect.client.orchestration import get_client
 
     from flows.pipeline import pipeline
-    from tasks.stopping import TrainingStopped
+    from stoker.launch.stop_request import TrainingStopped
 
     work = tmp_path / "work"
     config = load_pipeline_config(None, [f"work_dir={work}", "train.epochs=6",

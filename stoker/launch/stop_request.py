@@ -59,3 +59,17 @@ def read_stop_request(job_dir: Path) -> StopRequest | None:
 def clear_stop_request(job_dir: Path) -> None:
     """Forget an earlier stop request (a new run of the job is a new decision)."""
     (Path(job_dir) / STOP_FILE).unlink(missing_ok=True)
+
+
+class TrainingStopped(RuntimeError):
+    """The cost guard or a user stopped the job; the flow run ends Cancelled with this message."""
+
+
+def stopped(client, run_file: Path, request: StopRequest | None, job: str) -> None:
+    """End the MLflow run KILLED and raise :class:`TrainingStopped` with who stopped the job."""
+    from stoker.launch.supervisor import finish_run
+
+    if run_file.exists():
+        finish_run(client, run_file.read_text().strip(), "KILLED")
+    reason = request.describe() if request else "stopped on request"
+    raise TrainingStopped(f"job {job} {reason}; run the same command to resume it")
