@@ -153,6 +153,96 @@ def drain_prefect_workers() -> None:
             worker.drain_all(timeout=5)
 
 
+WORK_DIR_OPTION = typer.Option("--work-dir", "-w", help="The work folder (work_dir) of the jobs")
+
+
+def _job_folder(work_dir: Path, job: str) -> Path:
+    from stoker.launch.status import find_job
+
+    folder = find_job(work_dir, job)
+    if folder is None:
+        typer.echo(f"error: job {job!r}: no such job (or not one match) in "
+                   f"{(work_dir / 'jobs').resolve()}; `stoker jobs` lists them", err=True)
+        raise typer.Exit(2)
+    return folder
+
+
+@app.command()
+def jobs(work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work")) -> None:
+    """List the jobs of a work folder: state, step, attempts, preemptions, cost, MLflow run."""
+    from stoker.launch.status import age, list_jobs
+
+    rows = list_jobs(work_dir)
+    if not rows:
+        typer.echo(f"no jobs in {(work_dir / 'jobs').resolve()}")
+        return
+    header = ("JOB", "STATE", "STEP", "ATTEMPTS", "PREEMPTED", "COST", "MLFLOW RUN",
+              "HEARTBEAT")
+    table = [header] + [(
+        r.job, r.state, f"{r.step}/{r.total_steps}" if r.total_steps else "-", str(r.attempts),
+        str(r.preemptions), "-" if r.cost_usd is None else f"${r.cost_usd:.4f}",
+        r.mlflow_run_id or "-", age(r.heartbeat_age_s)) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+@app.command()
+def status(job: Annotated[str, typer.Argument(help="Job folder name (or a unique prefix)")],
+           work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work")) -> None:
+    """Show one job: state, progress and ETA, attempts, owner, MLflow run, where its files are."""
+    from stoker.launch.attempts import AttemptLog
+    from stoker.launch.status import age, job_summary
+
+    folder = _job_folder(work_dir, job)
+    s = job_summary(folder)
+    typer.echo(f"job        {s.job}")
+    typer.echo(f"state      {s.state}" + (f" ({s.owner})" if s.owner else ""))
+    if s.progress is not None:
+        typer.echo(f"progress   {s.progress.describe()}")
+    typer.echo(f"heartbeat  {age(s.heartbeat_age_s)}")
+    typer.echo(f"mlflow run {s.mlflow_run_id or '-'}")
+    if s.cost_usd is not None:
+        typer.echo(f"cost       ${s.cost_usd:.4f}")
+    for a in AttemptLog(folder).history():
+        typer.echo(f"attempt {a.get('number')}: {a.get('outcome')} (exit {a.get('exit_code')}) "
+                   f"after {float(a.get('duration_s') or 0):.1f} s on "
+                   f"{a.get('capacity_type', '-')} capacity")
+    typer.echo(f"folder     {folder.resolve()}")
+    if s.state == "unfinished":
+        typer.echo("resume it: run the same command again (or stoker run job_id=" + s.job + ")")
+
+
+@app.command()
+def logs(job: Annotated[str, typer.Argument(help="Job folder name (or a unique prefix)")],
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines "
+                                              "while the job trains")] = False,
+         work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work")) -> None:
+    """Print what the job's attempts printed (torchrun and every rank), from its train.log."""
+    import time
+
+    from stoker.launch.status import JOB_LOG, job_summary
+
+    folder = _job_folder(work_dir, job)
+    path = folder / JOB_LOG
+    offset = 0
+    while True:
+        if path.is_file():
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+            end = chunk.rfind(b"\n") + 1  # whole lines only: a line being written waits
+            if end:
+                sys.stdout.write(chunk[:end].decode(errors="replace"))
+                sys.stdout.flush()
+                offset += end
+        if not follow or job_summary(folder).state != "training":
+            break
+        time.sleep(1.0)
+    if not path.is_file():
+        typer.echo(f"job {folder.name}: no output yet ({path})", err=True)
+
+
 @app.command("cost-guard")
 def cost_guard(
     overrides: Annotated[list[str] | None, typer.Argument(

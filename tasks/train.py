@@ -24,8 +24,10 @@ from stoker.launch.factory import make_launcher
 from stoker.launch.job import JobClaim
 from stoker.launch.lease import JobBusy, held_lease
 from stoker.launch.retry import Attempt, Outcome, run_with_retries
+from stoker.launch.status import JOB_LOG
 from stoker.launch.stop_request import clear_stop_request, read_stop_request, stopped
 from stoker.launch.supervisor import (
+    LineLog,
     ProgressWatcher,
     TrainingFailed,
     TrainResult,
@@ -95,11 +97,14 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
 
     @task(name="attempt", cache_policy=NO_CACHE)
     def attempt_task(number: int, capacity_type: str) -> State:
-        get_run_logger().info("attempt %d on %s capacity", number, capacity_type)
+        lines = LineLog(job_dir / JOB_LOG, get_run_logger().info)
+        lines(f"attempt {number} on {capacity_type} capacity")
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            codes[number] = launcher.run(spec_path, on_line=get_run_logger().info,
-                                         timeout_s=left)
+            try:
+                codes[number] = launcher.run(spec_path, on_line=lines, timeout_s=left)
+            finally:
+                lines.close()
         except (subprocess.TimeoutExpired, TimeoutError):
             raise TimeoutError(f"train_timeout_s={config.train_timeout_s:g} s reached: job "
                                f"{job_dir.name} stopped (process tree terminated)") from None

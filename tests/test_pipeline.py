@@ -61,6 +61,8 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     assert len(tags["stoker.git_commit"]) in (40, 7) and tags["stoker.attempts"] == "1"
     assert "prefect.flow_run_id" in tags
     assert (tmp_path / "jobs" / tags["stoker.job"]).is_dir()  # readable name, job as a tag
+    log = (tmp_path / "jobs" / tags["stoker.job"] / "train.log").read_text()
+    assert "attempt 1 on on_demand capacity" in log and "[rank0]" in log  # stoker logs JOB
     assert run.info.run_name == f"digits-small_cnn-{tags['stoker.job'][:8]}"
     assert "`data/digits`" in tags["mlflow.note.content"]
     assert run.data.params["train.epochs"] == "8"

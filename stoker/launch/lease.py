@@ -39,10 +39,13 @@ class JobBusy(RuntimeError):
 def holder_alive(lease: dict[str, Any], now: float | None = None) -> bool:
     """Whether ``lease`` still binds: not expired, and (on this host) its owner process lives."""
     now = time.time() if now is None else now
-    if now > lease["expires"]:
+    expires = lease.get("expires")
+    if not isinstance(expires, int | float) or now > expires:  # expired, or a garbled record
         return False
-    if lease.get("host") == socket.gethostname() and isinstance(lease.get("pid"), int):
-        return psutil.pid_exists(lease["pid"])
+    pid = lease.get("pid")
+    if lease.get("host") == socket.gethostname() and isinstance(pid, int):
+        # psutil.pid_exists raises OverflowError from 2**31 on: a garbled pid is not alive
+        return 0 < pid < 2**31 and psutil.pid_exists(pid)
     return True
 
 

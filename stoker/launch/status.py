@@ -1,14 +1,17 @@
-"""What a job is doing now, from its progress events: state, step, throughput and ETA.
+"""What a job is doing now, from its progress events: state, step, throughput and ETA; and the
+jobs of a work folder as ``stoker jobs`` / ``stoker status`` show them.
 
 Read by the ``train`` task's progress watcher (the Prefect progress artifact and log line) and
-by the ``stoker`` CLI. Plain functions over the event dicts of ``progress.jsonl``; times are Unix
-seconds.
+by the ``stoker`` CLI. Plain functions over the job folder's records (every reader tolerates a
+torn last line); times are Unix seconds.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 MIN_STEPS_FOR_ETA = 5     # an ETA from fewer steps of an attempt is mostly start-up noise
 WINDOW_STEPS = 20         # the moving average of step time covers this many recent steps
@@ -91,3 +94,98 @@ def job_progress(events: list[dict]) -> JobProgress | None:
     return JobProgress("training", attempt, step, total,
                        samples_per_s=float(rate) if rate is not None else None,
                        eta_s=eta if eta is None or math.isfinite(eta) else None)
+
+
+JOB_LOG = "train.log"  # every line the attempts printed (torchrun and ranks), appended
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """One row of ``stoker jobs``.
+
+    ``state``: ``done``, ``training`` (a live run holds the lease), ``stopped`` (a stop was
+    requested), or ``unfinished`` (no live owner: the same command resumes it). ``heartbeat_age_s``
+    is the seconds since rank 0's last heartbeat; ``cost_usd`` is known once the job is done."""
+
+    job: str
+    path: Path
+    state: str
+    step: int
+    total_steps: int
+    attempts: int
+    preemptions: int
+    cost_usd: float | None
+    mlflow_run_id: str | None
+    heartbeat_age_s: float | None
+    progress: JobProgress | None
+    owner: str | None
+
+
+def job_summary(job_dir: Path, now: float | None = None) -> JobSummary:
+    """Summarise one job folder from its records (never raises on a torn or missing record)."""
+    from stoker.launch.attempts import AttemptLog
+    from stoker.launch.job import done_summary
+    from stoker.launch.lease import holder_alive
+    from stoker.launch.stop_request import read_stop_request
+    from stoker.runtime.progress import read_events
+    from stoker.runtime.records import read_json, read_text
+
+    now = time.time() if now is None else now
+    quiet = lambda *_: None  # noqa: E731 - a listing must not print a warning per torn line
+    done = done_summary(job_dir)
+    lease = read_json(job_dir / "lease.json", default=None, warn=quiet)
+    live = isinstance(lease, dict) and holder_alive(lease, now)
+    events = [e for e in read_events(job_dir)
+              if isinstance(e.get("time"), int | float) and isinstance(e.get("step"), int)]
+    progress = job_progress(events)
+    history = AttemptLog(job_dir).history()
+    beat = read_json(job_dir / "heartbeat.json", default=None, warn=quiet)
+    beat_time = beat.get("time") if isinstance(beat, dict) else None
+    if done is not None:
+        state = "done"
+    elif live:
+        state = "training"
+    elif read_stop_request(job_dir) is not None:
+        state = "stopped"
+    else:
+        state = "unfinished"
+    cost = (done or {}).get("cost", {}).get("cost_usd") if isinstance(done, dict) else None
+    owner = None
+    if live:
+        owner = f"host {lease.get('host')} pid {lease.get('pid')}"
+    return JobSummary(
+        job=job_dir.name, path=job_dir, state=state,
+        step=progress.step if progress else 0,
+        total_steps=progress.total_steps if progress else 0,
+        attempts=len(history),
+        preemptions=sum(1 for a in history if a.get("outcome") == "preempted"),
+        cost_usd=float(cost) if isinstance(cost, int | float) else None,
+        mlflow_run_id=read_text(job_dir / "mlflow_run_id", warn=quiet),
+        heartbeat_age_s=now - beat_time if isinstance(beat_time, int | float) else None,
+        progress=progress, owner=owner)
+
+
+def list_jobs(work_dir: Path) -> list[JobSummary]:
+    """Every job folder under ``<work_dir>/jobs``, newest first (by folder time)."""
+    jobs = Path(work_dir) / "jobs"
+    if not jobs.is_dir():
+        return []
+    folders = [p for p in jobs.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    folders.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    return [job_summary(p) for p in folders]
+
+
+def find_job(work_dir: Path, name: str) -> Path | None:
+    """The job folder called ``name``, or the only one starting with it (a short key)."""
+    jobs = Path(work_dir) / "jobs"
+    if (jobs / name).is_dir() and "/" not in name and not name.startswith("."):
+        return jobs / name
+    matches = [p for p in jobs.glob(f"{name}*") if p.is_dir()] if jobs.is_dir() else []
+    return matches[0] if len(matches) == 1 else None
+
+
+def age(seconds: float | None) -> str:
+    """``12 s ago`` / ``3 min ago`` / ``-``."""
+    if seconds is None:
+        return "-"
+    return f"{_duration(seconds)} ago"

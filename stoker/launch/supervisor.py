@@ -166,3 +166,27 @@ def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
     """Close a run an attempt left RUNNING (a SIGKILL gives the runtime no chance to)."""
     if run_id and client.get_run(run_id).info.status == "RUNNING":
         client.set_terminated(run_id, status=status)
+
+
+class LineLog:
+    """Appends every output line of the attempts to ``path`` (what ``stoker logs`` shows) and
+    passes it on to ``forward`` (the Prefect task log). A full disk or a closed file never fails
+    the attempt: the line still reaches ``forward``."""
+
+    def __init__(self, path: Path, forward: Callable[[str], None]):
+        self.path, self.forward = Path(path), forward
+        self._file = None
+
+    def __call__(self, line: str) -> None:
+        try:
+            if self._file is None:
+                self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+            self._file.write(line + "\n")
+        except OSError:
+            pass
+        self.forward(line)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

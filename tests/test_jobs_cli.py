@@ -1,0 +1,90 @@
+"""`stoker jobs`, `stoker status` and `stoker logs` over job folders as the pipeline leaves them:
+done, training (a live lease), stopped, unfinished with a torn record; odd values are tolerated."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from stoker.cli import app
+from stoker.launch.attempts import AttemptLog
+from stoker.launch.job import mark_done
+from stoker.launch.stop_request import request_stop
+from stoker.runtime.records import append_jsonl, write_json
+
+
+def make_job(jobs: Path, name: str, steps: int, total: int = 100) -> Path:
+    job = jobs / name
+    job.mkdir(parents=True)
+    t0 = time.time() - 60
+    append_jsonl(job / "progress.jsonl", {"event": "start", "step": 0, "time": t0,
+                                          "total_steps": total})
+    for s in range(1, steps + 1):
+        append_jsonl(job / "progress.jsonl", {"event": "step", "step": s, "time": t0 + s,
+                                              "samples_per_s": 64.0})
+    write_json(job / "heartbeat.json", {"time": time.time() - 5, "step": steps})
+    (job / "mlflow_run_id").write_text(f"run-{name}\n")
+    log = AttemptLog(job)
+    log.start(1, "spot")
+    log.end(1, {"exit_code": 75, "outcome": "preempted", "started": t0, "duration_s": 30.0})
+    return job
+
+
+@pytest.fixture
+def work(tmp_path) -> Path:
+    jobs = tmp_path / "jobs"
+    done = make_job(jobs, "aaaa1111-done", 100)
+    mark_done(done, {"cost": {"cost_usd": 0.125}})
+    training = make_job(jobs, "bbbb2222-training", 40)
+    write_json(training / "lease.json", {"token": "t", "host": socket.gethostname(),
+                                         "pid": os.getpid(), "expires": time.time() + 60})
+    (training / "train.log").write_text("attempt 1 on spot capacity\n[rank0] step 40\n"
+                                        "[rank1] half a li")
+    stopped = make_job(jobs, "cccc3333-stopped", 20)
+    request_stop(stopped, "cost-guard", "stalled")
+    torn = make_job(jobs, "dddd4444-torn", 10)
+    with open(torn / "progress.jsonl", "a") as f:
+        f.write('{"event": "step", "step": 11, "ti')  # a crash mid-write
+    write_json(torn / "lease.json", {"host": socket.gethostname(), "pid": 4294967295,
+                                     "expires": time.time() + 60})  # garbled: not alive
+    return tmp_path
+
+
+def test_jobs_lists_every_job_with_its_state(work):
+    result = CliRunner().invoke(app, ["jobs", "--work-dir", str(work)])
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines()[1:]}
+    assert rows["aaaa1111-done"][1:3] == ["done", "100/100"] and "$0.1250" in rows[
+        "aaaa1111-done"]
+    assert rows["bbbb2222-training"][1:6] == ["training", "40/100", "1", "1", "-"]
+    assert rows["cccc3333-stopped"][1] == "stopped"
+    assert rows["dddd4444-torn"][1:3] == ["unfinished", "10/100"]
+    assert "run-bbbb2222-training" in rows["bbbb2222-training"]
+    assert result.output.splitlines()[0].split()[:3] == ["JOB", "STATE", "STEP"]
+
+
+def test_status_of_one_job_by_prefix(work):
+    result = CliRunner().invoke(app, ["status", "bbbb", "--work-dir", str(work)])
+    assert result.exit_code == 0, result.output
+    assert f"training (host {socket.gethostname()} pid {os.getpid()})" in result.output
+    assert "step 40/100 (attempt 1)" in result.output and "ETA" in result.output
+    assert "attempt 1: preempted (exit 75) after 30.0 s on spot capacity" in result.output
+    unfinished = CliRunner().invoke(app, ["status", "dddd4444-torn", "--work-dir", str(work)])
+    assert "resume it: run the same command again" in unfinished.output
+
+
+def test_logs_prints_whole_lines_and_unknown_jobs_are_one_line(work):
+    result = CliRunner().invoke(app, ["logs", "bbbb2222-training", "--work-dir", str(work)])
+    assert result.exit_code == 0
+    assert result.output == "attempt 1 on spot capacity\n[rank0] step 40\n"  # no torn line
+    missing = CliRunner().invoke(app, ["logs", "nope", "--work-dir", str(work)])
+    assert missing.exit_code == 2 and missing.output.count("\n") == 1
+    assert "job 'nope': no such job" in missing.output
+    empty = CliRunner().invoke(app, ["jobs", "--work-dir", str(work / "elsewhere")])
+    assert empty.exit_code == 0 and "no jobs in" in empty.output
