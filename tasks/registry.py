@@ -8,10 +8,12 @@ from pathlib import Path
 from mlflow import MlflowClient
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
 
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.launch.supervisor import TrainResult
+from stoker.tracking.events import model_event
 from stoker.tracking.plots import plot_curves
 from stoker.tracking.registry import Registration, input_example, log_and_register
 
@@ -35,6 +37,15 @@ def register(config: PipelineConfig, dataset: DatasetRef, trained: TrainResult) 
     with tempfile.TemporaryDirectory() as tmp:
         curves = plot_curves(config.tracking_uri(), trained.run_id, Path(tmp) / "curves.png")
         MlflowClient(config.tracking_uri()).log_artifact(trained.run_id, str(curves), "plots")
+    job = Path(trained.job_dir).name
+    details = {"metric": metric, "value": registration.value,
+               "previous_champion": registration.previous_champion,
+               "model_uri": registration.model_uri}
+    emit_event(**model_event("registered", registration.name, registration.version, job,
+                             trained.run_id, **details))
+    if registration.promoted:
+        emit_event(**model_event("promoted", registration.name, registration.version, job,
+                                 trained.run_id, **details))
     logger.info("registered %s version %s (%s=%.4f); champion %s", registration.name,
                 registration.version, metric, registration.value,
                 "moved to it" if registration.promoted

@@ -12,6 +12,7 @@ from mlflow.entities import Metric, RunTag
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
 from prefect.runtime import flow_run
 from prefect.states import State
 from prefect.transactions import CommitMode, transaction
@@ -41,6 +42,7 @@ from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.tracking import ensure_store
 from stoker.tracking.cost import cost_report
+from stoker.tracking.events import training_event
 from tasks.stopping import attempt_state
 
 
@@ -118,6 +120,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         number += first_number - 1  # numbering continues over every run of the job
         capacities[number] = capacity_for(config, preempted)
         attempts_log.start(number, capacities[number], flow_run.get_id())
+        emit_event(**training_event("started" if number == 1 else "resumed", job_dir.name,
+                                    read_text(run_file), attempt=number,
+                                    capacity_type=capacities[number]))
         # Committed at once: a finished attempt's named state stays, even if `train` fails later
         # (a lazy transaction would roll it back to "RolledBack").
         with transaction(commit_mode=CommitMode.EAGER):
@@ -132,6 +137,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         preempted += attempt.outcome == Outcome.PREEMPTED
         number = attempt.number + first_number - 1
         attempts_log.end(number, {**attempt.to_dict(), "capacity_type": capacities[number]})
+        if attempt.outcome == Outcome.PREEMPTED:
+            emit_event(**training_event("preempted", job_dir.name, read_text(run_file),
+                                        attempt=number, exit_code=attempt.exit_code))
         level = logger.info if attempt.outcome == Outcome.COMPLETED else logger.warning
         level("attempt %d ended: %s (exit %d) after %.1f s", number, attempt.outcome,
               attempt.exit_code, attempt.duration_s)
@@ -164,6 +172,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             finish_run(client, read_text(run_file), "FAILED")
         summary = ", ".join(f"#{a['number']} {a['outcome']} (exit {a['exit_code']})"
                             for a in history[-len(attempts):])
+        emit_event(**training_event("failed", job_dir.name, read_text(run_file),
+                                    attempts=len(history), outcome=str(attempts[-1].outcome),
+                                    exit_code=attempts[-1].exit_code))
         raise TrainingFailed(f"job {job_dir.name} did not complete: {summary}")
 
     result = read_json(job_dir / "result.json")
@@ -182,5 +193,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     logger.info("cost: %.4f device-hours on %s, $%.4f, goodput %.2f, %d preemption(s), "
                 "%d step(s) lost", report.gpu_hours, report.gpu_model, report.cost_usd,
                 report.goodput, report.preemptions, report.steps_lost)
+    emit_event(**training_event("completed", job_dir.name, result["run_id"],
+                                step=result.get("step"), attempts=report.attempts,
+                                preemptions=report.preemptions))
     return TrainResult(str(job_dir), result["run_id"], result["metrics"], result, history,
                        report.metrics())

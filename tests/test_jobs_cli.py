@@ -3,7 +3,6 @@ done, training (a live lease), stopped, unfinished with a torn record; odd value
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time

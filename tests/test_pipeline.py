@@ -41,6 +41,24 @@ print(json.dumps({"accuracy": float((predicted == truth).mean())}))
 """
 
 
+def stoker_events(flow_run_id: str, expect: set[str], timeout_s: float = 30.0) -> list[dict]:
+    """Stoker's events the Prefect server stored for one flow run (stored asynchronously)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with get_client(sync_client=True) as client:
+            found = client.request("POST", "/events/filter", json={
+                "filter": {"event": {"prefix": ["stoker."]},
+                           "related": {"id": [f"prefect.flow-run.{flow_run_id}"]}},
+                "limit": 50}).json()["events"]
+        if expect <= {e["event"] for e in found} or time.monotonic() > deadline:
+            return found
+        time.sleep(0.25)
+
+
 def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -94,6 +112,17 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     with get_client(sync_client=True) as prefect:
         progress = [a for a in prefect.read_artifacts() if a.type == "progress"]
     assert progress and max(a.data for a in progress) == 100.0  # training progress in the UI
+    events = stoker_events(tags["prefect.flow_run_id"], {
+        "stoker.training.started", "stoker.training.completed", "stoker.model.registered",
+        "stoker.model.promoted"})
+    by_name = {e["event"]: e for e in events}
+    assert {"stoker.training.started", "stoker.training.completed", "stoker.model.registered",
+            "stoker.model.promoted"} <= by_name.keys(), sorted(by_name)
+    promoted = by_name["stoker.model.promoted"]
+    assert promoted["resource"]["prefect.resource.id"] == "stoker.model.stoker-digits.1"
+    related = {r["prefect.resource.id"] for r in promoted["related"]}
+    assert f"mlflow.run.{first['run_id']}" in related
+    assert f"stoker.job.{tags['stoker.job']}" in related
 
     second = pipeline(config)  # same config: new job, reused dataset, new version
     assert second["run_id"] != first["run_id"]
