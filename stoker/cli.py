@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import sys
 import traceback
@@ -62,6 +63,9 @@ def run(
         help="Dotted overrides, e.g. train.epochs=3 data.rev=v1")] = None,
     config_file: Annotated[Path | None, typer.Option(
         "--config", "-c", help="YAML file with PipelineConfig fields")] = None,
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="Print tracebacks in the terminal (the Prefect task log always has "
+        "them)")] = False,
 ) -> None:
     """Run the main job: pull the dataset, train with torchrun, register the model in MLflow.
 
@@ -89,6 +93,9 @@ def run(
             from flows.pipeline import pipeline
             from stoker.launch.stop_request import TrainingStopped
 
+            if not debug:
+                quiet_console_tracebacks()
+
             try:
                 summary = pipeline(config)
                 typer.echo(json.dumps(summary, indent=2, default=str))
@@ -101,12 +108,70 @@ def run(
     except KeyboardInterrupt as e:
         typer.echo(f"stoker run: {stopping.stop_reason() or 'interrupted'}: stopped", err=True)
         code = stopping.exit_code(e)
-    except Exception:
-        traceback.print_exc()
-        code = 1
+    except Exception as e:
+        code = _report_failure(e, debug)
     # Everything is recorded and the training tree is gone: skip the interpreter's finalizers
     # (Prefect's exit hooks, torch), which held the exit back for seconds.
     stopping.exit_now(code)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors that name bad input (a field, the data, an image, the host): one line, exit 2."""
+    from stoker.data.pull import DatasetError
+    from stoker.images.build import ImageError
+    from stoker.images.preflight import PreflightError
+    from stoker.launch.docker import DockerLaunchError
+    from stoker.runtime.checkpoint import CheckpointError
+    from stoker.tracking.registry import LineageError
+
+    return (ConfigError, DatasetError, LineageError, ImageError, PreflightError,
+            DockerLaunchError, CheckpointError)
+
+
+def _report_failure(error: Exception, debug: bool) -> int:
+    """One line for a user error (exit 2) or a failed job (exit 1, with where to look); the
+    traceback only for a bug, or with ``--debug``."""
+    from stoker.launch.supervisor import TrainingFailed
+
+    if debug:
+        traceback.print_exc()
+    if isinstance(error, _user_errors()):
+        typer.echo(f"error: {error}", err=True)
+        return 2
+    if isinstance(error, TrainingFailed):
+        job = str(error).split()[1] if str(error).startswith("job ") else ""
+        typer.echo(f"error: {error}" + (f" (its output: stoker logs {job})" if job else ""),
+                   err=True)
+        return 1
+    if not debug:
+        traceback.print_exc()
+    return 1
+
+
+class _TracebackFree(logging.Formatter):
+    """Formats a record as ``inner`` does, without its traceback (other handlers keep it)."""
+
+    def __init__(self, inner: logging.Formatter):
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def quiet_console_tracebacks() -> None:
+    """Prefect's terminal lines keep their message but not the traceback: a failed task repeats
+    it several times. The Prefect UI's task log (the API handler) keeps every traceback."""
+    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) \
+                    and not isinstance(handler.formatter, _TracebackFree):
+                handler.setFormatter(_TracebackFree(handler.formatter or logging.Formatter()))
 
 
 EXIT_BUSY = 4  # `stoker run`: the job is owned by another live run (nothing was changed)

@@ -138,3 +138,38 @@ def test_a_dead_tracking_server_is_named_before_the_pull(tmp_path):
                                      ) or "no MLflow server answers" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "work" / "datasets").exists()  # nothing pulled
+
+
+def test_a_missing_data_repository_is_named_before_anything_runs(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
+         f"data.repo_url={tmp_path / 'no-such-repo'}"], capture_output=True, text=True,
+        timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: data.repo_url: {tmp_path / 'no-such-repo'} is not a folder (a relative path is "
+        "resolved against the directory stoker runs in)"]
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_path):
+    """A folder that is not a git repository fails in the pull task: no traceback in the
+    terminal (the Prefect task log keeps it), the last line names it, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "not-a-repo").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    result = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
+         f"data.repo_url={tmp_path / 'not-a-repo'}"], capture_output=True, text=True,
+        timeout=300, env={**env, "PREFECT_HOME": str(tmp_path / "prefect")})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: data.repo_url {tmp_path / 'not-a-repo'}"), last
+    assert len(result.stderr.splitlines()) < 30

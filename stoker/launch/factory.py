@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from stoker.config import ConfigError, PipelineConfig, check_batch
+from stoker.config import ConfigError, PipelineConfig, check_batch, is_local
 
 
 class Launcher(Protocol):
@@ -84,16 +84,21 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
 
 
 def check_before_pull(config: PipelineConfig) -> None:
-    """Checks that need this machine, run before the dataset is pulled: the global batch splits
-    over the processes this node will start (``nproc_per_node=auto``: one per GPU, or 2), and an
-    http(s) tracking server answers.
+    """Checks that need this machine, run before the dataset is pulled: a local data repository
+    exists, the global batch splits over the processes this node will start
+    (``nproc_per_node=auto``: one per GPU, or 2), and an http(s) tracking server answers.
 
     Raises:
-        ConfigError: naming ``train.global_batch_size`` or ``tracking.tracking_uri``.
+        ConfigError: naming ``data.repo_url``, ``train.global_batch_size`` or
+            ``tracking.tracking_uri``.
     """
     from stoker.launch.supervisor import nproc
     from stoker.tracking.server import check_tracking_server
 
+    repo = config.data.repo_url
+    if repo and is_local(repo) and not Path(repo).is_dir():
+        raise ConfigError(f"data.repo_url: {repo} is not a folder (a relative path is resolved "
+                          "against the directory stoker runs in)")
     train = config.train
     try:
         check_batch(train.global_batch_size, train.grad_accum_steps, nproc(config))
