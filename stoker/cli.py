@@ -26,16 +26,26 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Stoker: resumable GPU training pipelines on Prefect, DVC, PyTorch, MLflow.")
 
 
+TELEMETRY_OFF = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+                 "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1"}
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` tracking URI (relative to the current directory
+    when written with three slashes and a relative path), else None."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return Path(tracking_uri.removeprefix("sqlite:///"))
+
+
 def quiet_telemetry(work_dir: Path) -> None:
     """Telemetry off and Prefect's home inside the work directory, unless the user set them."""
     os.environ.setdefault("PREFECT_HOME", str((work_dir / ".prefect").resolve()))
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     # The embedded (ephemeral) Prefect server migrates its database on first start: slow on 2 cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("DVC_NO_ANALYTICS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
+    for name, value in TELEMETRY_OFF.items():
+        os.environ.setdefault(name, value)
 
 
 def _config(config_file: Path | None, overrides: list[str] | None) -> PipelineConfig:
@@ -365,9 +375,21 @@ def predict(
 
     from stoker.tracking.pyfunc import preprocess_images
 
-    quiet_telemetry(Path("work"))
+    from mlflow.exceptions import MlflowException
+
+    for name, value in TELEMETRY_OFF.items():  # a read creates nothing: no PREFECT_HOME either
+        os.environ.setdefault(name, value)
+    where = f"tracking URI {tracking_uri} (from {Path.cwd()}); point --tracking-uri at your store"
+    store = sqlite_path(tracking_uri)
+    if store is not None and not store.is_file():
+        typer.echo(f"error: no MLflow store at {store}: {where}", err=True)
+        raise typer.Exit(2)
     mlflow.set_tracking_uri(tracking_uri)
-    model = mlflow.pyfunc.load_model(model_uri)
+    try:
+        model = mlflow.pyfunc.load_model(model_uri)
+    except MlflowException as e:
+        typer.echo(f"error: {model_uri}: {e.message.splitlines()[0]} ({where})", err=True)
+        raise typer.Exit(2) from None
     meta = (model.metadata.metadata or {}).get("stoker")
     if meta is None:
         typer.echo(f"error: {model_uri}: not a Stoker classifier (no class list stored)", err=True)

@@ -87,3 +87,27 @@ def test_logs_prints_whole_lines_and_unknown_jobs_are_one_line(work):
     assert "job 'nope': no such job" in missing.output
     empty = CliRunner().invoke(app, ["jobs", "--work-dir", str(work / "elsewhere")])
     assert empty.exit_code == 0 and "no jobs in" in empty.output
+
+
+def test_predict_from_another_folder_creates_nothing_and_says_where_it_looked(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["predict", "x.png"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"error: no MLflow store at work/mlflow.db: tracking URI sqlite:///work/mlflow.db (from "
+        f"{tmp_path}); point --tracking-uri at your store"]
+    assert list(tmp_path.iterdir()) == []  # no stray work/mlflow.db, no work/.prefect
+
+
+def test_predict_names_a_missing_model_in_one_line(tmp_path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).search_experiments()  # create the store
+    result = CliRunner().invoke(app, ["predict", "x.png", "--tracking-uri", uri,
+                                      "--model-uri", "models:/nope@champion"])
+    assert result.exit_code == 2
+    assert len(result.output.strip().splitlines()) == 1
+    assert result.output.startswith("error: models:/nope@champion: ")
+    assert f"tracking URI {uri}" in result.output
