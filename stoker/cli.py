@@ -372,10 +372,9 @@ def predict(
 ) -> None:
     """Load a registered model and print each image's class name and probability."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     from stoker.tracking.pyfunc import preprocess_images
-
-    from mlflow.exceptions import MlflowException
 
     for name, value in TELEMETRY_OFF.items():  # a read creates nothing: no PREFECT_HOME either
         os.environ.setdefault(name, value)
