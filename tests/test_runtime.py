@@ -137,6 +137,16 @@ def test_kill_during_save_resumes_from_previous_checkpoint(reference, make_spec)
     assert [s for s, _ in loss_history(spec)] == list(range(1, 67))  # re-run steps not re-logged
 
 
+def test_a_killed_rank_is_an_infrastructure_failure_not_a_bug_of_the_survivor(make_spec):
+    spec = make_spec("rank-killed", epochs=2)
+    attempts, output, _ = launch(
+        spec, preempt=[{"at_step": 15, "target": "rank:1", "sig": signal.SIGKILL}],
+        policy=RetryConfig(backoff_s=0, max_infra_failures=1))
+    assert [a.outcome for a in attempts] == [Outcome.INFRASTRUCTURE, Outcome.COMPLETED], output
+    # The surviving rank's broken collective is a warning, not "training failed" + traceback.
+    assert "training failed at step" not in output, output[-3000:]
+
+
 def test_user_error_fails_once_with_traceback(make_spec):
     spec = make_spec("bug", fail_at_step=5)
     attempts, output, _ = launch(spec)

@@ -1,8 +1,9 @@
 """``python -m stoker.runtime SPEC.yaml``: one rank of one attempt, with exit codes.
 
 0 done, 75 preempted (stop checkpoint committed), 2 a named user error (config, data, checkpoint),
-1 a bug (traceback in the rank's log), 137 stopped but a peer left before the stop checkpoint
-committed (infrastructure, like a SIGKILL). SIGTERM/SIGINT are caught from the first line on.
+1 a bug (traceback in the rank's log), 137 a peer rank is gone (killed, or gone before the stop
+checkpoint committed): infrastructure, like a SIGKILL. SIGTERM/SIGINT are caught from the first
+line on.
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ def run(spec_path: Path, stop: StopFlag) -> int:
             # A coordinated stop whose peer was killed first (grace ran out): not a bug here.
             log.warning("stop requested (%s) but a peer left before the stop checkpoint "
                         "committed: %s", stop.reason, e)
+            return EXIT_STOP_LOST
+        if is_peer_lost(e):
+            # Another rank died (OOM killer, node loss, kill -9): this rank is not at fault, and
+            # the attempt is an infrastructure failure that resumes from the last checkpoint.
+            log.warning("a peer rank is gone at step %s (%s): stopping this rank",
+                        trainer.step if trainer else 0, str(e).splitlines()[0])
             return EXIT_STOP_LOST
         log.exception("training failed at step %s", trainer.step if trainer else 0)
         return 1
