@@ -3,7 +3,6 @@ the pipeline flow on a real Prefect server, torchrun signalled like ``docker sto
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -56,6 +55,7 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     from prefect.client.orchestration import get_client
 
     from flows.pipeline import pipeline
+    from stoker.launch.attempts import AttemptLog
     from stoker.launch.stop_request import TrainingStopped
 
     work = tmp_path / "work"
@@ -78,7 +78,7 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     assert fired == ["preempt", "guard"]
 
     job = next((work / "jobs").glob("*"))
-    attempts = [json.loads(line) for line in (job / "attempts.jsonl").read_text().splitlines()]
+    attempts = AttemptLog(job).history()  # started + ended records, folded per attempt
     assert [a["outcome"] for a in attempts] == ["preempted", "stopped"]  # not relaunched
     run_id = (job / "mlflow_run_id").read_text().strip()
     assert MlflowClient(config.tracking_uri()).get_run(run_id).info.status == "KILLED"
