@@ -123,8 +123,8 @@ def create_experiment(tracking_uri: str, artifacts: Path) -> None:
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    if client.get_experiment_by_name("stoker") is None:
-        client.create_experiment("stoker", artifact_location=artifacts.as_uri())
+    if client.get_experiment_by_name("stoker-digits") is None:
+        client.create_experiment("stoker-digits", artifact_location=artifacts.as_uri())
 
 
 def main() -> None:

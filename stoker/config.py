@@ -210,7 +210,9 @@ class TrackingConfig(_Frozen):
     tracking_uri: str | None = Field(
         None, description="MLflow tracking URI; empty: sqlite:///<work_dir>/mlflow.db."
     )
-    experiment: str = Field("stoker", description="MLflow experiment name.")
+    experiment: str | None = Field(
+        None, description="MLflow experiment name; empty: one experiment per registered model, "
+        "named after it.")
     registered_model: str | None = Field(
         None, description="Registered model name; empty: derived from the dataset "
         "(<repository>-<path>, e.g. flowers-data-images), stoker-digits for the demo data.")
@@ -346,6 +348,11 @@ class PipelineConfig(_Frozen):
         if self.data.repo_url is None:
             return DEMO_MODEL
         return dataset_model_name(self.data.repo_url, self.data.path)
+
+    def experiment(self) -> str:
+        """The MLflow experiment: the configured one, else the registered model's name (one
+        experiment per model lineage, so its runs are compared side by side)."""
+        return self.tracking.experiment or self.registered_model()
 
     def tracking_uri(self) -> str:
         """The MLflow tracking URI, defaulting to a sqlite store in the work directory."""

@@ -173,3 +173,14 @@ def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_pa
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: data.repo_url {tmp_path / 'not-a-repo'}"), last
     assert len(result.stderr.splitlines()) < 30
+
+
+def test_one_experiment_per_registered_model_unless_configured(tmp_path):
+    assert PipelineConfig().experiment() == "stoker-digits"  # the demo's model
+    repo = tmp_path / "flowers"
+    repo.mkdir()
+    mine = load_pipeline_config(None, [f"data.repo_url={repo}", "data.path=images"])
+    assert mine.experiment() == mine.registered_model() == "flowers-images"
+    named = load_pipeline_config(None, ["tracking.experiment=shared"])
+    assert named.experiment() == "shared"
+

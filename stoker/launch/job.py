@@ -32,7 +32,7 @@ def job_key(config: PipelineConfig, dataset_md5: str) -> str:
     """12 hex digits of sha256 over the trajectory-defining config and the dataset hash."""
     train = config.train.model_dump(mode="json")
     payload = {f: train[f] for f in TRAJECTORY_FIELDS}
-    payload |= {"dataset": dataset_md5, "experiment": config.tracking.experiment}
+    payload |= {"dataset": dataset_md5, "experiment": config.experiment()}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -106,7 +106,7 @@ def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
             "mlflow.note.content": run_description(config, dataset, world_size)}
     spec = RunSpec(
         train=config.train, data_dir=dataset.local_path, job_dir=str(job_dir),
-        tracking_uri=config.tracking_uri(), experiment=config.tracking.experiment,
+        tracking_uri=config.tracking_uri(), experiment=config.experiment(),
         artifact_location=None if config.tracking.tracking_uri
         else (config.work_dir.resolve() / "mlartifacts").as_uri(),
         run_name=run_name(config, dataset, job_dir), tags=tags,
