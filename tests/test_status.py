@@ -55,3 +55,24 @@ def test_long_etas_read_in_minutes_and_hours():
     events = [{"event": "start", "step": 0, "time": 0.0, "total_steps": 100_000},
               *steps(1, 10, 0.0, 1.0)]
     assert job_progress(events).describe().endswith("ETA 27 h 46 min")
+
+
+def test_a_requested_stop_reads_stopping_not_restarting(tmp_path):
+    from stoker.launch.stop_request import request_stop
+    from stoker.launch.supervisor import ProgressWatcher
+    from stoker.runtime.records import append_jsonl
+
+    for event in [{"event": "start", "step": 0, "time": 0.0, "total_steps": 66},
+                  *steps(1, 16, 0.0, 0.2),
+                  {"event": "checkpoint", "step": 16, "time": 3.5},
+                  {"event": "end", "step": 16, "time": 3.6, "outcome": "preempted"}]:
+        append_jsonl(tmp_path / "progress.jsonl", event)
+    seen: list[tuple[float, str]] = []
+    watcher = ProgressWatcher(tmp_path, lambda p, m: seen.append((p, m)))
+    watcher.poll()
+    assert seen[-1][1] == "restarting (attempt 2, resuming at step 16/66)"
+    request_stop(tmp_path, "cost-guard", "stalled")
+    watcher.poll()
+    watcher.poll()  # unchanged: not repeated
+    assert len(seen) == 2 and seen[-1][1].startswith("stopping (")
+    assert "cost-guard" in seen[-1][1] and seen[-1][1].endswith("at step 16/66")

@@ -18,8 +18,10 @@ from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
 from stoker.launch.lease import JobBusy
 from stoker.launch.status import job_progress
+from stoker.launch.stop_request import read_stop_request
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
+from stoker.stopping import stop_reason
 from stoker.tracking.lineage import code_version
 
 __all__ = ["JobBusy", "ProgressWatcher", "TrainResult", "TrainingFailed", "finish_run",
@@ -149,6 +151,12 @@ class ProgressWatcher(threading.Thread):
         if progress is None:
             return
         message = progress.describe()
+        if progress.state == "restarting":  # a stop someone asked for is not a restart
+            request = read_stop_request(self.job_dir)
+            reason = stop_reason() or (request.describe() if request else None)
+            if reason:
+                message = (f"stopping ({reason}): checkpoint committed at step "
+                           f"{progress.resume_step or progress.step}/{progress.total_steps}")
         if message != self._last:
             self._last = message
             self.on_progress(progress.percent, message)
