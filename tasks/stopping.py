@@ -64,3 +64,27 @@ def cancel_stopped_flow_run(_flow, flow_run, state) -> None:
                 continue  # an earlier attempt's own outcome
             client.set_task_run_state(task_run.id, Cancelled(message=message), force=True)
         client.set_flow_run_state(flow_run.id, Cancelled(message=message), force=True)
+
+
+def crash_orphaned_flow_run(flow_run_id: str | None, job: str, current: str | None) -> None:
+    """Mark the flow run of a dead owner whose lease was taken over Crashed (its ``stoker run``
+    or worker was killed, so nothing else ever ends it). Runs still Running or Pending only; a
+    run the server does not know (another Prefect database) is left alone."""
+    if not flow_run_id or flow_run_id == current:
+        return
+    from uuid import UUID
+
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Crashed
+
+    with get_client(sync_client=True) as client:
+        try:
+            run = client.read_flow_run(UUID(str(flow_run_id)))
+        except (ObjectNotFound, ValueError):
+            return
+        if run.state is None or run.state.type not in (StateType.RUNNING, StateType.PENDING):
+            return
+        client.set_flow_run_state(run.id, Crashed(
+            message=f"its process died; job {job} was taken over by flow run {current}"),
+            force=True)
+

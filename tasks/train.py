@@ -43,7 +43,7 @@ from stoker.runtime.records import read_json, read_text
 from stoker.runtime.tracking import ensure_store
 from stoker.tracking.cost import cost_report
 from stoker.tracking.events import training_event
-from tasks.stopping import attempt_state
+from tasks.stopping import attempt_state, crash_orphaned_flow_run
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -73,6 +73,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
            job_dir: Path) -> TrainResult:
     logger = get_run_logger()
     lease = held_lease(job_dir)
+    if lease.previous:  # the owner died: its flow run would stay Running forever
+        crash_orphaned_flow_run(lease.previous.get("flow_run_id"), job_dir.name,
+                                str(flow_run.get_id()))
     world_size = nproc(config)
     tags = lineage_tags(config, dataset, world_size, image, flow_run.get_id(),
                         flow_run.get_flow_run_ui_url())

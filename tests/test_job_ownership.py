@@ -135,6 +135,15 @@ def test_a_killed_orchestrator_is_taken_over_and_its_attempt_is_billed(api_env, 
     assert run.data.metrics["billed_s"] == pytest.approx(billed, abs=0.01)
     assert run.data.metrics["attempts"] == 2.0
     assert json.loads(left).get("pid") == first.pid  # the dead owner's lease was taken over
+    # The dead owner's flow run does not stay Running forever: it is marked Crashed.
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        orphan = client.read_flow_run(UUID(json.loads(left)["flow_run_id"]))
+    assert orphan.state.type.value == "CRASHED", orphan.state
+    assert "taken over" in orphan.state.message
 
 
 def test_torn_records_after_a_crash_do_not_break_the_job(api_env, tmp_path):

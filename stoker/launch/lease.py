@@ -61,6 +61,7 @@ class JobLease:
     def __init__(self, job_dir: Path, ttl_s: float = 60.0, flow_run_id: str | None = None):
         self.job_dir, self.ttl_s, self.flow_run_id = Path(job_dir), ttl_s, flow_run_id
         self.token = uuid.uuid4().hex
+        self.previous: dict[str, Any] | None = None  # the dead owner's lease this one took over
         self.lost: str | None = None  # why the lease was lost while held (taken over)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -93,6 +94,7 @@ class JobLease:
             if current is not None and current["token"] != self.token:
                 log.warning("job %s: taking over the lease of %s (expired or owner gone)",
                             self.job_dir.name, describe(current))
+                self.previous = current
             write_json(self.path, self._record(time.time()))
         self._acquired = time.time()
         _held[self.job_dir.resolve()] = self
