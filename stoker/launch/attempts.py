@@ -61,8 +61,11 @@ class AttemptLog:
             if record.get("state") != "started":
                 continue
             started = float(record.get("started") or 0.0)
-            outcome, last_seen = self._runtime_end(started)
-            entry = {"exit_code": -1, "outcome": outcome, "started": started,
+            runtime_outcome, last_seen = self._runtime_end(started)
+            # The orchestrator died or was stopped (Ctrl-C, kill -9, a lost worker): whatever
+            # the ranks did then (often a committed stop checkpoint), it is not a preemption.
+            entry = {"exit_code": -1, "outcome": "interrupted", "started": started,
+                     "runtime_outcome": runtime_outcome,
                      "duration_s": round(max(0.0, last_seen - started), 3),
                      "capacity_type": record.get("capacity_type", "on_demand"),
                      "interrupted": True}
