@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler, TensorDataset
+from torch.utils.data import Dataset, Sampler
 
 
 class DataError(RuntimeError):
@@ -121,25 +121,55 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor,
 
 
 def image_folder(data_dir: str, seed: int, val_fraction: float,
-                 channels: int | Literal["auto"] = "auto") -> Splits:
-    """Built-in dataset factory: an ImageFolder of same-size images, split by seed."""
-    images, labels, classes = load_image_folder(Path(data_dir), channels)
-    train_idx, val_idx = split_indices(len(labels), val_fraction, seed)
+                 channels: int | Literal["auto"] = "auto", *, image_size: int | None = None,
+                 mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
+                 crop_scale: tuple[float, float] | None = None, hflip: bool = False,
+                 job_dir: str | None = None) -> Splits:
+    """Built-in dataset factory: a streaming ImageFolder split by seed (nothing decoded here).
+
+    Args:
+        channels: 1, 3, or "auto" (3 if any image is in colour).
+        image_size: square output size; None: the images' own size (all must share it).
+        mean, std: per-channel normalisation (None: 0 and 1).
+        crop_scale, hflip: training augmentation (random resized crop area range, flip).
+        job_dir: where the file list is cached when the dataset is not a pulled DVC folder.
+
+    Raises:
+        DataError: the folder is not an ImageFolder, sizes differ without ``image_size``,
+            or mean/std do not have one value per channel (named).
+    """
+    from stoker.runtime.imagefolder import Preprocessing, StreamingImageFolder, load_file_list
+
+    files = load_file_list(Path(data_dir), Path(job_dir) if job_dir else None)
+    depth = (3 if files.colour else 1) if channels == "auto" else int(channels)
+    if image_size is not None:
+        height = width = int(image_size)
+    elif files.size is not None:
+        height, width = files.size
+    else:
+        raise DataError(f"{data_dir}: images have different sizes; set train.image_size "
+                        "(square side in pixels) to resize them")
+    for name, values in (("image_mean", mean), ("image_std", std)):
+        if values is not None and len(values) != depth:
+            raise DataError(f"train.{name} has {len(values)} value(s) for {depth} channel(s)")
+    prep = Preprocessing(height, width, depth, tuple(mean or (0.0,) * depth),
+                         tuple(std or (1.0,) * depth), crop_scale, hflip=hflip)
+    train_idx, val_idx = split_indices(len(files.labels), val_fraction, seed)
     return Splits(
-        train=TensorDataset(images[train_idx], labels[train_idx]),
-        val=TensorDataset(images[val_idx], labels[val_idx]),
-        num_classes=len(classes),
-        input_shape=tuple(images.shape[1:]),
-        classes=tuple(classes),
+        train=StreamingImageFolder(files, train_idx.numpy(), prep, augment=True, seed=seed),
+        val=StreamingImageFolder(files, val_idx.numpy(), prep.evaluation()),
+        num_classes=len(files.classes),
+        input_shape=(depth, height, width),
+        classes=files.classes,
     )
 
 
 def build_splits(factory: str, data_dir: str, seed: int, val_fraction: float,
-                 channels: int | Literal["auto"] = "auto") -> Splits:
+                 channels: int | Literal["auto"] = "auto", **image_options) -> Splits:
     """Resolve ``factory`` ("image_folder" or "module:callable") and build the splits
-    (``channels`` applies to image_folder)."""
+    (``channels`` and ``image_options`` apply to image_folder, see :func:`image_folder`)."""
     if factory == "image_folder":
-        return image_folder(data_dir, seed, val_fraction, channels)
+        return image_folder(data_dir, seed, val_fraction, channels, **image_options)
     module, _, attr = factory.partition(":")
     if not attr:
         raise DataError(f"train.dataset {factory!r}: expected 'image_folder' or 'module:callable'")
