@@ -159,8 +159,9 @@ def main() -> None:
             return samples_per_s(loader, args.batches)
 
         def candidate(i: int) -> float:
-            sampler = StepBatchSampler(len(splits.train), 0, i, 0, args.batch, 1, 0, 1)
-            loader = DataLoader(splits.train.for_epoch(i), batch_sampler=sampler,
+            epoch = i + 1000  # warm-up runs have negative i; epochs are >= 0
+            sampler = StepBatchSampler(len(splits.train), 0, epoch, 0, args.batch, 1, 0, 1)
+            loader = DataLoader(splits.train.for_epoch(epoch), batch_sampler=sampler,
                                 num_workers=args.workers)
             return samples_per_s(loader, args.batches)
 

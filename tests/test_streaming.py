@@ -113,3 +113,32 @@ def test_workers_and_random_augmentation_resume_bitwise_exact(rgb_folder, tmp_pa
     resumed, codes = run("resumed", preempt_at=13)  # mid-epoch 2 (9 steps per epoch)
     assert codes == [75, 0]
     assert_bitwise_equal(final_weights(resumed), final_weights(reference))
+
+
+def test_pull_step_accepts_mixed_sizes_once_image_size_is_set(rgb_folder):
+    from stoker.data.prepare import PreparedDataset
+    from stoker.data.pull import DatasetError
+    from stoker.data.validate import validate_image_folder
+
+    summary = validate_image_folder(rgb_folder)
+    assert (summary.height, summary.width, summary.channels) == (None, None, 3)
+    prepared = PreparedDataset(type("Ref", (), {"local_path": str(rgb_folder)})(), summary)
+    with pytest.raises(DatasetError, match="set train.image_size"):
+        prepared.input_shape("auto")
+    assert prepared.input_shape("auto", 24) == (3, 24, 24)
+
+
+def test_explicit_size_and_channels_list_names_without_reading_files(rgb_folder, tmp_path,
+                                                                     monkeypatch):
+    from stoker.runtime import imagefolder
+
+    def no_probe(file):
+        raise AssertionError(f"{file}: header read although size and channels are configured")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(imagefolder, "_probe", no_probe)
+        splits = image_folder(str(rgb_folder), 0, 0.2, 3, image_size=12, job_dir=str(tmp_path))
+    assert splits.input_shape == (3, 12, 12) and len(splits.train) + len(splits.val) == 96
+    # Auto channels later on the same cache: the headers are read then, once.
+    assert image_folder(str(rgb_folder), 0, 0.2, image_size=12,
+                        job_dir=str(tmp_path)).input_shape == (3, 12, 12)

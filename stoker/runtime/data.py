@@ -73,7 +73,8 @@ def read_image(file: Path, channels: int | None) -> np.ndarray:
 
 def load_image_folder(root: Path, channels: int | Literal["auto"] = "auto"
                       ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Read ``root/<class>/<file>`` images (hidden entries ignored).
+    """Decode a whole small ImageFolder at once (tools and tests; training streams instead),
+    through the same listing and decoding as :func:`image_folder`.
 
     Args:
         channels: 1 (grayscale), 3 (RGB), or "auto": 3 if any image is in colour, else 1.
@@ -86,31 +87,15 @@ def load_image_folder(root: Path, channels: int | Literal["auto"] = "auto"
         DataError: no class folders, an empty class, an unreadable image, or images of
             different sizes (named).
     """
-    from PIL import UnidentifiedImageError
+    from stoker.runtime.imagefolder import Preprocessing, decode, load_file_list
 
-    folders = class_folders(root)
-    if not folders:
-        raise DataError(f"{root}: no class folders (expected <class>/<image> files)")
-    fixed = None if channels == "auto" else int(channels)
-    arrays, labels = [], []
-    for label, folder in enumerate(folders):
-        files = image_files(folder)
-        if not files:
-            raise DataError(f"{folder}: empty class (no image files)")
-        for file in files:
-            try:
-                arrays.append(read_image(file, fixed))
-            except (UnidentifiedImageError, OSError) as e:
-                raise DataError(f"{file}: not a readable image ({e})") from None
-            if arrays[-1].shape[:2] != arrays[0].shape[:2]:
-                raise DataError(
-                    f"{file}: size {arrays[-1].shape[:2]} differs from {arrays[0].shape[:2]}"
-                )
-            labels.append(label)
-    depth = max(a.shape[2] for a in arrays)  # auto: one colour image makes the set RGB
-    stacked = np.stack([np.repeat(a, depth // a.shape[2], axis=2) for a in arrays])
-    images = torch.from_numpy(stacked).permute(0, 3, 1, 2).contiguous().float().div_(255.0)
-    return images, torch.tensor(labels, dtype=torch.int64), [f.name for f in folders]
+    files = load_file_list(Path(root))
+    if files.size is None:
+        raise DataError(f"{root}: images have different sizes")
+    depth = (3 if files.colour else 1) if channels == "auto" else int(channels)
+    prep = Preprocessing(*files.size, depth, (0.0,) * depth, (1.0,) * depth)
+    images = torch.stack([decode(files.path(i), prep, None) for i in range(len(files.labels))])
+    return images, torch.from_numpy(files.labels), list(files.classes)
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +125,9 @@ def image_folder(data_dir: str, seed: int, val_fraction: float,
     """
     from stoker.runtime.imagefolder import Preprocessing, StreamingImageFolder, load_file_list
 
-    files = load_file_list(Path(data_dir), Path(job_dir) if job_dir else None)
+    # Headers are read (once, then cached) only when size or channels are left to the data.
+    probe = image_size is None or channels == "auto"
+    files = load_file_list(Path(data_dir), Path(job_dir) if job_dir else None, probe)
     depth = (3 if files.colour else 1) if channels == "auto" else int(channels)
     if image_size is not None:
         height = width = int(image_size)

@@ -70,12 +70,13 @@ def _probe(file: Path) -> tuple[tuple[int, int], str]:
         raise DataError(f"{file}: not a readable image ({e})") from None
 
 
-def scan_image_folder(root: Path) -> dict:
-    """List ``root/<class>/<file>`` (hidden entries ignored) and read each image's header.
+def scan_image_folder(root: Path, probe: bool = True) -> dict:
+    """List ``root/<class>/<file>`` (hidden entries ignored); with ``probe`` also read each
+    image's header (size and mode, nothing decoded).
 
     Returns:
-        The JSON-able listing: ``classes`` ([{name, files}]), ``size`` ([H, W] or None),
-        ``colour`` (bool).
+        The JSON-able listing: ``classes`` ([{name, files}]), ``probed``, and when probed
+        ``size`` ([H, W] shared by all, or None) and ``colour`` (bool).
 
     Raises:
         DataError: no class folders, an empty class, an unreadable image header (named).
@@ -88,13 +89,14 @@ def scan_image_folder(root: Path) -> dict:
         files = image_files(folder)
         if not files:
             raise DataError(f"{folder}: empty class (no image files)")
-        for file in files:
+        for file in files if probe else ():
             size, mode = _probe(file)
             sizes.add(size)
             colour = colour or mode not in GRAY_MODES
         classes.append({"name": folder.name, "files": [f.name for f in files]})
     size = list(next(iter(sizes))) if len(sizes) == 1 else None
-    return {"version": LIST_VERSION, "classes": classes, "size": size, "colour": colour}
+    return {"version": LIST_VERSION, "classes": classes, "probed": probe, "size": size,
+            "colour": colour}
 
 
 def list_cache_path(root: Path, job_dir: Path | None) -> Path | None:
@@ -124,16 +126,21 @@ def _read_listing(cache: Path) -> dict | None:
     return listing if ok and isinstance(listing.get("classes"), list) else None
 
 
-def load_file_list(root: Path, job_dir: Path | None = None) -> FileList:
+def load_file_list(root: Path, job_dir: Path | None = None, probe: bool = True) -> FileList:
     """The file list of ``root``, from its cache when there is one (else scanned and cached).
+
+    Args:
+        probe: whether the common size and colour are needed (auto size or channels): then
+            every header is read once, when the list is first made. Without, only the names
+            are listed and ``size`` is None, ``colour`` False.
 
     Raises:
         DataError: as :func:`scan_image_folder`.
     """
     cache = list_cache_path(root, job_dir)
     listing = _read_listing(cache) if cache is not None else None
-    if listing is None:
-        listing = scan_image_folder(root)
+    if listing is None or (probe and not listing.get("probed", True)):
+        listing = scan_image_folder(root, probe)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")  # ranks may race: both win
