@@ -14,11 +14,13 @@ change its pixels.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import math
 import os
+import random
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -181,12 +183,30 @@ class Preprocessing:
     def random(self) -> bool:
         return self.crop_scale is not None or self.hflip
 
+    @property
+    def normalises(self) -> bool:
+        return any(m != 0.0 for m in self.mean) or any(s != 1.0 for s in self.std)
+
+    @functools.cached_property
+    def mean_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.mean, dtype=torch.float32)[:, None, None]
+
+    @functools.cached_property
+    def std_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.std, dtype=torch.float32)[:, None, None]
+
     def evaluation(self) -> Preprocessing:
         """The same without augmentation (validation, serving)."""
         return replace(self, crop_scale=None, hflip=False)
 
 
-def crop_box(rng: np.random.Generator, width: int, height: int, scale: tuple[float, float],
+def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
+    """The generator of one sample's augmentation: a function of (seed, epoch, index) alone
+    (distinct for epoch < 2**24 and index < 2**40; a Mersenne Twister seeded from all bits)."""
+    return random.Random((seed << 64) | (epoch << 40) | index)
+
+
+def crop_box(rng: random.Random, width: int, height: int, scale: tuple[float, float],
              ratio: tuple[float, float]) -> tuple[int, int, int, int]:
     """A random crop (left, top, right, bottom) of area ``scale`` and aspect ``ratio`` (the
     Inception/RandomResizedCrop rule: 10 tries, then the largest centred crop within ratio)."""
@@ -198,8 +218,8 @@ def crop_box(rng: np.random.Generator, width: int, height: int, scale: tuple[flo
         w = round(math.sqrt(target * aspect))
         h = round(math.sqrt(target / aspect))
         if 0 < w <= width and 0 < h <= height:
-            left = int(rng.integers(0, width - w + 1))
-            top = int(rng.integers(0, height - h + 1))
+            left = rng.randint(0, width - w)
+            top = rng.randint(0, height - h)
             return left, top, left + w, top + h
     aspect = width / height
     if aspect < ratio[0]:
@@ -212,7 +232,7 @@ def crop_box(rng: np.random.Generator, width: int, height: int, scale: tuple[flo
     return left, top, left + w, top + h
 
 
-def decode(path: Path, prep: Preprocessing, rng: np.random.Generator | None) -> torch.Tensor:
+def decode(path: Path, prep: Preprocessing, rng: random.Random | None) -> torch.Tensor:
     """One image file -> float32 [C, H, W] (``rng`` drives crop/flip; None: no augmentation).
 
     Raises:
@@ -236,8 +256,8 @@ def decode(path: Path, prep: Preprocessing, rng: np.random.Generator | None) -> 
     pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).reshape(
         prep.height, prep.width, prep.channels).copy())
     x = pixels.permute(2, 0, 1).float().div_(255.0)
-    if any(m != 0.0 for m in prep.mean) or any(s != 1.0 for s in prep.std):
-        x = (x - torch.tensor(prep.mean)[:, None, None]) / torch.tensor(prep.std)[:, None, None]
+    if prep.normalises:
+        x.sub_(prep.mean_tensor).div_(prep.std_tensor)
     return x
 
 
@@ -266,5 +286,5 @@ class StreamingImageFolder(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         index = int(self.indices[i])
-        rng = np.random.default_rng([self.seed, self.epoch, index]) if self.augment else None
+        rng = sample_rng(self.seed, self.epoch, index) if self.augment else None
         return decode(self.files.path(index), self.prep, rng), int(self.files.labels[index])
