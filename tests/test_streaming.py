@@ -142,3 +142,21 @@ def test_explicit_size_and_channels_list_names_without_reading_files(rgb_folder,
     # Auto channels later on the same cache: the headers are read then, once.
     assert image_folder(str(rgb_folder), 0, 0.2, image_size=12,
                         job_dir=str(tmp_path)).input_shape == (3, 12, 12)
+
+
+def test_small_dataset_without_workers_decodes_each_file_once(tmp_path, monkeypatch):
+    from stoker.runtime import imagefolder
+
+    same_size = make_rgb_folder(tmp_path / "same", per_class=48, sides=(16, 17))
+    opened = []
+    original = imagefolder.open_image
+    monkeypatch.setattr(imagefolder, "open_image", lambda path, c: opened.append(path)
+                        or original(path, c))
+    splits = image_folder(str(same_size), 0, 0.2, **AUGMENTED, job_dir=str(tmp_path))
+    first = global_batches(splits, epoch=0, start_step=0, world=1, workers=0)
+    again = global_batches(splits, epoch=0, start_step=0, world=1, workers=0)
+    second = global_batches(splits, epoch=1, start_step=0, world=1, workers=0)
+    # Each file opened once: a repeated epoch and a new one (re-augmented) decode nothing again.
+    assert len(opened) == len(set(opened)) > len(first) * 8
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], second[0])

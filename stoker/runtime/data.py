@@ -9,6 +9,7 @@ resume at another world size without repeating or skipping a sample.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ class Splits:
     classes: tuple[str, ...] = ()
 
 
+MEMO_BYTES = 64 * 2**20  # decoded images kept per process for a small dataset (see image_folder)
 IGNORED_NAMES = frozenset({"__MACOSX", "Thumbs.db", "desktop.ini"})
 GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
 
@@ -142,9 +144,15 @@ def image_folder(data_dir: str, seed: int, val_fraction: float,
     prep = Preprocessing(height, width, depth, tuple(mean or (0.0,) * depth),
                          tuple(std or (1.0,) * depth), crop_scale, hflip=hflip)
     train_idx, val_idx = split_indices(len(files.labels), val_fraction, seed)
+    # A dataset whose decoded images fit in MEMO_BYTES is decoded once (without workers): the
+    # demo keeps its speed; anything larger streams, and memory stays bounded either way.
+    pixels = math.prod(files.size or (2**31, 1)) + height * width  # a decoded image, a sample
+    small = len(files.labels) * pixels * depth * 4 <= MEMO_BYTES
     return Splits(
-        train=StreamingImageFolder(files, train_idx.numpy(), prep, augment=True, seed=seed),
-        val=StreamingImageFolder(files, val_idx.numpy(), prep.evaluation()),
+        train=StreamingImageFolder(files, train_idx.numpy(), prep, augment=True, seed=seed,
+                                   memo={} if small else None),
+        val=StreamingImageFolder(files, val_idx.numpy(), prep.evaluation(),
+                                 memo={} if small else None),
         num_classes=len(files.classes),
         input_shape=(depth, height, width),
         classes=files.classes,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from stoker.runtime.data import GRAY_MODES, DataError, class_folders, image_files
 
@@ -232,20 +232,26 @@ def crop_box(rng: random.Random, width: int, height: int, scale: tuple[float, fl
     return left, top, left + w, top + h
 
 
-def decode(path: Path, prep: Preprocessing, rng: random.Random | None) -> torch.Tensor:
-    """One image file -> float32 [C, H, W] (``rng`` drives crop/flip; None: no augmentation).
+def open_image(path: Path, channels: int):
+    """One image file, decoded and converted to ``L`` (1 channel) or ``RGB`` (3): a PIL image.
 
     Raises:
         DataError: the file is not a readable image (named).
     """
     from PIL import Image, UnidentifiedImageError
 
-    size = (prep.width, prep.height)
     try:
         with Image.open(path) as image:
-            image = image.convert("L" if prep.channels == 1 else "RGB")
+            return image.convert("L" if channels == 1 else "RGB")
     except (UnidentifiedImageError, OSError) as e:
         raise DataError(f"{path}: not a readable image ({e})") from None
+
+
+def transform(image, prep: Preprocessing, rng: random.Random | None) -> torch.Tensor:
+    """A decoded image -> float32 [C, H, W] (``rng`` drives crop/flip; None: no augmentation)."""
+    from PIL import Image
+
+    size = (prep.width, prep.height)
     if rng is not None and prep.crop_scale is not None:
         box = crop_box(rng, image.width, image.height, prep.crop_scale, prep.crop_ratio)
         image = image.resize(size, Image.Resampling.BILINEAR, box=box)
@@ -261,6 +267,15 @@ def decode(path: Path, prep: Preprocessing, rng: random.Random | None) -> torch.
     return x
 
 
+def decode(path: Path, prep: Preprocessing, rng: random.Random | None = None) -> torch.Tensor:
+    """One image file -> float32 [C, H, W]: :func:`open_image` then :func:`transform`.
+
+    Raises:
+        DataError: the file is not a readable image (named).
+    """
+    return transform(open_image(path, prep.channels), prep, rng)
+
+
 class StreamingImageFolder(Dataset):
     """A split of a :class:`FileList`; items are ``(x: float32 [C, H, W], y: int)``.
 
@@ -269,22 +284,38 @@ class StreamingImageFolder(Dataset):
         indices: int64 [n] file indices of this split.
         prep: preprocessing; its augmentation applies only when ``augment``.
         seed, epoch: seed the augmentation of each sample with (seed, epoch, file index).
+        memo: by file index, the samples (or, augmented, the decoded images), kept across epochs
+            in the main process, so a small dataset read without workers (the demo) decodes
+            each file once; None: off. One dict per split.
     """
 
     def __init__(self, files: FileList, indices: np.ndarray, prep: Preprocessing,
-                 augment: bool = False, seed: int = 0, epoch: int = 0):
+                 augment: bool = False, seed: int = 0, epoch: int = 0,
+                 memo: dict | None = None):
         self.files, self.indices, self.prep = files, np.asarray(indices, dtype=np.int64), prep
-        self.augment, self.seed, self.epoch = augment and prep.random, seed, epoch
+        self.augment, self.seed, self.epoch, self.memo = augment and prep.random, seed, epoch, memo
 
     def for_epoch(self, epoch: int) -> StreamingImageFolder:
         """The same split with the augmentation of ``epoch``."""
         return StreamingImageFolder(self.files, self.indices, self.prep, self.augment,
-                                    self.seed, epoch)
+                                    self.seed, epoch, self.memo)
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         index = int(self.indices[i])
+        label = int(self.files.labels[index])
+        # Only the main process memoises: a worker's memo would die with it at the epoch's end.
+        memo = self.memo if self.memo is not None and get_worker_info() is None else None
+        if memo is not None and index in memo:
+            kept = memo[index]  # the sample itself, or (augmented) the decoded image
+            if not self.augment:
+                return kept, label
+            return transform(kept, self.prep, sample_rng(self.seed, self.epoch, index)), label
+        image = open_image(self.files.path(index), self.prep.channels)
         rng = sample_rng(self.seed, self.epoch, index) if self.augment else None
-        return decode(self.files.path(index), self.prep, rng), int(self.files.labels[index])
+        x = transform(image, self.prep, rng)
+        if memo is not None:
+            memo[index] = image if self.augment else x
+        return x, label
