@@ -160,3 +160,15 @@ def test_small_dataset_without_workers_decodes_each_file_once(tmp_path, monkeypa
     assert len(opened) == len(set(opened)) > len(first) * 8
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert not torch.equal(first[0], second[0])
+
+
+def test_file_names_beyond_ascii(tmp_path):
+    from PIL import Image
+
+    for name in ("café", "日本"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (6, 6), (i * 40, 0, 0)).save(tmp_path / "data" / name / f"ü{i}.png")
+    splits = image_folder(str(tmp_path / "data"), 0, 0.3, job_dir=str(tmp_path / "job"))
+    assert splits.classes == ("café", "日本") and splits.input_shape == (3, 6, 6)
+    assert [splits.train[i][0].shape for i in range(len(splits.train))] == [(3, 6, 6)] * 4

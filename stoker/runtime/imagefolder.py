@@ -58,7 +58,7 @@ class FileList:
     colour: bool
 
     def path(self, index: int) -> Path:
-        return self.root / self.files[index].decode()
+        return self.root / self.files[index].decode("utf-8", "surrogateescape")
 
 
 def _probe(file: Path) -> tuple[tuple[int, int], str]:
@@ -152,7 +152,10 @@ def load_file_list(root: Path, job_dir: Path | None = None, probe: bool = True) 
     labels = np.concatenate([np.full(len(c["files"]), i, dtype=np.int64)
                              for i, c in enumerate(listing["classes"])])
     size = tuple(listing["size"]) if listing["size"] else None
-    return FileList(root, np.array(names, dtype=np.bytes_), labels,
+    # UTF-8 bytes (any file name, also one that is not valid UTF-8, round-trips): a numpy
+    # array rather than a list of str keeps workers from copying it through refcounts.
+    encoded = np.array([n.encode("utf-8", "surrogateescape") for n in names], dtype=np.bytes_)
+    return FileList(root, encoded, labels,
                     tuple(c["name"] for c in listing["classes"]), size, bool(listing["colour"]))
 
 
