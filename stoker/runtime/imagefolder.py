@@ -148,15 +148,22 @@ def load_file_list(root: Path, job_dir: Path | None = None, probe: bool = True) 
             tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")  # ranks may race: both win
             tmp.write_text(json.dumps(listing))
             tmp.replace(cache)
-    names = [f"{c['name']}/{f}" for c in listing["classes"] for f in c["files"]]
     labels = np.concatenate([np.full(len(c["files"]), i, dtype=np.int64)
                              for i, c in enumerate(listing["classes"])])
     size = tuple(listing["size"]) if listing["size"] else None
+    classes = tuple(c["name"] for c in listing["classes"])
     # UTF-8 bytes (any file name, also one that is not valid UTF-8, round-trips): a numpy
-    # array rather than a list of str keeps workers from copying it through refcounts.
-    encoded = np.array([n.encode("utf-8", "surrogateescape") for n in names], dtype=np.bytes_)
-    return FileList(root, encoded, labels,
-                    tuple(c["name"] for c in listing["classes"]), size, bool(listing["colour"]))
+    # array rather than a list of str keeps workers from copying it through refcounts. One
+    # class at a time, emptied as it goes, so the peak is the listing plus one array.
+    parts = []
+    for c in listing["classes"]:
+        prefix = f"{c['name']}/"
+        parts.append(np.array([(prefix + f).encode("utf-8", "surrogateescape")
+                               for f in c["files"]], dtype=np.bytes_))
+        c["files"] = None
+    width = max(p.dtype.itemsize for p in parts)
+    encoded = np.concatenate([p.astype(f"S{width}") for p in parts])
+    return FileList(root, encoded, labels, classes, size, bool(listing["colour"]))
 
 
 @dataclass(frozen=True)
