@@ -80,14 +80,16 @@ def test_pulled_dataset_lists_beside_itself(tmp_path):
 
 
 @pytest.mark.integration
-def test_workers_and_random_augmentation_resume_bitwise_exact(rgb_folder, tmp_path):
-    from conftest import Preemptor
+def test_workers_and_random_augmentation_resume_bitwise_exact_and_at_another_world_size(
+        rgb_folder, tmp_path):
+    from conftest import Preemptor, events
     from test_runtime import assert_bitwise_equal, final_weights
 
     from stoker.config import TrainConfig
     from stoker.runtime.spec import RunSpec
 
-    def run(job: str, preempt_at: int | None) -> tuple[Path, list[int]]:
+    def run(job: str, preempt_at: int | None, worlds: tuple[int, ...] = (2, 2, 2)
+            ) -> tuple[Path, list[int]]:
         job_dir = tmp_path / job
         job_dir.mkdir()
         train = TrainConfig(epochs=3, global_batch_size=8, checkpoint_every_steps=5,
@@ -96,8 +98,8 @@ def test_workers_and_random_augmentation_resume_bitwise_exact(rgb_folder, tmp_pa
         RunSpec(train=train, data_dir=str(rgb_folder), job_dir=str(job_dir)).dump(
             job_dir / "spec.yaml")
         codes = []
-        for attempt in range(3):
-            launcher = LocalLauncher(2, shutdown_grace_s=20, python=sys.executable)
+        for attempt, world in enumerate(worlds):
+            launcher = LocalLauncher(world, shutdown_grace_s=20, python=sys.executable)
             if preempt_at and attempt == 0:
                 Preemptor(launcher, job_dir, at_step=preempt_at).start()
             codes.append(launcher.run(job_dir / "spec.yaml"))
@@ -113,6 +115,12 @@ def test_workers_and_random_augmentation_resume_bitwise_exact(rgb_folder, tmp_pa
     resumed, codes = run("resumed", preempt_at=13)  # mid-epoch 2 (9 steps per epoch)
     assert codes == [75, 0]
     assert_bitwise_equal(final_weights(resumed), final_weights(reference))
+    # Resumed at world size 1 (same global batches, one rank): every step runs exactly once.
+    other, codes = run("other-world", preempt_at=13, worlds=(2, 1))
+    assert codes == [75, 0]
+    steps = [e["step"] for e in events(other.parent) if e["event"] == "step"]
+    assert steps == list(range(1, 28))
+    assert json.loads((other.parent / "result.json").read_text())["world_size"] == 1
 
 
 def test_pull_step_accepts_mixed_sizes_once_image_size_is_set(rgb_folder):
