@@ -54,6 +54,8 @@ MEASURES = (
      "median <= 1 s, no build"),
     ("bench_dataset", "Dataset: cold pull vs raw dvc pull; warm pull",
      "ratio >= 0.9; warm <= 0.5 s"),
+    ("bench_loader", "Loader: streaming image_folder vs a plain DataLoader; RSS 20k/200k files",
+     "ratio >= 0.95; 200k RSS <= 1.1 x 20k"),
     ("bench_tracking", "Tracking overhead per step", "<= 1 % (ratio <= 0.01)"),
     ("bench_gpu_resnet", "GPU: ResNet-50 images/s (bf16, channels-last), scaling",
      "none set (reported)"),

@@ -96,13 +96,27 @@ class TrainConfig(_Frozen):
     )
     dataset: str = Field(
         "image_folder",
-        description="Dataset factory: image_folder (class folders of same-size images) or "
+        description="Dataset factory: image_folder (class folders of images, streamed) or "
         "'module:callable' taking (data_dir, seed, val_fraction) and returning Splits.",
     )
     channels: Literal["auto", 1, 3] = Field(
         "auto", description="Image channels for image_folder: 1 (grayscale), 3 (RGB), or auto "
         "(3 if any image is in colour, else 1). Stored with the registered model.",
     )
+    image_size: int | None = Field(
+        None, gt=0, description="image_folder: square input size in pixels (images are "
+        "resized, or randomly cropped when random_resized_crop is set); empty: the images' own "
+        "size, which they must then share. Stored with the registered model.")
+    image_mean: tuple[float, ...] | None = Field(
+        None, description="image_folder: per-channel mean subtracted after scaling to [0, 1] "
+        "(e.g. [0.485, 0.456, 0.406]); empty: 0. Stored with the registered model.")
+    image_std: tuple[float, ...] | None = Field(
+        None, description="image_folder: per-channel divisor after the mean; empty: 1.")
+    random_resized_crop: tuple[float, float] | None = Field(
+        None, description="image_folder training augmentation: random crop of this area range "
+        "(e.g. [0.08, 1.0]) resized to image_size; empty: off. Never applied to validation.")
+    horizontal_flip: bool = Field(
+        False, description="image_folder training augmentation: random horizontal flip.")
     activation_checkpointing: bool = Field(
         False, description="Recompute activations in backward (built-in models)."
     )
@@ -171,6 +185,20 @@ class TrainConfig(_Frozen):
         if value not in builtin and not (module and attr):
             raise ValueError(f"unknown model {value!r}: use {', '.join(builtin)} or "
                              "'module:callable'")
+        return value
+
+    @field_validator("image_std")
+    @classmethod
+    def _positive_std(cls, value: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if value is not None and any(v <= 0 for v in value):
+            raise ValueError(f"must be > 0 per channel, got {list(value)}")
+        return value
+
+    @field_validator("random_resized_crop")
+    @classmethod
+    def _crop_range(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not 0 < value[0] <= value[1] <= 1:
+            raise ValueError(f"must be [min, max] with 0 < min <= max <= 1, got {list(value)}")
         return value
 
     @field_validator("nproc_per_node")

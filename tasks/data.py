@@ -17,7 +17,7 @@ def pull(config: PipelineConfig) -> DatasetRef:
     is set) and validate it; refuse, before training, a dataset whose classes or image shape
     differ from the registered model's champion."""
     prepared = prepare_dataset(config, get_run_logger().info)
-    shape = prepared.input_shape(config.train.channels)
+    shape = prepared.input_shape(config.train.channels, config.train.image_size)
     if shape is not None:
         check_lineage(config.tracking_uri(), config.registered_model(),
                       Lineage(prepared.summary.classes, shape))

@@ -31,7 +31,7 @@ def register(config: PipelineConfig, dataset: DatasetRef, trained: TrainResult) 
     tags["mlflow.run_id"] = trained.run_id
     registration = log_and_register(
         config.tracking_uri(), trained.run_id, config.registered_model(),
-        trained.result, input_example(dataset, config.train.channels), tags, metric,
+        trained.result, input_example(dataset, trained.result), tags, metric,
         float(trained.metrics[metric]), config.tracking.promote_direction,
     )
     with tempfile.TemporaryDirectory() as tmp:

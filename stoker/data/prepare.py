@@ -8,7 +8,7 @@ from pathlib import Path
 
 from stoker.config import PipelineConfig
 from stoker.data.demo import ensure_demo_repo
-from stoker.data.pull import DatasetRef, pull_dataset
+from stoker.data.pull import DatasetError, DatasetRef, pull_dataset
 from stoker.data.validate import FolderSummary, validate_image_folder
 
 
@@ -19,11 +19,21 @@ class PreparedDataset:
     ref: DatasetRef
     summary: FolderSummary | None
 
-    def input_shape(self, channels: int | str = "auto") -> tuple[int, int, int] | None:
-        """[C, H, W] the model will see (``channels`` as in ``train.channels``)."""
+    def input_shape(self, channels: int | str = "auto", image_size: int | None = None
+                    ) -> tuple[int, int, int] | None:
+        """[C, H, W] the model will see (``channels``, ``image_size`` as in ``train.*``).
+
+        Raises:
+            DatasetError: the images differ in size and ``image_size`` is not set.
+        """
         if self.summary is None:
             return None
         depth = self.summary.channels if channels == "auto" else int(channels)
+        if image_size is not None:
+            return depth, image_size, image_size
+        if self.summary.height is None or self.summary.width is None:
+            raise DatasetError(f"{self.ref.local_path}: images have different sizes; set "
+                               "train.image_size (square side in pixels) to resize them")
         return depth, self.summary.height, self.summary.width
 
 
@@ -49,6 +59,7 @@ def prepare_dataset(config: PipelineConfig, log: Callable[[str], None] = print
     summary = None
     if config.train.dataset == "image_folder":
         summary = validate_image_folder(Path(ref.local_path))
-        log(f"{len(summary.classes)} classes {list(summary.classes)}, "
-            f"{summary.width}x{summary.height} px, {summary.channels} channel(s)")
+        size = f"{summary.width}x{summary.height} px" if summary.height else "mixed sizes"
+        log(f"{len(summary.classes)} classes {list(summary.classes)}, {size}, "
+            f"{summary.channels} channel(s)")
     return PreparedDataset(ref, summary)

@@ -1,8 +1,8 @@
 """Check a pulled ImageFolder before any job exists: every class and every file, one error.
 
-Training reads the same folder with ``stoker.runtime.data.load_image_folder``; both use the same
-listing rules (hidden folders and files are not classes nor samples), so the classes found here are
-the classes the model is trained on.
+Training reads the same folder with ``stoker.runtime.data.image_folder`` (streaming); both use
+the same listing rules (hidden folders and files are not classes nor samples), so the classes
+found here are the classes the model is trained on. Sizes may differ (``train.image_size``).
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ class FolderSummary:
     Attributes:
         classes: class names, sorted (label i is classes[i]).
         counts: images per class, in the order of ``classes``.
-        height, width: image size in pixels (all images share it).
+        height, width: image size in pixels when all images share it, else None (training then
+            needs ``train.image_size``).
         channels: 1 if every image is grayscale, else 3.
     """
 
     classes: tuple[str, ...]
     counts: tuple[int, ...]
-    height: int
-    width: int
+    height: int | None
+    width: int | None
     channels: int
 
 
@@ -44,12 +45,11 @@ def _inspect(file: Path) -> tuple[tuple[int, int], str]:
 
 
 def validate_image_folder(root: Path) -> FolderSummary:
-    """Check that ``root`` is an ImageFolder of same-size readable images.
+    """Check that ``root`` is an ImageFolder of readable images (sizes may differ).
 
     Raises:
         DatasetError: one message naming each problem: no class folders, an empty class (holding
-            nothing or only hidden files such as ``.keep``), an unreadable image, a size that
-            differs from the first image's.
+            nothing or only hidden files such as ``.keep``), an unreadable image.
     """
     from PIL import UnidentifiedImageError
 
@@ -71,14 +71,10 @@ def validate_image_folder(root: Path) -> FolderSummary:
                 continue
             sizes.setdefault(size, f"{folder.name}/{file.name}")
             modes.add(mode)
-            if size != next(iter(sizes)):
-                first = next(iter(sizes))
-                problems.append(f"{folder.name}/{file.name}: size {size[1]}x{size[0]} differs "
-                                f"from {first[1]}x{first[0]} ({sizes[first]})")
     if problems:
         raise DatasetError(
             f"{root}: {len(problems)} problem(s) in the dataset: " + "; ".join(problems[:MAX_NAMED])
             + (f"; ... and {len(problems) - MAX_NAMED} more" if len(problems) > MAX_NAMED else ""))
-    height, width = next(iter(sizes))
+    height, width = next(iter(sizes)) if len(sizes) == 1 else (None, None)
     return FolderSummary(tuple(f.name for f in folders), tuple(counts), height, width,
                          1 if modes <= GRAY_MODES else 3)

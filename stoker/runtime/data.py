@@ -9,6 +9,7 @@ resume at another world size without repeating or skipping a sample.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler, TensorDataset
+from torch.utils.data import Dataset, Sampler
 
 
 class DataError(RuntimeError):
@@ -34,6 +35,7 @@ class Splits:
     classes: tuple[str, ...] = ()
 
 
+MEMO_BYTES = 64 * 2**20  # decoded images kept per process for a small dataset (see image_folder)
 IGNORED_NAMES = frozenset({"__MACOSX", "Thumbs.db", "desktop.ini"})
 GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
 
@@ -73,7 +75,8 @@ def read_image(file: Path, channels: int | None) -> np.ndarray:
 
 def load_image_folder(root: Path, channels: int | Literal["auto"] = "auto"
                       ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Read ``root/<class>/<file>`` images (hidden entries ignored).
+    """Decode a whole small ImageFolder at once (tools and tests; training streams instead),
+    through the same listing and decoding as :func:`image_folder`.
 
     Args:
         channels: 1 (grayscale), 3 (RGB), or "auto": 3 if any image is in colour, else 1.
@@ -86,31 +89,15 @@ def load_image_folder(root: Path, channels: int | Literal["auto"] = "auto"
         DataError: no class folders, an empty class, an unreadable image, or images of
             different sizes (named).
     """
-    from PIL import UnidentifiedImageError
+    from stoker.runtime.imagefolder import Preprocessing, decode, load_file_list
 
-    folders = class_folders(root)
-    if not folders:
-        raise DataError(f"{root}: no class folders (expected <class>/<image> files)")
-    fixed = None if channels == "auto" else int(channels)
-    arrays, labels = [], []
-    for label, folder in enumerate(folders):
-        files = image_files(folder)
-        if not files:
-            raise DataError(f"{folder}: empty class (no image files)")
-        for file in files:
-            try:
-                arrays.append(read_image(file, fixed))
-            except (UnidentifiedImageError, OSError) as e:
-                raise DataError(f"{file}: not a readable image ({e})") from None
-            if arrays[-1].shape[:2] != arrays[0].shape[:2]:
-                raise DataError(
-                    f"{file}: size {arrays[-1].shape[:2]} differs from {arrays[0].shape[:2]}"
-                )
-            labels.append(label)
-    depth = max(a.shape[2] for a in arrays)  # auto: one colour image makes the set RGB
-    stacked = np.stack([np.repeat(a, depth // a.shape[2], axis=2) for a in arrays])
-    images = torch.from_numpy(stacked).permute(0, 3, 1, 2).contiguous().float().div_(255.0)
-    return images, torch.tensor(labels, dtype=torch.int64), [f.name for f in folders]
+    files = load_file_list(Path(root))
+    if files.size is None:
+        raise DataError(f"{root}: images have different sizes")
+    depth = (3 if files.colour else 1) if channels == "auto" else int(channels)
+    prep = Preprocessing(*files.size, depth, (0.0,) * depth, (1.0,) * depth)
+    images = torch.stack([decode(files.path(i), prep, None) for i in range(len(files.labels))])
+    return images, torch.from_numpy(files.labels), list(files.classes)
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,25 +108,63 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor,
 
 
 def image_folder(data_dir: str, seed: int, val_fraction: float,
-                 channels: int | Literal["auto"] = "auto") -> Splits:
-    """Built-in dataset factory: an ImageFolder of same-size images, split by seed."""
-    images, labels, classes = load_image_folder(Path(data_dir), channels)
-    train_idx, val_idx = split_indices(len(labels), val_fraction, seed)
+                 channels: int | Literal["auto"] = "auto", *, image_size: int | None = None,
+                 mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
+                 crop_scale: tuple[float, float] | None = None, hflip: bool = False,
+                 job_dir: str | None = None) -> Splits:
+    """Built-in dataset factory: a streaming ImageFolder split by seed (nothing decoded here).
+
+    Args:
+        channels: 1, 3, or "auto" (3 if any image is in colour).
+        image_size: square output size; None: the images' own size (all must share it).
+        mean, std: per-channel normalisation (None: 0 and 1).
+        crop_scale, hflip: training augmentation (random resized crop area range, flip).
+        job_dir: where the file list is cached when the dataset is not a pulled DVC folder.
+
+    Raises:
+        DataError: the folder is not an ImageFolder, sizes differ without ``image_size``,
+            or mean/std do not have one value per channel (named).
+    """
+    from stoker.runtime.imagefolder import Preprocessing, StreamingImageFolder, load_file_list
+
+    # Headers are read (once, then cached) only when size or channels are left to the data.
+    probe = image_size is None or channels == "auto"
+    files = load_file_list(Path(data_dir), Path(job_dir) if job_dir else None, probe)
+    depth = (3 if files.colour else 1) if channels == "auto" else int(channels)
+    if image_size is not None:
+        height = width = int(image_size)
+    elif files.size is not None:
+        height, width = files.size
+    else:
+        raise DataError(f"{data_dir}: images have different sizes; set train.image_size "
+                        "(square side in pixels) to resize them")
+    for name, values in (("image_mean", mean), ("image_std", std)):
+        if values is not None and len(values) != depth:
+            raise DataError(f"train.{name} has {len(values)} value(s) for {depth} channel(s)")
+    prep = Preprocessing(height, width, depth, tuple(mean or (0.0,) * depth),
+                         tuple(std or (1.0,) * depth), crop_scale, hflip=hflip)
+    train_idx, val_idx = split_indices(len(files.labels), val_fraction, seed)
+    # A dataset whose decoded images fit in MEMO_BYTES is decoded once (without workers): the
+    # demo keeps its speed; anything larger streams, and memory stays bounded either way.
+    pixels = math.prod(files.size or (2**31, 1)) + height * width  # a decoded image, a sample
+    small = len(files.labels) * pixels * depth * 4 <= MEMO_BYTES
     return Splits(
-        train=TensorDataset(images[train_idx], labels[train_idx]),
-        val=TensorDataset(images[val_idx], labels[val_idx]),
-        num_classes=len(classes),
-        input_shape=tuple(images.shape[1:]),
-        classes=tuple(classes),
+        train=StreamingImageFolder(files, train_idx.numpy(), prep, augment=True, seed=seed,
+                                   memo={} if small else None),
+        val=StreamingImageFolder(files, val_idx.numpy(), prep.evaluation(),
+                                 memo={} if small else None),
+        num_classes=len(files.classes),
+        input_shape=(depth, height, width),
+        classes=files.classes,
     )
 
 
 def build_splits(factory: str, data_dir: str, seed: int, val_fraction: float,
-                 channels: int | Literal["auto"] = "auto") -> Splits:
+                 channels: int | Literal["auto"] = "auto", **image_options) -> Splits:
     """Resolve ``factory`` ("image_folder" or "module:callable") and build the splits
-    (``channels`` applies to image_folder)."""
+    (``channels`` and ``image_options`` apply to image_folder, see :func:`image_folder`)."""
     if factory == "image_folder":
-        return image_folder(data_dir, seed, val_fraction, channels)
+        return image_folder(data_dir, seed, val_fraction, channels, **image_options)
     module, _, attr = factory.partition(":")
     if not attr:
         raise DataError(f"train.dataset {factory!r}: expected 'image_folder' or 'module:callable'")

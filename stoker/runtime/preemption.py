@@ -29,6 +29,17 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: a data worker ignores SIGTERM/SIGINT.
+
+    A preemption signal often reaches the whole process group; a worker that died of it would
+    make its rank fail ("DataLoader worker is killed by signal") before the stop checkpoint.
+    The rank alone decides when to stop; its workers end with the loader.
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 # torchrun's wrapper (stoker.runtime.launch) names a file here; a rank writes it once the stop
 # checkpoint has committed on every rank, so "preempted" (75) is claimed only when it is true.
 STOP_COMMITTED_ENV = "STOKER_STOP_COMMITTED_FILE"

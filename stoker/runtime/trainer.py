@@ -28,7 +28,7 @@ from stoker.runtime.checkpoint import Checkpointer, CheckpointError, Loaded
 from stoker.runtime.data import DataError, StepBatchSampler, build_splits, check_divisible
 from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from stoker.runtime.models import build_model
-from stoker.runtime.preemption import StopFlag
+from stoker.runtime.preemption import StopFlag, ignore_stop_signals
 from stoker.runtime.profiling import ProfilingMixin
 from stoker.runtime.progress import ProgressWriter
 from stoker.runtime.records import read_text
@@ -41,7 +41,8 @@ log = logging.getLogger("stoker.runtime")
 # Config fields that define the run's trajectory: a checkpoint written under other values
 # cannot be continued exactly, so resuming with a change is refused.
 TRAJECTORY_FIELDS = ("model", "dataset", "epochs", "global_batch_size", "grad_accum_steps", "lr",
-                     "weight_decay", "seed", "val_fraction", "precision")
+                     "weight_decay", "seed", "val_fraction", "precision", "image_size",
+                     "image_mean", "image_std", "random_resized_crop", "horizontal_flip")
 SHARED_KEYS = {"model", "optimizer", "scheduler", "scaler", "step", "config", "run_id",
                "world_size"}
 
@@ -54,9 +55,11 @@ class Trainer(ProfilingMixin):
         self.timings = dict.fromkeys(("data", "forward_backward", "optimizer", "sync", "eval",
                                       "checkpoint"), 0.0)
         self._configure_backends()
-        self.splits = build_splits(self.cfg.dataset, spec.data_dir, self.cfg.seed,
-                                   self.cfg.val_fraction,
-                                   self.cfg.channels)
+        cfg = self.cfg
+        self.splits = build_splits(
+            cfg.dataset, spec.data_dir, cfg.seed, cfg.val_fraction, cfg.channels,
+            image_size=cfg.image_size, mean=cfg.image_mean, std=cfg.image_std,
+            crop_scale=cfg.random_resized_crop, hflip=cfg.horizontal_flip, job_dir=spec.job_dir)
         check_divisible(self.cfg.global_batch_size, self.cfg.grad_accum_steps, env.world_size)
         n_train = len(self.splits.train)
         self.steps_per_epoch = n_train // self.cfg.global_batch_size
@@ -166,7 +169,9 @@ class Trainer(ProfilingMixin):
     def _check_trajectory(self, loaded: Loaded) -> None:
         saved = loaded.shared["config"]
         now = self.cfg.model_dump(mode="json")
-        changed = [f for f in TRAJECTORY_FIELDS if saved.get(f) != now.get(f)]
+        # A field newer than the checkpoint was, in effect, at its default when it was written.
+        defaults = type(self.cfg)().model_dump(mode="json")
+        changed = [f for f in TRAJECTORY_FIELDS if saved.get(f, defaults[f]) != now.get(f)]
         if changed:
             detail = ", ".join(f"train.{f}: {saved.get(f)!r} -> {now.get(f)!r}" for f in changed)
             raise CheckpointError(
@@ -223,11 +228,15 @@ class Trainer(ProfilingMixin):
                                    self.cfg.global_batch_size, self.cfg.grad_accum_steps,
                                    self.env.rank, self.env.world_size)
         workers = self.cfg.num_workers
+        dataset = self.splits.train
+        if hasattr(dataset, "for_epoch"):  # augmentation seeded by (seed, epoch, sample)
+            dataset = dataset.for_epoch(epoch)
         # Its own generator: creating an iterator draws a worker seed, which must not advance
         # the global RNG (a resumed run creates one more iterator than an uninterrupted one).
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)
-        return DataLoader(self.splits.train, batch_sampler=sampler, num_workers=workers,
-                          pin_memory=self.env.device.type == "cuda", generator=generator)
+        return DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                          pin_memory=self.env.device.type == "cuda", generator=generator,
+                          worker_init_fn=ignore_stop_signals)
 
     def train(self) -> str:
         """Run until done or preempted. Returns ``"completed"`` or ``"preempted"``."""
@@ -337,9 +346,11 @@ class Trainer(ProfilingMixin):
         val = self.splits.val
         indices = list(range(self.env.rank, len(val), self.env.world_size))
         sums = torch.zeros(3, dtype=torch.float64, device=self.env.device)
+        batches = DataLoader(val, batch_size=512, sampler=indices,  # decoded in the workers
+                             num_workers=self.cfg.num_workers if len(indices) > 512 else 0,
+                             worker_init_fn=ignore_stop_signals)
         with torch.no_grad(), self._autocast():
-            for i in range(0, len(indices), 512):
-                x, y = torch.utils.data.default_collate([val[j] for j in indices[i:i + 512]])
+            for x, y in batches:
                 logits = self.module(self._to_device(x)).float()
                 y = y.to(self.env.device)
                 sums[0] += (logits.argmax(1) == y).sum()
@@ -420,6 +431,8 @@ class Trainer(ProfilingMixin):
                   "metrics": self.metrics, "model": self.cfg.model,
                   "num_classes": self.splits.num_classes,
                   "input_shape": list(self.splits.input_shape),
+                  "image_mean": list(self.cfg.image_mean) if self.cfg.image_mean else None,
+                  "image_std": list(self.cfg.image_std) if self.cfg.image_std else None,
                   "classes": list(self.splits.classes), "model_path": str(job / "final/model.pt"),
                   "world_size": self.env.world_size, "gpu_model": self.gpu_model(),
                   "train_time_s": self.train_time_s, "profile": profile}

@@ -4,7 +4,9 @@ The class list and the preprocessing (size, channels, scaling, normalisation) ar
 model (``stoker.json`` artifact and the MLmodel metadata), so ``stoker predict``, ``mlflow models
 serve`` and ``mlflow.pyfunc.load_model`` all answer ``four``, not ``0``.
 
-Input: float32 [N, C, H, W] in [0, 1] (``preprocess_images`` makes it from image files).
+Input: float32 [N, C, H, W], scaled to [0, 1] then normalised with the training mean/std
+(``preprocess_images`` makes it from image files exactly as validation does in training: the whole
+image resized to the training size, no augmentation).
 Output: a DataFrame with ``class`` (name), ``probability`` (of that class) and ``p_<class>`` per
 class; with ``params={"logits": True}`` also ``logit_<class>`` per class.
 """
@@ -32,7 +34,8 @@ def model_meta(result: dict) -> dict:
         "preprocessing": {
             "layout": "NCHW", "channels": channels, "height": height, "width": width,
             "color_mode": "L" if channels == 1 else "RGB", "scale": 1.0 / 255.0,
-            "mean": [0.0] * channels, "std": [1.0] * channels,
+            "mean": list(result.get("image_mean") or [0.0] * channels),
+            "std": list(result.get("image_std") or [1.0] * channels),
         },
     }
 

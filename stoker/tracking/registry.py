@@ -285,9 +285,16 @@ def load_trained_model(result: dict):
     return model.eval()
 
 
-def input_example(dataset: DatasetRef, channels: int | str = "auto", count: int = 4):
-    """The first ``count`` images of the dataset as float32 [count, C, H, W] in [0, 1]."""
-    from stoker.runtime.data import load_image_folder
+def input_example(dataset: DatasetRef, result: dict, count: int = 4):
+    """The first ``count`` images of the dataset, preprocessed as the model expects them:
+    float32 [count, C, H, W]. Reads only those files (and lists only the class folders they
+    are in), whatever the size of the dataset."""
+    from stoker.runtime.data import class_folders, image_files
+    from stoker.tracking.pyfunc import model_meta, preprocess_images
 
-    images, _labels, _classes = load_image_folder(Path(dataset.local_path), channels)
-    return images[:count].numpy()
+    paths: list[Path] = []
+    for folder in class_folders(Path(dataset.local_path)):
+        paths += image_files(folder)[:count - len(paths)]
+        if len(paths) == count:
+            break
+    return preprocess_images(paths, model_meta(result)["preprocessing"])
