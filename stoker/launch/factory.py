@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -69,7 +70,10 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
             image=image, nproc_per_node=world_size, nnodes=docker.nnodes, gpus=docker.gpus,
             shm_size=docker.shm_size, user=docker.user, shutdown_grace_s=grace,
             rdzv_endpoint=f"127.0.0.1:{docker.rdzv_port}", docker_host=docker.docker_host,
-            extra_mounts=[str(config.work_dir.resolve())],
+            extra_mounts=[str(config.work_dir.resolve())]
+            + ([config.checkpoint_dir] if config.checkpoint_dir
+               and "://" not in config.checkpoint_dir else []),
+            environment=store_environment(config),
         )
     from stoker.config import validate
     from stoker.launch.kubeflow import KubernetesLaunchConfig
@@ -81,6 +85,19 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
     fields.setdefault("nproc_per_node", world_size)
     k8s = validate(KubernetesLaunchConfig, fields, prefix="launcher.kubernetes.")
     return KubernetesAdapter(KubernetesLauncher(k8s, api_client()))
+
+
+# What a container needs to reach an object store: passed through by name, never logged.
+STORE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+             "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")
+
+
+def store_environment(config: PipelineConfig) -> dict[str, str]:
+    """The object-store credentials of this process's environment, for the training containers
+    (only with a ``checkpoint_dir`` URL; {} otherwise)."""
+    if not config.checkpoint_dir or "://" not in config.checkpoint_dir:
+        return {}
+    return {k: os.environ[k] for k in STORE_ENV if k in os.environ}
 
 
 def check_before_pull(config: PipelineConfig) -> None:
