@@ -71,7 +71,7 @@ class _FsObjects:
     """The same on any fsspec store, without atomic conditions (see the module docstring)."""
 
     def __init__(self, store: JobStore, path: str):
-        self.fs, self.path = store.fs, path
+        self.store, self.fs, self.path = store, store.fs, path
 
     def get(self) -> tuple[dict | None, str | None]:
         try:
@@ -81,7 +81,7 @@ class _FsObjects:
         return _parse(data), "fs"
 
     def put(self, record: dict, etag: str | None) -> None:
-        self.fs.pipe_file(self.path, json.dumps(record).encode())
+        self.store.put(self.path, json.dumps(record).encode())
 
     def delete(self) -> None:
         self.fs.rm_file(self.path)

@@ -103,11 +103,12 @@ def store_environment(config: PipelineConfig) -> dict[str, str]:
 def check_before_pull(config: PipelineConfig) -> None:
     """Checks that need this machine, run before the dataset is pulled: a local data repository
     exists, the global batch splits over the processes this node will start
-    (``nproc_per_node=auto``: one per GPU, or 2), and an http(s) tracking server answers.
+    (``nproc_per_node=auto``: one per GPU, or 2), an http(s) tracking server answers, and the
+    ``checkpoint_dir`` store takes a write.
 
     Raises:
         ConfigError: naming ``data.repo_url``, ``train.global_batch_size`` or
-            ``tracking.tracking_uri``.
+            ``tracking.tracking_uri``; ``BucketError`` (a ConfigError) naming ``checkpoint_dir``.
     """
     from stoker.launch.supervisor import nproc
     from stoker.tracking.server import check_tracking_server
@@ -122,3 +123,7 @@ def check_before_pull(config: PipelineConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"train.{e}") from None
     check_tracking_server(config.tracking_uri())
+    if config.checkpoint_dir:  # wrong credentials or no bucket: named before anything runs
+        from stoker.launch.store import JobStore
+
+        JobStore(config.checkpoint_dir).check()

@@ -59,6 +59,14 @@ class JobStore:
         # A fresh filesystem: a cached one would keep the credentials it was made with.
         self.fs, self.root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True)
         self.root = self.root.rstrip("/")
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
+        self.local = bool({"file", "local"} & set(protocols))
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write one object (a whole file) at ``path`` (a path inside the store)."""
+        if self.local:  # a folder needs its parents; a bucket has none
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.pipe_file(path, data)
 
     def job_url(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -79,7 +87,7 @@ class JobStore:
         """
         probe = f"{self.root}/.stoker-probe-{uuid.uuid4().hex}"
         try:
-            if self.fs.protocol in ("file", "local") or "file" in self.fs.protocol:
+            if self.local:
                 self.fs.makedirs(self.root, exist_ok=True)  # a bucket is never created here
             self.fs.pipe_file(probe, b"ok")
             if self.fs.cat_file(probe) != b"ok":
@@ -129,7 +137,7 @@ class JobStore:
         for record in records:
             local = job_dir / record
             if local.exists():
-                self.fs.pipe_file(self._path(job_dir.name, record), local.read_bytes())
+                self.put(self._path(job_dir.name, record), local.read_bytes())
 
 
 class RecordSync(threading.Thread):
