@@ -268,7 +268,7 @@ def final_model(store: str, name: str) -> dict:
     return loaded.step, loaded.shared["model"]
 
 
-def test_a_job_killed_on_one_node_resumes_on_another_from_the_bucket(api_env, tmp_path):
+def test_a_job_killed_on_one_node_resumes_on_another_from_the_bucket(api_env, s3_env, tmp_path):
     """Node A trains into the bucket and is SIGKILLed with its disk deleted; node B runs the
     same command: it finds the job by key in the bucket, resumes from the last committed
     step in the same MLflow run, counts A's attempt, and ends bitwise equal to a run that was
@@ -318,6 +318,8 @@ def test_a_job_killed_on_one_node_resumes_on_another_from_the_bucket(api_env, tm
                               cwd=tmp_path)
     assert baseline.returncode == 0, baseline.stdout[-3000:] + baseline.stderr[-3000:]
     step_b, model_b = final_model(store, name)
-    step_c, model_c = final_model(str(tmp_path / "store-c"), name)
+    [job_c] = (tmp_path / "store-c").iterdir()  # the same key, another start time
+    assert job_c.name.split("-")[0] == name.split("-")[0]
+    step_c, model_c = final_model(str(tmp_path / "store-c"), job_c.name)
     assert step_b == step_c and model_b.keys() == model_c.keys()
     assert all(torch.equal(model_b[k], model_c[k]) for k in model_b)

@@ -43,7 +43,8 @@ class _S3Objects:
         import boto3
 
         self.bucket, _, self.key = path.partition("/")
-        self.client = boto3.client("s3")
+        # A session of its own: the default one keeps the credentials it first found.
+        self.client = boto3.session.Session().client("s3")
 
     def get(self) -> tuple[dict | None, str | None]:
         try:
