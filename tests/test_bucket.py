@@ -323,3 +323,20 @@ def test_a_job_killed_on_one_node_resumes_on_another_from_the_bucket(api_env, s3
     step_c, model_c = final_model(str(tmp_path / "store-c"), job_c.name)
     assert step_b == step_c and model_b.keys() == model_c.keys()
     assert all(torch.equal(model_b[k], model_c[k]) for k in model_b)
+
+
+def test_mlflow_server_keeps_artifacts_in_the_bucket(s3, tmp_path):
+    """The fully remote set-up's artifact store: `mlflow server --artifacts-destination s3://…`
+    stores what a client logs over HTTP as objects in the bucket."""
+    from mlflow import MlflowClient
+
+    from tests.mlflow_server import MlflowServer
+
+    env = {**s3, "MLFLOW_S3_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"]}
+    with MlflowServer(tmp_path / "mlflow", f"s3://{BUCKET}/mlartifacts", env) as server:
+        client = MlflowClient(server.uri)
+        run = client.create_run(client.create_experiment("bucket-artifacts"))
+        (tmp_path / "model.txt").write_text("weights")
+        client.log_artifact(run.info.run_id, str(tmp_path / "model.txt"))
+        assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["model.txt"]
+    assert [k for k in keys_in(s3, "mlartifacts/") if k.endswith("/model.txt")]
