@@ -340,3 +340,17 @@ def test_mlflow_server_keeps_artifacts_in_the_bucket(s3, tmp_path):
         client.log_artifact(run.info.run_id, str(tmp_path / "model.txt"))
         assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["model.txt"]
     assert [k for k in keys_in(s3, "mlartifacts/") if k.endswith("/model.txt")]
+
+
+def test_a_dataset_pulls_from_a_dvc_remote_in_the_bucket(s3_env, tmp_path):
+    """The fully remote set-up's data: a DVC repository whose remote is ``s3://…`` (dvc-s3,
+    endpoint and keys from the environment) pushes there and `pull_dataset` pulls from it."""
+    from stoker.data.pull import pull_dataset
+    from tests.data_repos import make_repo
+
+    repo = make_repo(tmp_path / "data", {"v1": {"a": 3, "b": 2}},
+                     remote=f"s3://{BUCKET}/dvc")
+    assert [k for k in keys_in(s3_env, "dvc/files/md5/")]  # pushed as objects in the bucket
+    ref = pull_dataset(str(repo), "v1", "data/images", tmp_path / "datasets")
+    assert sorted(p.name for p in Path(ref.local_path).iterdir()) == ["a", "b"]
+    assert len(list(Path(ref.local_path).rglob("*.png"))) == 5
