@@ -225,6 +225,17 @@ def test_two_nodes_cannot_hold_one_job(s3_env):
     assert keys_in(s3_env, "leases/job-1/") == []
     BucketLease(store, "job-1", ttl_s=30).acquire().release()
 
+    lost: list[str] = []  # another node took the job over: the holder learns it at renewal
+    holder = BucketLease(store, "job-2", ttl_s=0.6, on_lost=lost.append).acquire()
+    try:
+        other = {**holder._record(), "token": "other-node", "host": "node-b", "pid": 1}
+        put(s3_env, "leases/job-2/lease.json", json.dumps(other).encode())
+        wait_for(lambda: lost, timeout_s=10)
+        assert "taken over by host node-b" in lost[0] and holder.lost == lost[0]
+    finally:
+        holder.release()
+    assert keys_in(s3_env, "leases/job-2/")  # not ours any more: left to its owner
+
 
 @pytest.fixture(scope="module")
 def api_env(s3):

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from stoker.launch.lease import JobBusy, holder_alive
@@ -106,10 +107,15 @@ class BucketLease:
         name: the job name (``<key>-<time>``).
         ttl_s: seconds the lease binds without a renewal.
         flow_run_id: the orchestrator run, named to whoever is refused.
+        on_lost: called (with the reason) from the renewal thread once another node holds the
+            lease; the job claim releases the local lease then, so the runtime checkpoints and
+            stops (exit 75).
     """
 
     def __init__(self, store: JobStore, name: str, ttl_s: float,
-                 flow_run_id: str | None = None):
+                 flow_run_id: str | None = None,
+                 on_lost: Callable[[str], None] | None = None):
+        self.on_lost = on_lost
         self.name, self.ttl_s, self.flow_run_id = name, ttl_s, flow_run_id
         path = f"{store.root}/{name}/{LEASE_OBJECT}"
         self.objects = _S3Objects(path) if store.fs.protocol[0] in ("s3", "s3a") \
@@ -167,6 +173,8 @@ class BucketLease:
             try:
                 if not self.renew():
                     log.error("job %s: bucket lease lost (%s)", self.name, self.lost)
+                    if self.on_lost is not None:
+                        self.on_lost(self.lost)
                     return
             except Exception as e:  # the bucket down for a while: expiry decides
                 log.warning("job %s: bucket lease renewal failed (%s)", self.name,

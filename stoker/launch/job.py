@@ -139,7 +139,7 @@ class JobClaim:
         """Lease the job in the bucket too, then fill the local cache from it."""
         try:
             self.bucket_lease = BucketLease(self.store, job_dir.name, self.config.job_lease_s,
-                                            self.flow_run_id).acquire()
+                                            self.flow_run_id, self._bucket_lease_lost).acquire()
         except BaseException:
             self._release()
             raise
@@ -147,6 +147,14 @@ class JobClaim:
         if copied:
             log.info("job %s: records from %s: %s", job_dir.name, self.store.url,
                      ", ".join(copied))
+
+    def _bucket_lease_lost(self, reason: str) -> None:
+        """Another node owns the job now: give up the local lease too, so that no attempt is
+        launched and the running one checkpoints and stops (it watches the local lease)."""
+        lease = self.lease
+        if lease is not None:
+            lease.lost = f"bucket lease {reason}"
+            lease.release()
 
     def _release(self) -> None:
         if self.bucket_lease is not None:
