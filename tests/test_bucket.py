@@ -365,3 +365,14 @@ def test_a_dataset_pulls_from_a_dvc_remote_in_the_bucket(s3_env, tmp_path):
     ref = pull_dataset(str(repo), "v1", "data/images", tmp_path / "datasets")
     assert sorted(p.name for p in Path(ref.local_path).iterdir()) == ["a", "b"]
     assert len(list(Path(ref.local_path).rglob("*.png"))) == 5
+
+
+def test_checkpoint_dir_is_a_path_or_url_and_names_itself_when_wrong(tmp_path, monkeypatch):
+    from stoker.config import ConfigError, PipelineConfig, validate
+
+    monkeypatch.chdir(tmp_path)
+    assert PipelineConfig(checkpoint_dir="store").checkpoint_dir == str(tmp_path / "store")
+    assert PipelineConfig(checkpoint_dir="s3://b/jobs/").checkpoint_dir == "s3://b/jobs"
+    assert PipelineConfig().checkpoint_dir is None  # default: <work_dir>/jobs, as before
+    with pytest.raises(ConfigError, match="checkpoint_dir"):
+        validate(PipelineConfig, {"checkpoint_dir": "S 3://b"})
