@@ -171,7 +171,8 @@ def restartable_s3(monkeypatch):
     S3FileSystem.clear_instance_cache()
 
 
-def test_a_bucket_down_during_a_save_retries_and_never_trusts_half_a_step(restartable_s3):
+def test_a_bucket_down_during_a_save_retries_and_never_trusts_half_a_step(restartable_s3,
+                                                                          caplog):
     """The store goes away mid-training: saves return at once (training goes on), an upload is
     retried until the store is back, one given up after its tries leaves no committed step, and
     the next save commits again."""
@@ -189,6 +190,7 @@ def test_a_bucket_down_during_a_save_retries_and_never_trusts_half_a_step(restar
     start()  # back before the last try: the retry commits step 2
     ckpt.wait()
     assert ckpt.failed_saves == [] and ckpt.committed_steps() == [1, 2]
+    assert "step-000000002: upload try 2 of 3" in caplog.text  # it did fail once
 
     stop()
     ckpt.save(3, {"w": torch.full((2,), 3.0)}, {"rng": 3})
