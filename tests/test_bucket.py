@@ -378,3 +378,23 @@ def test_checkpoint_dir_is_a_path_or_url_and_names_itself_when_wrong(tmp_path, m
     assert PipelineConfig().checkpoint_dir is None  # default: <work_dir>/jobs, as before
     with pytest.raises(ConfigError, match="checkpoint_dir"):
         validate(PipelineConfig, {"checkpoint_dir": "S 3://b"})
+
+
+def test_a_stale_local_cache_is_refreshed_from_the_bucket(s3_env, tmp_path):
+    """A node that ran the job earlier comes back after another node ran it: the attempt
+    record grows from the bucket; records only it has stay; a missing one is copied."""
+    from stoker.launch.store import JobStore
+
+    store = JobStore(f"s3://{BUCKET}/cache")
+    job = tmp_path / "jobs" / "k-1"
+    job.mkdir(parents=True)
+    (job / "attempts.jsonl").write_text('{"number": 1, "state": "started"}\n')
+    (job / "result.json").write_text('{"local": true}')
+    put(s3_env, "cache/k-1/attempts.jsonl",
+        b'{"number": 1, "state": "started"}\n{"number": 1, "state": "ended"}\n')
+    put(s3_env, "cache/k-1/result.json", b'{"local": false}')
+    put(s3_env, "cache/k-1/mlflow_run_id", b"abc123")
+    assert sorted(store.pull("k-1", job)) == ["attempts.jsonl", "mlflow_run_id"]
+    assert (job / "attempts.jsonl").read_text().count("\n") == 2
+    assert (job / "result.json").read_text() == '{"local": true}'
+    assert (job / "mlflow_run_id").read_text() == "abc123"

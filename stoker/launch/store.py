@@ -114,18 +114,23 @@ class JobStore:
         return self.fs.exists(self._path(name, DONE_MARKER))
 
     def pull(self, name: str, job_dir: Path) -> list[str]:
-        """Copy the records of job ``name`` that ``job_dir`` lacks from the store; returns them."""
+        """Refresh the local cache ``job_dir`` of job ``name`` from the store; returns the
+        records copied. A record the cache lacks is copied; an append-only one
+        (``*.jsonl``) is replaced when the store's is longer (another node ran the job since
+        this cache was written); other records already cached are kept."""
         job_dir.mkdir(parents=True, exist_ok=True)
         copied = []
         self.fs.invalidate_cache(self._path(name))
         for record in RECORDS:
             local = job_dir / record
-            if local.exists():
+            if local.exists() and not record.endswith(".jsonl"):
                 continue
             try:
                 data = self.fs.cat_file(self._path(name, record))
             except FileNotFoundError:
                 continue
+            if local.exists() and len(data) <= local.stat().st_size:
+                continue  # the cache is as new (or newer: a push that failed)
             tmp = local.with_name(f".{record}.pull")
             tmp.write_bytes(data)
             tmp.replace(local)
