@@ -12,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CPU_TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?=
-EXTRAS ?= dev,docker,kubernetes
+EXTRAS ?= dev,docker,kubernetes,s3
 ARGS ?=
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 

@@ -343,6 +343,12 @@ class PipelineConfig(_Frozen):
         None, description="Resume this job; empty: resume the unfinished job of the same config, "
         "or start a new one.",
     )
+    checkpoint_dir: str | None = Field(
+        None, description="Durable home of every job (path or fsspec URL, e.g. "
+        "s3://bucket/jobs; credentials from the environment): committed checkpoints, the "
+        "attempt record, the MLflow run id and the run spec, per job. The job folders in "
+        "work_dir become a cache, so a job resumes on another machine. Empty: "
+        "<work_dir>/jobs.")
     job_lease_s: float = Field(
         60.0, ge=3, description="Seconds a job stays owned by a flow run that stopped renewing "
         "its lease (the run died): after that another run may take the job over, and the "
@@ -381,6 +387,23 @@ class PipelineConfig(_Frozen):
         """The MLflow experiment: the configured one, else the registered model's name (one
         experiment per model lineage, so its runs are compared side by side)."""
         return self.tracking.experiment or self.registered_model()
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _store_url(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        value = value.strip()
+        if "://" not in value:  # a path: absolute, so that every process reads the same one
+            return str(Path(value).expanduser().resolve())
+        scheme = value.split("://", 1)[0]
+        if not re.match(r"^[a-z][a-z0-9+.-]*$", scheme):
+            raise ValueError(f"not a path or URL: {value!r}")
+        return value.rstrip("/")
+
+    def job_store_url(self) -> str | None:
+        """``checkpoint_dir`` when set (None: job state lives in ``<work_dir>/jobs`` only)."""
+        return self.checkpoint_dir
 
     def tracking_uri(self) -> str:
         """The MLflow tracking URI, defaulting to a sqlite store in the work directory."""

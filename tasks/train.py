@@ -22,11 +22,12 @@ from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
 from stoker.launch.attempts import AttemptLog
 from stoker.launch.factory import make_launcher
-from stoker.launch.job import JobClaim
+from stoker.launch.job import JobClaim, job_store
 from stoker.launch.lease import JobBusy, held_lease
 from stoker.launch.retry import Attempt, Outcome, run_with_retries
 from stoker.launch.status import JOB_LOG
 from stoker.launch.stop_request import clear_stop_request, read_stop_request, stopped
+from stoker.launch.store import RecordSync
 from stoker.launch.supervisor import (
     LineLog,
     ProgressWatcher,
@@ -158,6 +159,10 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
 
     watcher = ProgressWatcher(job_dir, on_progress)
     watcher.start()
+    store = job_store(config)
+    sync = RecordSync(store, job_dir) if store is not None else None
+    if sync is not None:  # attempts, heartbeat, MLflow run id reach the bucket while training
+        sync.start()
     try:
         attempts = run_with_retries(launch, config.retry, on_attempt=record,
                                     stop_requested=lambda: read_stop_request(job_dir) is not None)
@@ -167,6 +172,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         raise
     finally:
         watcher.stop()
+        if sync is not None:
+            sync.stop()
     history = attempts_log.history()  # every attempt of the job, whichever flow run made it
     if attempts[-1].outcome == Outcome.STOPPED:
         stopped(client, run_file, read_stop_request(job_dir), job_dir.name)

@@ -21,10 +21,14 @@ def free_port() -> int:
 
 
 class MlflowServer:
-    """Starts ``mlflow server`` with a sqlite backend and served artifacts under ``root``."""
+    """Starts ``mlflow server`` with a sqlite backend and served artifacts under ``root`` (or at
+    ``artifacts_destination``, e.g. ``s3://bucket/mlartifacts`` with ``env`` holding AWS_*)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, artifacts_destination: str | None = None,
+                 env: dict[str, str] | None = None):
         self.root = root
+        self.artifacts_destination = artifacts_destination or str(root / "artifacts")
+        self.env = env or {}
         self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
@@ -36,9 +40,9 @@ class MlflowServer:
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
              "--port", str(self.port), "--workers", "1",
              "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             "--artifacts-destination", str(self.root / "artifacts")],
+             "--artifacts-destination", self.artifacts_destination],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **self.env},
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

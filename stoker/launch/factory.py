@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -69,7 +70,10 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
             image=image, nproc_per_node=world_size, nnodes=docker.nnodes, gpus=docker.gpus,
             shm_size=docker.shm_size, user=docker.user, shutdown_grace_s=grace,
             rdzv_endpoint=f"127.0.0.1:{docker.rdzv_port}", docker_host=docker.docker_host,
-            extra_mounts=[str(config.work_dir.resolve())],
+            extra_mounts=[str(config.work_dir.resolve())]
+            + ([config.checkpoint_dir] if config.checkpoint_dir
+               and "://" not in config.checkpoint_dir else []),
+            environment=store_environment(config),
         )
     from stoker.config import validate
     from stoker.launch.kubeflow import KubernetesLaunchConfig
@@ -83,14 +87,28 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
     return KubernetesAdapter(KubernetesLauncher(k8s, api_client()))
 
 
+# What a container needs to reach an object store: passed through by name, never logged.
+STORE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+             "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")
+
+
+def store_environment(config: PipelineConfig) -> dict[str, str]:
+    """The object-store credentials of this process's environment, for the training containers
+    (only with a ``checkpoint_dir`` URL; {} otherwise)."""
+    if not config.checkpoint_dir or "://" not in config.checkpoint_dir:
+        return {}
+    return {k: os.environ[k] for k in STORE_ENV if k in os.environ}
+
+
 def check_before_pull(config: PipelineConfig) -> None:
     """Checks that need this machine, run before the dataset is pulled: a local data repository
     exists, the global batch splits over the processes this node will start
-    (``nproc_per_node=auto``: one per GPU, or 2), and an http(s) tracking server answers.
+    (``nproc_per_node=auto``: one per GPU, or 2), an http(s) tracking server answers, and the
+    ``checkpoint_dir`` store takes a write.
 
     Raises:
         ConfigError: naming ``data.repo_url``, ``train.global_batch_size`` or
-            ``tracking.tracking_uri``.
+            ``tracking.tracking_uri``; ``BucketError`` (a ConfigError) naming ``checkpoint_dir``.
     """
     from stoker.launch.supervisor import nproc
     from stoker.tracking.server import check_tracking_server
@@ -105,3 +123,7 @@ def check_before_pull(config: PipelineConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"train.{e}") from None
     check_tracking_server(config.tracking_uri())
+    if config.checkpoint_dir:  # wrong credentials or no bucket: named before anything runs
+        from stoker.launch.store import JobStore
+
+        JobStore(config.checkpoint_dir).check()

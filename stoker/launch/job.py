@@ -4,7 +4,10 @@ A job lives in ``<work_dir>/jobs/<key>-<UTC time>/``; ``key`` hashes what define
 trajectory (train config fields that change results, and the dataset content hash). A job whose
 folder has no ``pipeline_done.json`` is unfinished: running the pipeline again with the same key
 continues it from its last committed checkpoint. Processes per node are not part of the key, so
-a job can resume at another world size.
+a job can resume at another world size. With a top-level ``checkpoint_dir`` (a bucket) the job
+also lives there (``stoker.launch.store``): unfinished jobs are found there by key, the local
+folder is filled from it, and the job is leased there too (``BucketLease``), so the same command
+resumes the job on another machine.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import re
 from pathlib import Path
 
 from stoker.config import PipelineConfig
+from stoker.launch.bucket_lease import BucketLease
 from stoker.launch.lease import JobLease, check_free, holder_alive
+from stoker.launch.store import JobStore
 from stoker.runtime.lease import read_lease
 from stoker.runtime.records import read_json, write_json
 from stoker.runtime.trainer import TRAJECTORY_FIELDS
@@ -36,6 +41,12 @@ def job_key(config: PipelineConfig, dataset_md5: str) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def job_store(config: PipelineConfig) -> JobStore | None:
+    """The job store of ``config`` (None without a ``checkpoint_dir``)."""
+    url = config.job_store_url()
+    return JobStore(url) if url else None
+
+
 def resolve_job_dir(config: PipelineConfig, dataset_md5: str | None) -> Path:
     """The folder of the job to run: ``config.job_id`` if given, else the newest unfinished job
     with the same key, else a new one.
@@ -52,9 +63,12 @@ def resolve_job_dir(config: PipelineConfig, dataset_md5: str | None) -> Path:
     if dataset_md5 is None:
         raise ValueError("resolve_job_dir: without job_id the dataset hash picks the job")
     key = job_key(config, dataset_md5)
-    unfinished = [p for p in sorted(jobs.glob(f"{key}-*")) if not (p / DONE_MARKER).exists()]
+    unfinished = [p.name for p in jobs.glob(f"{key}-*") if not (p / DONE_MARKER).exists()]
+    store = job_store(config)
+    if store is not None:  # the bucket knows every node's jobs; a local folder may be stale
+        unfinished = [n for n in unfinished if not store.is_done(n)] + store.unfinished(key)
     if unfinished:
-        return unfinished[-1]
+        return jobs / sorted(set(unfinished))[-1]
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
     return jobs / f"{key}-{stamp}"
 
@@ -91,6 +105,8 @@ class JobClaim:
     def __init__(self, config: PipelineConfig, flow_run_id: str | None = None):
         self.config, self.flow_run_id = config, flow_run_id
         self.lease: JobLease | None = None
+        self.bucket_lease: BucketLease | None = None
+        self.store = job_store(config)
         self.done: dict | None = None
 
     @property
@@ -102,21 +118,55 @@ class JobClaim:
         return self._take(Path(job_dir))
 
     def _take(self, job_dir: Path) -> Path:
+        if self.store is not None and self.store.is_done(job_dir.name):
+            self.store.pull(job_dir.name, job_dir)  # done on another node: its summary
         summary = done_summary(job_dir)  # a done job needs no lease: it is never trained again
         if summary is None:
             check_free(job_dir)  # refuse before creating anything
             self.lease = JobLease(job_dir, self.config.job_lease_s, self.flow_run_id).acquire()
+            if self.store is not None:
+                self._take_in_store(job_dir)
             summary = done_summary(job_dir)  # finished by the owner we just followed?
             if summary is not None:
-                self.lease.release()
-                self.lease = None
+                self._release()
         if summary is not None:
             self.done = {**summary, "already_done": True, "job_dir": str(job_dir)}
             log.warning("job %s is already done (%s); nothing to do", job_dir.name,
                         job_dir / DONE_MARKER)
         return job_dir
 
+    def _take_in_store(self, job_dir: Path) -> None:
+        """Lease the job in the bucket too, then fill the local cache from it."""
+        try:
+            self.bucket_lease = BucketLease(self.store, job_dir.name, self.config.job_lease_s,
+                                            self.flow_run_id, self._bucket_lease_lost).acquire()
+        except BaseException:
+            self._release()
+            raise
+        copied = self.store.pull(job_dir.name, job_dir)
+        if copied:
+            log.info("job %s: records from %s: %s", job_dir.name, self.store.url,
+                     ", ".join(copied))
+
+    def _bucket_lease_lost(self, reason: str) -> None:
+        """Another node owns the job now: give up the local lease too, so that no attempt is
+        launched and the running one checkpoints and stops (it watches the local lease)."""
+        lease = self.lease
+        if lease is not None:
+            lease.lost = f"bucket lease {reason}"
+            lease.release()
+
+    def _release(self) -> None:
+        if self.bucket_lease is not None:
+            self.bucket_lease.release()
+            self.bucket_lease = None
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
     def __enter__(self) -> JobClaim:
+        if self.store is not None:
+            self.store.check()  # wrong credentials or no bucket: one named error, at once
         if self.config.job_id:
             self._take(resolve_job_dir(self.config, None))
         return self
@@ -133,8 +183,13 @@ class JobClaim:
         return self._take(job_dir)
 
     def __exit__(self, *exc) -> None:
-        if self.lease is not None:
-            self.lease.release()
+        if self.store is not None and self.bucket_lease is not None:
+            try:  # the done marker and final records, while the job is still ours
+                self.store.push(self.lease.job_dir)
+            except Exception as e:  # the bucket down now: the records catch up next run
+                log.warning("job %s: final records not pushed to %s (%s)",
+                            self.lease.job_dir.name, self.store.url, type(e).__name__)
+        self._release()
 
 
 def job_owner(job_dir: Path) -> dict | None:

@@ -106,8 +106,10 @@ def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
     folder as tag ``stoker.job`` and a description with the dataset and config summary."""
     tags = {**tags, "stoker.job": job_dir.name,
             "mlflow.note.content": run_description(config, dataset, world_size)}
+    store = config.job_store_url()
     spec = RunSpec(
         train=config.train, data_dir=dataset.local_path, job_dir=str(job_dir),
+        checkpoint_dir=f"{store}/{job_dir.name}/checkpoints" if store else None,
         tracking_uri=config.tracking_uri(), experiment=config.experiment(),
         artifact_location=None if config.tracking.tracking_uri
         else (config.work_dir.resolve() / "mlartifacts").as_uri(),

@@ -11,6 +11,13 @@ once every rank's file exists. A step folder without it (killed mid-write, disk 
 loaded. "latest" is the highest committed step whose files match their recorded hashes; a
 corrupt one is skipped with a warning naming the reason, and the previous one is used.
 
+On an object store (an ``s3://`` URL, say) the same order holds: the files, then ``COMMITTED``;
+a reader sees a step only once its marker exists and trusts it only when the hashes match, so an
+upload cut short (files without a marker, a ``.tmp-`` object) is never loaded. Saves to an object
+store always run in the background (the loop blocks only for the host copy, as a local async
+save does); a failed upload is retried (``upload_attempts``) and, if the store stays down,
+logged and given up: training goes on, and the next save tries again.
+
 Retention (``keep_latest_k``) counts only verified checkpoints at or below the one just written,
 never deletes that one, and never touches folders above it. A committed folder found unusable is
 moved aside to ``corrupt-step-<step>-<unix time>/`` (with a ``REASON`` file), never deleted.
@@ -33,6 +40,7 @@ from typing import Any
 
 import fsspec
 import torch
+from tenacity import Retrying, stop_after_attempt, wait_exponential
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +86,24 @@ class Checkpointer:
             (given to ``save``, recorded in COMMITTED) has the best value of that metric.
         async_save: write in a background thread after a host copy; ``wait()`` joins it.
         commit_timeout_s: how long rank 0 waits for the other ranks' files before giving up.
+        upload_attempts: tries per save on an object store (exponential backoff from 1 s).
     """
 
     def __init__(self, location: str, rank: int, world_size: int, keep_latest_k: int = 3,
                  async_save: bool = False, commit_timeout_s: float = 120.0,
-                 keep_best: tuple[str, str] | None = None):
+                 keep_best: tuple[str, str] | None = None, upload_attempts: int = 4):
         self.fs, self.root = fsspec.core.url_to_fs(location)
+        # An object store: saves go to the background and survive the store being down.
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        self.remote = protocol not in ("file", "local", "memory")
+        self.upload_attempts = upload_attempts
+        self.failed_saves: list[int] = []  # steps given up after upload_attempts (remote only)
         self.root = self.root.rstrip("/")
         self.rank = rank
         self.world_size = world_size
         self.keep_latest_k = keep_latest_k
         self.keep_best = keep_best
-        self.async_save = async_save
+        self.async_save = async_save or self.remote
         self.commit_timeout_s = commit_timeout_s
         self._pending: threading.Thread | None = None
         self._verified: set[int] = set()  # steps this process wrote or verified
@@ -104,7 +118,12 @@ class Checkpointer:
     def _steps(self) -> list[tuple[int, bool]]:
         """(step, committed) for every step folder, ascending."""
         found = []
-        for entry in self.fs.ls(self.root, detail=False):
+        self.fs.invalidate_cache(self.root)  # another node or rank may have written since
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:  # an object store has no empty "folders"
+            entries = []
+        for entry in entries:
             match = _STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
             if match:
                 step = int(match.group(1))
@@ -166,9 +185,32 @@ class Checkpointer:
     def _run_guarded(self, step: int, shared: dict | None, rank_state: dict,
                      metrics: dict) -> None:
         try:
-            self._write_step(step, shared, rank_state, metrics)
+            if self.remote:
+                self._write_step_retried(step, shared, rank_state, metrics)
+            else:
+                self._write_step(step, shared, rank_state, metrics)
         except BaseException as e:  # re-raised in the training thread by wait()
             self._error = e
+
+    def _write_step_retried(self, step: int, shared: dict | None, rank_state: dict,
+                            metrics: dict) -> None:
+        """Upload step ``step``, retrying; give it up (logged, no error) if the store stays
+        down: the step stays uncommitted, so no reader trusts what part of it got there."""
+        try:
+            for attempt in Retrying(stop=stop_after_attempt(self.upload_attempts),
+                                    wait=wait_exponential(multiplier=1, max=8), reraise=True):
+                with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        log.warning("checkpoint %s: upload try %d of %d", self.step_dir(step),
+                                    attempt.retry_state.attempt_number, self.upload_attempts)
+                    self._write_step(step, shared, rank_state, metrics)
+        except CheckpointError:
+            raise  # a rank missing is no store outage: as on a local disk
+        except Exception as e:  # botocore/aiohttp/OSError: the store is unreachable
+            self.failed_saves.append(step)
+            log.error("checkpoint %s not saved after %d tries (%s: %s); training goes on, the "
+                      "next save tries again", self.step_dir(step), self.upload_attempts,
+                      type(e).__name__, str(e)[:200])
 
     def _write_step(self, step: int, shared: dict | None, rank_state: dict,
                     metrics: dict | None = None) -> None:
@@ -183,6 +225,7 @@ class Checkpointer:
         for r in range(self.world_size):
             path = f"{folder}/rank-{r:05d}.pt"
             while not self.fs.exists(path):
+                self.fs.invalidate_cache(folder)  # an object store's listing is cached
                 if time.monotonic() > deadline:
                     raise CheckpointError(
                         f"{folder}: rank {r} did not write {path} within "

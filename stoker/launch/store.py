@@ -1,0 +1,175 @@
+"""Job state on durable storage (a bucket), so that a job survives losing its machine.
+
+With a top-level ``checkpoint_dir`` (a path or fsspec URL such as ``s3://bucket/jobs``) every job
+keeps, under ``<checkpoint_dir>/<job name>/``:
+
+    checkpoints/step-*/        committed checkpoints (written there directly by the runtime)
+    attempts.jsonl             the attempt record (attempts, preemptions, billed time)
+    mlflow_run_id              the MLflow run the job logs to
+    spec.yaml                  the run spec of the last launch
+    progress.jsonl, heartbeat.json, result.json, pipeline_done.json
+    lease.json                 who trains the job now, until when (see ``BucketLease``)
+
+The local ``<work_dir>/jobs/<job name>/`` folder is a cache: ``pull`` fills a fresh one from the
+bucket (another node, an empty disk) and ``push`` copies the records back (``RecordSync`` does so
+every few seconds while the job trains). Records written on a node after its last push are lost
+with it: billed time of a lost node counts up to its last push.
+
+Credentials come from the environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_ENDPOINT_URL``, ...), read by s3fs/boto3 themselves; they are never logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import uuid
+from pathlib import Path
+
+import fsspec
+
+from stoker.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+RECORDS = ("attempts.jsonl", "mlflow_run_id", "spec.yaml", "progress.jsonl", "heartbeat.json",
+           "result.json", "pipeline_done.json")
+DONE_MARKER = "pipeline_done.json"
+
+
+class BucketError(ConfigError):
+    """The job store (``checkpoint_dir``) cannot be reached, read or written."""
+
+
+def _redact(text: str) -> str:
+    """An error message without anything that looks like a secret key."""
+    return re.sub(r"(?i)(secret[_a-z]*['\"]?\s*[:=]\s*)\S+", r"\1***", text)
+
+
+class JobStore:
+    """The durable home of job state under one ``checkpoint_dir``.
+
+    Args:
+        url: ``checkpoint_dir``: a local path or an fsspec URL (``s3://bucket/jobs``).
+    """
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        # A fresh filesystem: a cached one would keep the credentials it was made with.
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True)
+        self.root = self.root.rstrip("/")
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
+        self.local = bool({"file", "local"} & set(protocols))
+
+    def put(self, path: str, data: bytes) -> None:
+        """Write one object (a whole file) at ``path`` (a path inside the store)."""
+        if self.local:  # a folder needs its parents; a bucket has none
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        self.fs.pipe_file(path, data)
+
+    def job_url(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def checkpoints(self, name: str) -> str:
+        """The checkpoint location of job ``name`` (path or URL), as given to the runtime."""
+        return f"{self.job_url(name)}/checkpoints"
+
+    def _path(self, name: str, record: str = "") -> str:
+        return f"{self.root}/{name}" + (f"/{record}" if record else "")
+
+    def check(self) -> None:
+        """Write, read back and delete a probe object, before anything trains.
+
+        Raises:
+            BucketError: naming ``checkpoint_dir`` and the store's reason (wrong credentials,
+                no such bucket, endpoint down); secrets are never part of the message.
+        """
+        probe = f"{self.root}/.stoker-probe-{uuid.uuid4().hex}"
+        try:
+            if self.local:
+                self.fs.makedirs(self.root, exist_ok=True)  # a bucket is never created here
+            self.fs.pipe_file(probe, b"ok")
+            if self.fs.cat_file(probe) != b"ok":
+                raise OSError("probe object read back differently")
+            self.fs.rm_file(probe)
+        except Exception as e:  # botocore/aiohttp raise many types: all mean "unusable store"
+            raise BucketError(f"checkpoint_dir {self.url}: cannot write there "
+                              f"({type(e).__name__}: {_redact(str(e))[:300]}); check the "
+                              "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), "
+                              "AWS_ENDPOINT_URL and that the bucket exists") from None
+
+    def unfinished(self, key: str) -> list[str]:
+        """Names of the jobs with ``key`` that are not done, oldest first."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        names = sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+        return [n for n in names if n.startswith(f"{key}-")
+                and not self.fs.exists(self._path(n, DONE_MARKER))]
+
+    def is_done(self, name: str) -> bool:
+        return self.fs.exists(self._path(name, DONE_MARKER))
+
+    def pull(self, name: str, job_dir: Path) -> list[str]:
+        """Refresh the local cache ``job_dir`` of job ``name`` from the store; returns the
+        records copied. A record the cache lacks is copied; an append-only one
+        (``*.jsonl``) is replaced when the store's is longer (another node ran the job since
+        this cache was written); other records already cached are kept."""
+        job_dir.mkdir(parents=True, exist_ok=True)
+        copied = []
+        self.fs.invalidate_cache(self._path(name))
+        for record in RECORDS:
+            local = job_dir / record
+            if local.exists() and not record.endswith(".jsonl"):
+                continue
+            try:
+                data = self.fs.cat_file(self._path(name, record))
+            except FileNotFoundError:
+                continue
+            if local.exists() and len(data) <= local.stat().st_size:
+                continue  # the cache is as new (or newer: a push that failed)
+            tmp = local.with_name(f".{record}.pull")
+            tmp.write_bytes(data)
+            tmp.replace(local)
+            copied.append(record)
+        return copied
+
+    def push(self, job_dir: Path, records: tuple[str, ...] = RECORDS) -> None:
+        """Copy the records of ``job_dir`` to the store (each object replaced whole)."""
+        for record in records:
+            local = job_dir / record
+            if local.exists():
+                self.put(self._path(job_dir.name, record), local.read_bytes())
+
+
+class RecordSync(threading.Thread):
+    """Pushes a job's records to the store every ``every_s`` seconds until ``stop``.
+
+    A failed push is logged and retried at the next tick: the bucket being down must not stop
+    training (the checkpoints carry the state; the records catch up)."""
+
+    def __init__(self, store: JobStore, job_dir: Path, every_s: float = 3.0):
+        super().__init__(daemon=True, name=f"records-{job_dir.name}")
+        self.store, self.job_dir, self.every_s = store, job_dir, every_s
+        self._stop_event = threading.Event()
+
+    def sync(self) -> bool:
+        try:
+            self.store.push(self.job_dir)
+            return True
+        except Exception as e:  # any store error: retried at the next tick
+            log.warning("job %s: records not pushed to %s (%s); retrying", self.job_dir.name,
+                        self.store.url, type(e).__name__)
+            return False
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.every_s):
+            self.sync()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=30)
+        self.sync()
