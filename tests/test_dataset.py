@@ -22,6 +22,16 @@ def test_demo_repo_is_an_image_folder_tracked_by_dvc(demo_repo):
     assert ensure_demo_repo(demo_repo.repo.parent).created is False  # idempotent
 
 
+def test_demo_repo_build_does_not_repeat_dvc_init_message(tmp_path, caplog, capfd):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    assert ensure_demo_repo(tmp_path).created is True
+    out, err = capfd.readouterr()
+    said = out + err + caplog.text
+    assert "Initialized DVC repository" not in said  # `make run` printed it twice
+
+
 def test_pull_records_revision_and_hash(dataset, demo_repo):
     assert dataset.commit == git(demo_repo.repo, "rev-parse", "v1")
     assert dataset.md5.endswith(".dir") and dataset.nfiles == 1797

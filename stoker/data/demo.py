@@ -9,6 +9,7 @@ nothing half-made behind and the next run starts over cleanly.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -73,7 +74,12 @@ def ensure_demo_repo(base: Path) -> DemoRepo:
     staging = Path(tempfile.mkdtemp(prefix=".repo-", dir=base))
     try:
         git(staging, "init", "-q", "-b", "main")
-        dvc = Repo.init(str(staging))
+        init_log = logging.getLogger("dvc.repo.init")  # its INFO lines reach two handlers
+        level, init_log.level = init_log.level, logging.WARNING
+        try:
+            dvc = Repo.init(str(staging))
+        finally:
+            init_log.setLevel(level)
         with dvc.config.edit() as conf:
             conf["remote"]["local"] = {"url": str(remote_dir)}
             conf["core"]["remote"] = "local"
