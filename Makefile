@@ -39,7 +39,7 @@ run: install
 	$(VENV)/bin/stoker run $(ARGS)
 
 test: install
-	$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=25 $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
