@@ -166,7 +166,7 @@ def test_async_trainer_checkpoints_equal_synchronous_ones_bitwise(make_spec, mon
     finishing before its optimizer.step: each checkpoint holds exactly the state a synchronous
     save at that step holds."""
     sync, sync_ckpt = train_job(make_spec, monkeypatch, "sync")
-    overlapped, async_ckpt = train_job(make_spec, monkeypatch, "async", delay_s=0.05,
+    overlapped, async_ckpt = train_job(make_spec, monkeypatch, "async", delay_s=0.5,
                                        async_checkpoint=True)
     steps = sync_ckpt.committed_steps()
     assert len(steps) >= 5 and async_ckpt.committed_steps() == steps
