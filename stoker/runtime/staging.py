@@ -88,6 +88,9 @@ class HostStaging:
         self._copied.set()
         self._done: Any = None  # torch.cuda.Event recorded on the side stream after the copy
         self.staged: Any = None  # the last staged state (its tensors are the reused buffers)
+        # The source until its device-to-host copies have landed: a freed source block (a cloned
+        # buffer) could be reused by the compute stream while the side stream still reads it.
+        self._source: Any = None
 
     def begin(self) -> Any:
         """Mark a copy as started; returns the CUDA event the copy must wait for (None on CPU)."""
@@ -107,6 +110,7 @@ class HostStaging:
             elif ready is None:
                 self.staged = self._stager.stage(state)
             else:
+                self._source = state
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(ready)
                     self.staged = self._stager.stage(state, non_blocking=True)
@@ -121,6 +125,7 @@ class HostStaging:
         """Block until the device-to-host copies have landed (before serializing)."""
         if self._done is not None:
             self._done.synchronize()
+        self._source = None
 
     def wait(self) -> float:
         """Block the training thread until the copy no longer reads the live tensors; returns
