@@ -198,7 +198,12 @@ class Checkpointer:
                 target=self._run_guarded, args=(step, state, metrics, ready, defer_copy),
                 name=f"ckpt-{step}", daemon=True,
             )
-            self._pending.start()
+            try:
+                self._pending.start()
+            except BaseException:
+                self._pending = None
+                self.staging.cancel()
+                raise
         self.last_blocking_s = time.perf_counter() - started
 
     def wait_staged(self) -> float:

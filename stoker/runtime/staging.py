@@ -121,6 +121,12 @@ class HostStaging:
         finally:
             self._copied.set()  # also on error, or the training thread would wait forever
 
+    def cancel(self) -> None:
+        """Forget a copy that ``begin`` announced but nothing will run (its thread did not
+        start), so ``wait`` does not block forever."""
+        self._source = None
+        self._copied.set()
+
     def settle(self) -> None:
         """Block until the device-to-host copies have landed (before serializing)."""
         if self._done is not None:
