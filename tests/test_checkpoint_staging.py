@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from stoker.runtime.checkpoint import MARKER, Checkpointer
+from stoker.runtime.checkpoint import MARKER, Checkpointer, CheckpointError
 from stoker.runtime.distributed import DistEnv
 from stoker.runtime.preemption import StopFlag
 from stoker.runtime.spec import RunSpec
@@ -206,3 +206,21 @@ def test_sigterm_during_a_background_copy_still_commits(make_spec, monkeypatch):
     assert loaded.step == trainer.step == 5
     assert_bitwise(loaded.shared["model"], trainer.module.state_dict())
     assert_bitwise(loaded.shared["optimizer"], trainer.optimizer.state_dict())
+
+
+def test_a_torn_or_foreign_digest_record_is_not_committed(tmp_path):
+    """Rank 0 trusts only a whole record for this file at this step: a torn one, or one left by
+    another step, is waited on like a missing one and the step stays uncommitted."""
+    folder = tmp_path / "step-000000009"
+    folder.mkdir()
+    record = folder / "rank-00001.pt.sha256"
+    for content in ('{"file": "rank-00001.pt", "sha2', json.dumps(
+            {"file": "rank-00001.pt", "sha256": "0" * 64, "step": 8})):
+        record.write_text(content)
+        ckpt = Checkpointer(str(tmp_path), 0, 2, commit_timeout_s=0.3)
+        with pytest.raises(CheckpointError, match="rank 1 did not write .*rank-00001.pt.sha256"):
+            ckpt.save(9, {"w": torch.ones(3)}, {"rng": 0})
+        assert ckpt.committed_steps() == []
+    Checkpointer(str(tmp_path), 1, 2).save(9, None, {"rng": 1})  # the real record replaces it
+    Checkpointer(str(tmp_path), 0, 2).save(9, {"w": torch.ones(3)}, {"rng": 0})
+    assert Checkpointer(str(tmp_path), 1, 2).load_latest().rank_state == {"rng": 1}
