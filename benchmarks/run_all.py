@@ -46,7 +46,7 @@ MEASURES = (
      "ratio <= 1.05"),
     ("bench_trainer_throughput", "Trainer throughput vs a hand-written DDP loop",
      "ratio >= 0.98"),
-    ("bench_checkpoint", "Checkpoint stall: async save vs synchronous torch.save",
+    ("bench_checkpoint", "Checkpoint: training thread held per save vs synchronous torch.save",
      "ratio <= 0.2 (CPU), <= 0.05 (GPU)"),
     ("bench_recovery", "Preemption recovery: SIGTERM -> first resumed step",
      "median <= 5 s, 0 steps lost"),

@@ -6,17 +6,20 @@ Layout::
     <location>/step-000000120/rank-00000.pt     per-rank state (RNG), one file per rank
     <location>/step-000000120/COMMITTED         JSON: step, world size, sha256 of every file
 
-Every file is written under a temporary name and renamed; ``COMMITTED`` is written last, by rank 0,
-once every rank's file exists. A step folder without it (killed mid-write, disk full) is never
-loaded. "latest" is the highest committed step whose files match their recorded hashes; a
-corrupt one is skipped with a warning naming the reason, and the previous one is used.
+Every file is written under a temporary name and renamed, hashed while it is written; each
+rank > 0 then publishes its file's sha256 in ``rank-<r>.pt.sha256``, and ``COMMITTED`` is
+written last, by rank 0, from those records (it never reads another rank's file). A step folder
+without it (killed mid-write, disk full) is never loaded. "latest" is the highest committed step
+whose files match their recorded hashes; a corrupt one is skipped with a warning naming the
+reason, and the previous one is used.
 
 On an object store (an ``s3://`` URL, say) the same order holds: the files, then ``COMMITTED``;
 a reader sees a step only once its marker exists and trusts it only when the hashes match, so an
 upload cut short (files without a marker, a ``.tmp-`` object) is never loaded. Saves to an object
-store always run in the background (the loop blocks only for the host copy, as a local async
-save does); a failed upload is retried (``upload_attempts``) and, if the store stays down,
-logged and given up: training goes on, and the next save tries again.
+store always run in the background (an async save copies the state into reused host buffers,
+a copy the trainer lets overlap its next forward/backward: see ``stoker.runtime.staging``); a
+failed upload is retried (``upload_attempts``) and, if the store stays down, logged and given
+up: training goes on, and the next save tries again.
 
 Retention (``keep_latest_k``) counts only verified checkpoints at or below the one just written,
 never deletes that one, and never touches folders above it. A committed folder found unusable is
@@ -42,9 +45,12 @@ import fsspec
 import torch
 from tenacity import Retrying, stop_after_attempt, wait_exponential
 
+from stoker.runtime.staging import HashingWriter, HostStaging
+
 log = logging.getLogger(__name__)
 
 MARKER = "COMMITTED"
+DIGEST_SUFFIX = ".sha256"  # rank-00001.pt.sha256: that rank's own digest of its file, for rank 0
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 
 
@@ -64,17 +70,6 @@ class Loaded:
     path: str
 
 
-def _to_cpu(obj: Any) -> Any:
-    """Deep-copy tensors to host memory (the only part of an async save that blocks)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
 class Checkpointer:
     """Saves and finds committed checkpoints for one job.
 
@@ -84,7 +79,9 @@ class Checkpointer:
         keep_latest_k: committed checkpoints kept after each commit (older ones are deleted).
         keep_best: (metric, "max"|"min"): also keep the committed checkpoint whose ``metrics``
             (given to ``save``, recorded in COMMITTED) has the best value of that metric.
-        async_save: write in a background thread after a host copy; ``wait()`` joins it.
+        async_save: write in a background thread after a host copy into reused buffers;
+            ``wait()`` joins it. With ``save(..., defer_copy=True)`` the copy runs in that
+            thread too, and the caller calls ``wait_staged()`` before the tensors change.
         commit_timeout_s: how long rank 0 waits for the other ranks' files before giving up.
         upload_attempts: tries per save on an object store (exponential backoff from 1 s).
     """
@@ -109,6 +106,7 @@ class Checkpointer:
         self._verified: set[int] = set()  # steps this process wrote or verified
         self._error: BaseException | None = None
         self.last_blocking_s = 0.0
+        self.staging = HostStaging() if self.async_save else None
         self.fs.makedirs(self.root, exist_ok=True)
 
     # -- paths --------------------------------------------------------------------------------
@@ -139,56 +137,89 @@ class Checkpointer:
         return [step for step, committed in self._steps() if committed]
 
     # -- writing ------------------------------------------------------------------------------
+    @staticmethod
+    def _sync(f: Any) -> None:
+        """Flush ``f`` and fsync it when it is a local file (an object store commits on close)."""
+        f.flush()
+        if hasattr(f, "fileno"):
+            with contextlib.suppress(OSError, io.UnsupportedOperation):
+                os.fsync(f.fileno())
+
     def _write(self, path: str, payload: bytes) -> str:
         """Write bytes under a temporary name, flush + fsync, rename; return their sha256."""
         tmp = f"{path}.tmp-{os.getpid()}"
         with self.fs.open(tmp, "wb") as f:
             f.write(payload)
-            f.flush()
-            # Not a local file: the object store commits on close instead.
-            if hasattr(f, "fileno"):
-                with contextlib.suppress(OSError, io.UnsupportedOperation):
-                    os.fsync(f.fileno())
+            self._sync(f)
         self.fs.mv(tmp, path)
         return hashlib.sha256(payload).hexdigest()
 
-    @staticmethod
-    def _serialize(obj: Any) -> bytes:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        return buffer.getvalue()
+    def _write_state(self, path: str, obj: Any) -> str:
+        """``torch.save`` ``obj`` straight into a temporary file, hashing the bytes as they go
+        out (no in-memory copy of the serialized state, no second read); flush + fsync, rename.
+        Returns the file's sha256."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with self.fs.open(tmp, "wb") as f:
+            writer = HashingWriter(f)
+            torch.save(obj, writer)
+            self._sync(f)
+        self.fs.mv(tmp, path)
+        return writer.sha256
 
     def save(self, step: int, shared: dict[str, Any] | None, rank_state: dict[str, Any],
-             metrics: dict[str, float] | None = None) -> None:
+             metrics: dict[str, float] | None = None, *, defer_copy: bool = False) -> None:
         """Save this rank's part of checkpoint ``step``; rank 0 also writes ``shared`` and commits.
 
-        Every rank calls it at the same step. With ``async_save`` only the host copy blocks;
-        otherwise it returns once this rank's part (and, on rank 0, the commit) is durable.
+        Every rank calls it at the same step. Without ``async_save`` it returns once this rank's
+        part (and, on rank 0, the commit) is durable; nothing is copied first. With
+        ``async_save`` the state is copied into reused host buffers and written in a background
+        thread; the loop is blocked for the copy, or, with ``defer_copy``, not even for that.
+
+        Args:
+            defer_copy: (async only) take the host copy in the background thread as well: the
+                caller must call ``wait_staged()`` before any tensor in ``shared`` or
+                ``rank_state`` changes (the trainer does so before its next
+                ``optimizer.step``), and must not mutate the containers meanwhile.
 
         Raises:
             CheckpointError: an earlier async save failed, or (sync) this save failed.
         """
         started = time.perf_counter()
-        self.wait()
-        snapshot = (_to_cpu(shared) if shared is not None else None, _to_cpu(rank_state),
-                    dict(metrics or {}))
-        if self.async_save:
-            self._pending = threading.Thread(
-                target=self._run_guarded, args=(step, *snapshot), name=f"ckpt-{step}",
-                daemon=True,
-            )
-            self._pending.start()
+        self.wait()  # the previous save is written: its staging buffers are free again
+        state = {"shared": shared, "rank": rank_state}
+        metrics = dict(metrics or {})
+        if self.staging is None:  # the loop waits for the write: the live tensors hold still
+            self._write_step(step, shared, rank_state, metrics)
         else:
-            self._write_step(step, *snapshot)
+            ready = self.staging.begin()
+            if not defer_copy:
+                state, ready = self.staging.copy(state, ready), None
+            self._pending = threading.Thread(
+                target=self._run_guarded, args=(step, state, metrics, ready, defer_copy),
+                name=f"ckpt-{step}", daemon=True,
+            )
+            try:
+                self._pending.start()
+            except BaseException:
+                self._pending = None
+                self.staging.cancel()
+                raise
         self.last_blocking_s = time.perf_counter() - started
 
-    def _run_guarded(self, step: int, shared: dict | None, rank_state: dict,
-                     metrics: dict) -> None:
+    def wait_staged(self) -> float:
+        """Block until the last save's host copy no longer reads the live tensors (call before
+        they change: the next ``optimizer.step``). Returns the seconds blocked (0 when the copy
+        had finished). On a GPU the compute stream waits for the copy, not the host."""
+        return self.staging.wait() if self.staging is not None else 0.0
+
+    def _run_guarded(self, step: int, state: dict, metrics: dict, ready: Any,
+                     copy_here: bool) -> None:
         try:
-            if self.remote:
-                self._write_step_retried(step, shared, rank_state, metrics)
-            else:
-                self._write_step(step, shared, rank_state, metrics)
+            if copy_here:
+                state = self.staging.copy(state, ready)
+            self.staging.settle()
+            write = self._write_step_retried if self.remote else self._write_step
+            write(step, state["shared"], state["rank"], metrics)
         except BaseException as e:  # re-raised in the training thread by wait()
             self._error = e
 
@@ -217,14 +248,30 @@ class Checkpointer:
         folder = self.step_dir(step)
         self.fs.makedirs(folder, exist_ok=True)
         rank_file = f"rank-{self.rank:05d}.pt"
-        self._write(f"{folder}/{rank_file}", self._serialize(rank_state))
+        digest = self._write_state(f"{folder}/{rank_file}", rank_state)
         if self.rank != 0:
+            # Rank 0 commits from this record: it never reads this rank's file.
+            record = {"file": rank_file, "sha256": digest, "step": step}
+            self._write(f"{folder}/{rank_file}{DIGEST_SUFFIX}", json.dumps(record).encode())
             return
-        hashes = {"shared.pt": self._write(f"{folder}/shared.pt", self._serialize(shared))}
+        hashes = {"shared.pt": self._write_state(f"{folder}/shared.pt", shared),
+                  rank_file: digest, **self._rank_digests(folder, step)}
+        marker = {"step": step, "world_size": self.world_size, "files": hashes,
+                  "metrics": metrics or {}, "time": time.time()}
+        self._write(f"{folder}/{MARKER}", json.dumps(marker, indent=1).encode())
+        self._verified.add(step)
+        self._purge(step)
+
+    def _rank_digests(self, folder: str, step: int) -> dict[str, str]:
+        """{file name: sha256} of ranks 1.. from their digest records, waiting for each up to
+        ``commit_timeout_s``. A record that does not parse or names another file or step is
+        waited on like a missing one (it may be a leftover the rank is about to replace)."""
         deadline = time.monotonic() + self.commit_timeout_s
-        for r in range(self.world_size):
-            path = f"{folder}/rank-{r:05d}.pt"
-            while not self.fs.exists(path):
+        digests = {}
+        for r in range(1, self.world_size):
+            name = f"rank-{r:05d}.pt"
+            path = f"{folder}/{name}{DIGEST_SUFFIX}"
+            while (digest := self._read_digest(path, name, step)) is None:
                 self.fs.invalidate_cache(folder)  # an object store's listing is cached
                 if time.monotonic() > deadline:
                     raise CheckpointError(
@@ -232,13 +279,18 @@ class Checkpointer:
                         f"{self.commit_timeout_s:.0f} s; checkpoint left uncommitted"
                     )
                 time.sleep(0.02)
+            digests[name] = digest
+        return digests
+
+    def _read_digest(self, path: str, name: str, step: int) -> str | None:
+        try:
             with self.fs.open(path, "rb") as f:
-                hashes[f"rank-{r:05d}.pt"] = hashlib.sha256(f.read()).hexdigest()
-        marker = {"step": step, "world_size": self.world_size, "files": hashes,
-                  "metrics": metrics or {}, "time": time.time()}
-        self._write(f"{folder}/{MARKER}", json.dumps(marker, indent=1).encode())
-        self._verified.add(step)
-        self._purge(step)
+                record = json.loads(f.read())
+        except (FileNotFoundError, ValueError):
+            return None
+        ok = (isinstance(record, dict) and record.get("file") == name
+              and record.get("step") == step and isinstance(record.get("sha256"), str))
+        return record["sha256"] if ok else None
 
     def wait(self) -> None:
         """Block until the pending async save (if any) is done; re-raise its error."""

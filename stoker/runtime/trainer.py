@@ -300,6 +300,10 @@ class Trainer(ProfilingMixin):
                 self.scaler.scale(loss).backward()
             total += loss.detach()
         t1 = time.perf_counter()
+        # The last checkpoint's host copy may still be reading the weights (it overlapped the
+        # forward/backward above): they must not change under it.
+        self.timings["checkpoint"] += self.ckpt.wait_staged()
+        t1 = time.perf_counter()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
@@ -389,13 +393,27 @@ class Trainer(ProfilingMixin):
             # Metrics up to a checkpoint must survive a crash: steps before it are never re-run.
             self.tracker.flush()
         shared = self.state_dict() if self.env.is_main else None
+        if shared is not None and self.ckpt.async_save:
+            shared["model"] = self._freeze_buffers(shared["model"])
+        # Async: the host copy runs in the background, overlapping the next forward/backward;
+        # train_step waits for it before the next optimizer.step (the weights change there).
         self.ckpt.save(self.step, shared, {"rng": self._rng_state(),
                                            "world_size": self.env.world_size},
-                       metrics={k: v for k, v in self.metrics.items() if k != "epoch"})
+                       metrics={k: v for k, v in self.metrics.items() if k != "epoch"},
+                       defer_copy=self.ckpt.async_save)
         self._last_save = time.monotonic()
         self.timings["checkpoint"] += time.perf_counter() - t0
         self._event("checkpoint", path=self.ckpt.step_dir(self.step),
                     blocking_s=round(self.ckpt.last_blocking_s, 4))
+
+    def _freeze_buffers(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``model_state`` with the module's buffers cloned: a forward pass changes them in place
+        (BatchNorm statistics, DDP's buffer broadcast) before the background copy may reach them;
+        they are small. Parameters change only in ``optimizer.step``."""
+        for name, _ in self.module.named_buffers():
+            if name in model_state:  # in place: the OrderedDict keeps its _metadata
+                model_state[name] = model_state[name].clone()
+        return model_state
 
     def _finish_attempt(self) -> None:
         """Make the last checkpoint durable and committed before any rank exits."""
