@@ -2,6 +2,7 @@
 # Start the services the tests need, on loopback only:
 #   - Docker Engine (dockerd) with its data root under $STOKER_SERVICES_DIR, no bridge/iptables
 #   - a container registry (Debian's docker-registry) on 127.0.0.1:5000
+#   - (installed, not started) headless Chromium and its driver for tests/ui_check.py
 # Installs Debian's docker.io and docker-registry first if missing (needs root and apt).
 # Idempotent: reuses an engine/registry that already answers. Prints the env to export.
 set -euo pipefail
@@ -13,10 +14,20 @@ command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 command -v docker-registry >/dev/null 2>&1 || need+=(docker-registry)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 command -v busybox >/dev/null 2>&1 || need+=(busybox-static)
-if [ ${#need[@]} -gt 0 ]; then
-  echo "installing ${need[*]}" >&2
+# Headless Chromium for tests/ui_check.py (the MLflow and Prefect pages of one run): ~16 s.
+browser=()
+command -v chromium >/dev/null 2>&1 || browser+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || browser+=(chromium-driver)
+if [ ${#need[@]} -gt 0 ] || [ ${#browser[@]} -gt 0 ]; then
+  echo "installing ${need[*]} ${browser[*]}" >&2
   apt-get update -qq
+fi
+if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+if [ ${#browser[@]} -gt 0 ]; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${browser[@]}" \
+    >/dev/null
 fi
 
 if ! docker info >/dev/null 2>&1; then

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prefect import flow
 
 from stoker.costguard.config import CostGuardConfig
+from stoker.forms import CostGuardForm
 from tasks.cost_guard import report, sweep
 
 DEFAULT_CONFIG = CostGuardConfig()
@@ -18,6 +19,17 @@ DEFAULT_CONFIG = CostGuardConfig()
 @flow(name="cost-guard", log_prints=True)
 def cost_guard(config: CostGuardConfig = DEFAULT_CONFIG) -> dict:
     """Sample GPUs over a window, judge each Stoker-owned resource, act (unless dry-run), report."""
+    return run_sweep(config)
+
+
+@flow(name="cost-guard", log_prints=True)
+def cost_guard_form(config: CostGuardForm = CostGuardForm()) -> dict:  # noqa: B008 - frozen
+    """The ``cost-guard`` deployment: one sweep of this host."""
+    return run_sweep(config.to_config())
+
+
+def run_sweep(config: CostGuardConfig) -> dict:
+    """Sweep, report, and summarize inside a flow run."""
     result = sweep(config)
     report(result)
     return {

@@ -9,6 +9,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from stoker.config import PipelineConfig
+from stoker.forms import DockerPipelineForm, PipelineForm
 from stoker.images.spec import ImageRequest
 from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.job import JobClaim, mark_done
@@ -24,11 +25,30 @@ DEFAULT_CONFIG = PipelineConfig()
 DEFAULT_IMAGE = ImageRequest()
 
 
-@flow(name="pipeline", log_prints=True, on_crashed=[cancel_stopped_flow_run],
-      on_failure=[cancel_stopped_flow_run])
+_HOOKS = {"on_crashed": [cancel_stopped_flow_run], "on_failure": [cancel_stopped_flow_run]}
+
+
+@flow(name="pipeline", log_prints=True, **_HOOKS)
 def pipeline(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE) -> dict:
     """Pull data at a pinned revision, build the training image when training runs in
-    containers, train (resuming any unfinished job), register, report.
+    containers, train (resuming any unfinished job), register, report (``stoker run``)."""
+    return run_pipeline(config, image)
+
+
+@flow(name="pipeline", log_prints=True, **_HOOKS)
+def pipeline_local(config: PipelineForm = PipelineForm()) -> dict:  # noqa: B008 - frozen
+    """The ``pipeline`` deployment: train on the worker's machine (torchrun)."""
+    return run_pipeline(config.to_config(), DEFAULT_IMAGE)
+
+
+@flow(name="pipeline", log_prints=True, **_HOOKS)
+def pipeline_docker(config: DockerPipelineForm) -> dict:
+    """The ``pipeline-docker`` deployment: train in the training image's containers."""
+    return run_pipeline(config.to_config(), DEFAULT_IMAGE)
+
+
+def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
+    """The pipeline's steps, inside a flow run.
 
     The job is owned (leased) from before anything in its folder is written until it is marked
     done: with ``job_id`` before the pull, otherwise right after it. A done ``job_id`` returns

@@ -6,6 +6,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from stoker.config import PipelineConfig
+from stoker.forms import TrainForm
 from stoker.images.spec import ImageRequest
 from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.job import JobClaim
@@ -20,8 +21,18 @@ DEFAULT_IMAGE = ImageRequest()
 @flow(name="train", log_prints=True)
 def train_only(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DEFAULT_IMAGE
                ) -> dict:
-    """Pull data at a pinned revision and train; returns the MLflow run id, metrics and cost.
-    The job is leased while this flow runs (see ``flows.pipeline``)."""
+    """Pull data at a pinned revision and train; returns the MLflow run id, metrics and cost."""
+    return run_training(config, image)
+
+
+@flow(name="train", log_prints=True)
+def train_local(config: TrainForm = TrainForm()) -> dict:  # noqa: B008 - frozen
+    """The ``train`` deployment: pull and train on the worker's machine, no registration."""
+    return run_training(config.to_config(), DEFAULT_IMAGE)
+
+
+def run_training(config: PipelineConfig, image: ImageRequest) -> dict:
+    """Pull and train inside a flow run; the job is leased meanwhile (see ``flows.pipeline``)."""
     with JobClaim(config, flow_run.get_id()) as job:
         if job.done is not None:
             return job.done

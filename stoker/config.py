@@ -334,7 +334,8 @@ class CostConfig(_Frozen):
 
 
 class PipelineConfig(_Frozen):
-    """The whole main job: data, training, tracking. Also the Prefect parameter form."""
+    """The whole main job: data, training, tracking. The deployments' forms (stoker/forms.py)
+    hold a grouped subset of it and build it."""
 
     work_dir: Path = Field(
         Path("work"), description="Where datasets, checkpoints and the embedded stores live."

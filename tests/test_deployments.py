@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,21 @@ def deployed(tmp_path_factory):
         # the images: tests/test_image_flow.py runs the same step).
         server.prefect("--no-prompt", "deploy", "--name", "pipeline", "--name", "train",
                        "--name", "cost-guard", cwd=REPO)
+        # pipeline-docker's form, deployed without its build step (as if the image were built).
+        import yaml
+
+        spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+        (docker,) = [d for d in spec["deployments"] if d["name"] == "pipeline-docker"]
+        docker.pop("build")
+        docker["parameters"]["config"]["docker"]["image"] = PINNED
+        spec["deployments"] = [docker]
+        (root / "docker.yaml").write_text(yaml.safe_dump(spec))
+        server.prefect("--no-prompt", "deploy", "--prefect-file", str(root / "docker.yaml"),
+                       "--name", "pipeline-docker", cwd=REPO)
         yield server
+
+
+PINNED = "127.0.0.1:5000/stoker/train@sha256:" + "0" * 64
 
 
 def read_deployment(server: PrefectServer, name: str):
@@ -40,14 +55,14 @@ def read_deployment(server: PrefectServer, name: str):
 def test_parameter_schema_is_a_usable_form(deployed):
     schema = read_deployment(deployed, "pipeline/pipeline").parameter_openapi_schema
     definitions = schema["definitions"]
-    config = definitions["PipelineConfig"]["properties"]
-    assert {"work_dir", "job_id", "data", "train", "tracking", "retry", "cost"} <= config.keys()
-    train = definitions["TrainConfig"]["properties"]
+    config = definitions["PipelineForm"]["properties"]
+    assert {"work_dir", "job_id", "data", "train", "tracking", "retry"} <= config.keys()
+    train = definitions["Train"]["properties"]
     assert train["epochs"]["type"] == "integer" and train["epochs"]["default"] == 12
     assert train["epochs"]["exclusiveMinimum"] == 0
     assert train["lr"]["type"] == "number" and train["lr"]["description"]
     assert set(train["precision"]["enum"]) == {"fp32", "bf16", "fp16"}
-    assert definitions["DataConfig"]["properties"]["rev"]["default"] == "v1"
+    assert definitions["Data"]["properties"]["rev"]["default"] == "v1"
     assert all(p.get("description") for p in train.values()), "every train field documented"
 
 
@@ -59,7 +74,7 @@ def test_prefect_yaml_declares_the_docker_deployment_with_the_image_build_step()
     docker = deployments["pipeline-docker"]
     (step,) = docker["build"]
     assert "tasks.images.prefect_build_step" in step
-    assert docker["parameters"]["config"]["launcher"]["docker"]["image"] == \
+    assert docker["parameters"]["config"]["docker"]["image"] == \
         "{{ build-training-image.pinned_image }}"
 
 
@@ -67,7 +82,7 @@ def test_every_deployment_is_created_with_its_schedule(deployed):
     pipeline = read_deployment(deployed, "pipeline/pipeline")
     assert [s.active for s in pipeline.schedules] == [False]  # nightly example, off by default
     assert "stoker:owned" in pipeline.tags
-    assert read_deployment(deployed, "train/train").entrypoint == "flows/train.py:train_only"
+    assert read_deployment(deployed, "train/train").entrypoint == "flows/train.py:train_local"
     guard = read_deployment(deployed, "cost-guard/cost-guard")
     assert guard.schedules[0].active and guard.schedules[0].schedule.interval.total_seconds() == 300
     assert guard.parameters["config"]["dry_run"] is True
@@ -92,7 +107,7 @@ def test_invalid_parameters_are_rejected_by_name(deployed):
 def test_deployment_runs_on_a_process_worker(deployed, tmp_path):
     params = {"config": {"work_dir": str(tmp_path / "work"),
                          "train": {"epochs": 4, "nproc_per_node": 1},
-                         "tracking": {"system_metrics_interval_s": None}}}
+                         "overrides": ["tracking.system_metrics_interval_s=null"]}}
     out = deployed.prefect("deployment", "run", "pipeline/pipeline",
                            "--params", json.dumps(params)).stdout
     flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()
@@ -122,3 +137,98 @@ def test_deploying_needs_no_variable_and_runs_from_this_checkout(deployed):
         assert Path(directory).resolve() == REPO.resolve(), steps
         assert (Path(directory) / "flows" / "pipeline.py").is_file()
 
+
+
+# Issue 18, point 7: each deployment's form holds what that deployment uses.
+FORMS = {
+    "pipeline/pipeline": {
+        "groups": {"data", "train", "tracking", "retry"},
+        "absent": {"launcher", "cost", "docker", "image", "prices", "kubernetes"},
+        "extra": {}},
+    "train/train": {
+        "groups": {"data", "train", "tracking", "retry"},
+        "absent": {"launcher", "cost", "docker", "image", "registered_model", "promote_metric"},
+        "extra": {}},
+    "pipeline/pipeline-docker": {
+        "groups": {"data", "train", "tracking", "retry", "docker"},
+        "absent": {"launcher", "cost", "kubernetes", "prices", "matrix_entry", "wheelhouse"},
+        "extra": {"tracking": {"tracking_uri": "http://127.0.0.1:5000"}}},
+    "cost-guard/cost-guard": {
+        "groups": {"policy"},
+        "absent": {"prices", "nvml_module", "launcher", "train"},
+        "extra": {}},
+}
+INTERNALS = re.compile(r"prefect|pydantic|draws a form|\.py\b|LaunchConfig", re.I)
+
+
+def _walk(schema: dict, node: dict, path: str = "config"):
+    """(path, property schema) of every field under ``node``, following $refs."""
+    for name, prop in node.get("properties", {}).items():
+        yield f"{path}.{name}", prop
+        if _definition(schema, prop) is not None:
+            yield from _walk(schema, _definition(schema, prop), f"{path}.{name}")
+
+
+def _definition(schema: dict, prop: dict) -> dict | None:
+    ref = prop.get("$ref") or next((p["$ref"] for p in prop.get("allOf", []) if "$ref" in p), None)
+    return schema["definitions"][ref.rsplit("/", 1)[-1]] if ref else None
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_each_deployment_form_holds_what_it_uses(deployed, name):
+    deployment = read_deployment(deployed, name)
+    schema = deployment.parameter_openapi_schema
+    assert set(schema["properties"]) == {"config"}, "no image-build parameter beside the config"
+    (config_field,) = [prop for path, prop in _walk(schema, schema) if path == "config.config"]
+    form = _definition(schema, config_field)
+    fields = dict(_walk(schema, form))
+    top = {path.split(".")[1] for path in fields}
+    expected = FORMS[name]
+    assert expected["groups"] <= top, top
+    leaves = {path.rsplit(".", 1)[-1] for path in fields}
+    assert not expected["absent"] & leaves, expected["absent"] & leaves
+    assert "overrides" in top  # every other setting stays reachable
+    for path, prop in fields.items():
+        # Raw JSON boxes: a free-form mapping has additionalProperties other than false.
+        assert prop.get("additionalProperties") in (None, False), f"{path} is raw JSON"
+        description = prop.get("description", "")
+        if "$ref" not in prop and "allOf" not in prop:
+            assert description, f"{path} has no description"
+        assert not INTERNALS.search(description), f"{path}: {description}"
+    for definition in schema["definitions"].values():
+        assert not INTERNALS.search(definition.get("description", "")), definition
+    assert len(fields) <= 40, f"{len(fields)} fields: the form is still every knob"
+
+    # A run with the form's defaults (plus the deployment's parameters) validates as the flow
+    # run itself does, and yields the full configuration.
+    from prefect.flows import load_flow_from_entrypoint
+
+    flow = load_flow_from_entrypoint(str(REPO / deployment.entrypoint))
+    params = json.loads(json.dumps(deployment.parameters))
+    params.setdefault("config", {})
+    for group, values in expected["extra"].items():
+        params["config"].setdefault(group, {}).update(values)
+    config = flow.validate_parameters(params)["config"].to_config()
+    if name == "pipeline/pipeline-docker":
+        assert config.launcher.kind == "docker" and config.launcher.docker.image == PINNED
+    if name == "cost-guard/cost-guard":
+        assert config.dry_run is True
+
+
+def test_form_overrides_reach_every_field_and_name_a_bad_one(deployed):
+    from prefect.exceptions import ParameterTypeError
+    from prefect.flows import load_flow_from_entrypoint
+
+    flow = load_flow_from_entrypoint(str(REPO / "flows/pipeline.py:pipeline_local"))
+    config = flow.validate_parameters({"config": {"overrides": [
+        "train.weight_decay=0.5", "cost.capacity_type=spot"]}})["config"]
+    full = config.to_config()
+    assert full.train.weight_decay == 0.5 and full.cost.capacity_type == "spot"
+    with pytest.raises(ParameterTypeError, match="train.weight_dekay: unknown field"):
+        flow.validate_parameters({"config": {"overrides": ["train.weight_dekay=0.5"]}})
+    with pytest.raises(ParameterTypeError, match="global_batch_size: must be a multiple"):
+        flow.validate_parameters({"config": {"train": {"global_batch_size": 7,
+                                                       "nproc_per_node": 2}}})
+    docker = load_flow_from_entrypoint(str(REPO / "flows/pipeline.py:pipeline_docker"))
+    with pytest.raises(ParameterTypeError, match="tracking"):
+        docker.validate_parameters({"config": {"docker": {"image": PINNED}}})

@@ -45,5 +45,6 @@ def test_report_with_ui_links_run_and_version():
     markdown = render(*_inputs(), tracking_uri="http://127.0.0.1:5000",
                       ui_url="http://127.0.0.1:5000", experiment_id="3")
     assert "[r1](http://127.0.0.1:5000/#/experiments/3/runs/r1)" in markdown
-    assert "(http://127.0.0.1:5000/#/models/m/versions/2)" in markdown
+    # Plain link text: Prefect's UI showed `m` version **2** literally inside the link.
+    assert "[m version 2](http://127.0.0.1:5000/#/models/m/versions/2)" in markdown
     assert "Training loss" not in markdown  # no curve given: no empty item

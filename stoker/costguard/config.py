@@ -1,6 +1,6 @@
 """Typed, frozen settings of the cost guard: the decision policy and what it may act on.
 
-Also the Prefect parameter form of the ``cost-guard`` flow. Errors name the field, as in
+The ``cost-guard`` deployment's form (stoker/forms.py) builds it. Errors name the field, as in
 :mod:`stoker.config`: ``policy.window_s: must be >= sample_interval_s (10.0), got 5.0``.
 """
 

@@ -14,8 +14,9 @@ def mlflow_links(ui_url: str | None, experiment_id: str, run_id: str, name: str,
     if not ui_url:
         return f"`{run_id}`", f"`{name}` version **{version}**"
     base = ui_url.rstrip("/")
+    # Plain link text: Prefect's renderer shows `code` and **bold** inside a link literally.
     return (f"[{run_id}]({base}/#/experiments/{experiment_id}/runs/{run_id})",
-            f"[`{name}` version **{version}**]({base}/#/models/{name}/versions/{version})")
+            f"[{name} version {version}]({base}/#/models/{name}/versions/{version})")
 
 
 SPARK_BARS = "▁▂▃▄▅▆▇█"
