@@ -3,17 +3,29 @@
 Training reads the same folder with ``stoker.runtime.data.image_folder`` (streaming); both use
 the same listing rules (hidden folders and files are not classes nor samples), so the classes
 found here are the classes the model is trained on. Sizes may differ (``train.image_size``).
+
+Cost: a file is opened lazily by Pillow (its header gives size and mode) and its structure is
+checked with ``Image.verify()`` (a PNG's chunks and CRCs to the end, so a truncated PNG fails),
+with no pixel decoded; files are read by a thread pool. A pulled dataset is immutable under its
+DVC hash, so the verdict is cached beside it (``<datasets>/<md5>.valid.json``, holding the hash)
+and a later pull of the same hash validates nothing. A verdict is only ever read for the hash it
+names; a failing dataset is not cached (it is checked again, and named again, each time).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stoker.data.pull import DatasetError
 from stoker.runtime.data import GRAY_MODES, class_folders, image_files
+from stoker.runtime.records import read_json, write_json
 
 MAX_NAMED = 20  # problems named in one message; the count says how many there are in all
+VERDICT_VERSION = 1  # bump when the rules change: older verdicts are then not trusted
+READERS = min(8, 2 * (os.cpu_count() or 1))  # threads: file reads wait on the disk, not the GIL
 
 
 @dataclass(frozen=True)
@@ -36,45 +48,98 @@ class FolderSummary:
 
 
 def _inspect(file: Path) -> tuple[tuple[int, int], str]:
-    """(height, width) and mode of an image, fully decoded (a truncated file fails here)."""
+    """(height, width) and mode of an image from its header, then ``verify()``: the file's
+    structure is checked (a PNG's chunk CRCs to its end) without decoding a pixel."""
     from PIL import Image
 
     with Image.open(file) as image:
-        image.load()
-        return (image.height, image.width), image.mode
+        size, mode = (image.height, image.width), image.mode
+        image.verify()
+    return size, mode
 
 
-def validate_image_folder(root: Path) -> FolderSummary:
+def _check(file: Path) -> tuple[tuple[int, int], str] | str:
+    """``_inspect``'s answer, or the problem as text (``<class>/<file>: not a readable image``)."""
+    from PIL import UnidentifiedImageError
+
+    try:
+        return _inspect(file)
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # SyntaxError: PNG
+        return f"{file.parent.name}/{file.name}: not a readable image ({e})"
+
+
+def verdict_path(root: Path, dataset_hash: str) -> Path:
+    """Where the verdict of a pulled dataset ``<datasets>/<md5>/`` is cached."""
+    return root.parent / f"{dataset_hash.removesuffix('.dir')}.valid.json"
+
+
+def _cached(root: Path, dataset_hash: str | None) -> FolderSummary | None:
+    """The cached summary of ``dataset_hash``, if a verdict for exactly that hash exists."""
+    if dataset_hash is None:
+        return None
+    verdict = read_json(verdict_path(root, dataset_hash))  # absent or torn: None
+    if not isinstance(verdict, dict) or verdict.get("version") != VERDICT_VERSION \
+            or verdict.get("md5") != dataset_hash or not isinstance(verdict.get("summary"), dict):
+        return None
+    try:
+        s = verdict["summary"]
+        return FolderSummary(tuple(s["classes"]), tuple(s["counts"]), s["height"], s["width"],
+                             s["channels"])
+    except (KeyError, TypeError):
+        return None
+
+
+def validate_image_folder(root: Path, dataset_hash: str | None = None) -> FolderSummary:
     """Check that ``root`` is an ImageFolder of readable images (sizes may differ).
+
+    Args:
+        root: the dataset folder.
+        dataset_hash: the DVC hash (``<md5>.dir``) ``root`` was pulled at; with it the verdict
+            is cached beside ``root`` and reused for this hash only (no file read then).
 
     Raises:
         DatasetError: one message naming each problem: no class folders, an empty class (holding
-            nothing or only hidden files such as ``.keep``), an unreadable image.
+            nothing or only hidden files such as ``.keep``), an unreadable or truncated image.
     """
-    from PIL import UnidentifiedImageError
-
+    cached = _cached(root, dataset_hash)
+    if cached is not None:
+        return cached
     folders = class_folders(root)
     if not folders:
         raise DatasetError(f"{root}: no class folders (expected <class>/<image> files)")
-    problems: list[str] = []
-    counts, sizes, modes = [], {}, set()
-    for folder in folders:
-        files = image_files(folder)
-        counts.append(len(files))
-        if not files:
-            problems.append(f"class {folder.name!r}: empty class (no image files)")
-        for file in files:
-            try:
-                size, mode = _inspect(file)
-            except (UnidentifiedImageError, OSError) as e:
-                problems.append(f"{folder.name}/{file.name}: not a readable image ({e})")
-                continue
-            sizes.setdefault(size, f"{folder.name}/{file.name}")
-            modes.add(mode)
+    listed = [(folder, image_files(folder)) for folder in folders]
+    problems = [f"class {folder.name!r}: empty class (no image files)"
+                for folder, files in listed if not files]
+    every = [file for _, files in listed for file in files]
+    with ThreadPoolExecutor(READERS, thread_name_prefix="stoker-validate") as pool:
+        answers = list(pool.map(_check, every))
+    problems += [a for a in answers if isinstance(a, str)]
     if problems:
         raise DatasetError(
             f"{root}: {len(problems)} problem(s) in the dataset: " + "; ".join(problems[:MAX_NAMED])
             + (f"; ... and {len(problems) - MAX_NAMED} more" if len(problems) > MAX_NAMED else ""))
+    sizes = {size for size, _ in answers}
+    colour = any(mode not in GRAY_MODES for _, mode in answers)
     height, width = next(iter(sizes)) if len(sizes) == 1 else (None, None)
-    return FolderSummary(tuple(f.name for f in folders), tuple(counts), height, width,
-                         1 if modes <= GRAY_MODES else 3)
+    summary = FolderSummary(tuple(f.name for f in folders), tuple(len(f) for _, f in listed),
+                            height, width, 3 if colour else 1)
+    if dataset_hash is not None:
+        _save(root, dataset_hash, summary, listed, colour)
+    return summary
+
+
+def _save(root: Path, dataset_hash: str, summary: FolderSummary,
+          listed: list[tuple[Path, list[Path]]], colour: bool) -> None:
+    """Cache the verdict, and the training's file list when it has none yet (so the first
+    attempt lists and probes nothing: the same listing rules, the same headers)."""
+    from stoker.runtime.imagefolder import LIST_VERSION, list_cache_path, save_listing
+
+    listing = list_cache_path(root, None)
+    if listing is not None and not listing.is_file():
+        size = [summary.height, summary.width] if summary.height else None
+        save_listing(listing, {
+            "version": LIST_VERSION, "probed": True, "size": size, "colour": colour,
+            "classes": [{"name": f.name, "files": [p.name for p in files]}
+                        for f, files in listed]})
+    write_json(verdict_path(root, dataset_hash), {
+        "version": VERDICT_VERSION, "md5": dataset_hash, "summary": asdict(summary)})
