@@ -13,7 +13,6 @@ from stoker.runtime.models import ModelError, build_model, vision_problem
 def test_resnet_without_torchvision_stops_the_run_before_the_pull(tmp_path):
     """torchvision is not installed on this machine: the run ends with exit 2 and one line
     naming the model and the extra; nothing is pulled, no job folder, no process started."""
-    pytest.importorskip("typer")
     if vision_problem("resnet18") is None:
         pytest.skip("torchvision imports here: the error path cannot be reached")
     work = tmp_path / "work"
