@@ -110,3 +110,27 @@ def test_validation_writes_the_training_file_list(tmp_path, monkeypatch):
     splits = data.image_folder(prepared.ref.local_path, 0, 0.25)
     assert splits.input_shape == (3, 8, 8) and splits.classes == ("one", "three", "two")
     assert len(splits.train) + len(splits.val) == 12
+
+
+def test_jpegs_are_checked_by_their_end_marker_and_a_cut_one_is_named(tmp_path, counted):
+    """A complete JPEG is not decoded (its end-of-image marker is there); one cut short after
+    a valid header has none: it is decoded to be sure, fails, and is named."""
+    from data_repos import write_images
+    from PIL import Image
+
+    from stoker.data.validate import validate_image_folder
+
+    write_images(tmp_path / "png", {"cat": 3, "dog": 3}, size=96, mode="RGB")
+    for png in sorted((tmp_path / "png").rglob("*.png")):
+        target = tmp_path / "jpg" / png.parent.name / f"{png.stem}.jpg"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with Image.open(png) as image:
+            image.save(target, quality=90)
+    counted["decoded"] = 0  # the conversion above decoded the PNGs
+    summary = validate_image_folder(tmp_path / "jpg")
+    assert summary.counts == (3, 3) and summary.channels == 3
+    assert counted == {"inspected": 6, "decoded": 0}
+    _truncated_copy(tmp_path / "jpg" / "dog" / "001.jpg", tmp_path / "jpg" / "dog" / "cut.jpg")
+    with pytest.raises(DatasetError, match=r"1 problem\(s\).*dog/cut.jpg: not a readable image"):
+        validate_image_folder(tmp_path / "jpg")
+    assert counted["decoded"] == 1  # only the cut one

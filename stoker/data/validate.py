@@ -5,8 +5,9 @@ the same listing rules (hidden folders and files are not classes nor samples), s
 found here are the classes the model is trained on. Sizes may differ (``train.image_size``).
 
 Cost: a file is opened lazily by Pillow (its header gives size and mode) and its structure is
-checked with ``Image.verify()`` (a PNG's chunks and CRCs to the end, so a truncated PNG fails),
-with no pixel decoded; files are read by a thread pool. A pulled dataset is immutable under its
+checked without decoding a pixel: a PNG's chunks and CRCs to the end (``Image.verify()``), a
+JPEG's end-of-image marker, so a truncated file fails; other formats (and a JPEG without its end
+marker) are decoded once. Files are read by a thread pool. A pulled dataset is immutable under its
 DVC hash, so the verdict is cached beside it (``<datasets>/<md5>.valid.json``, holding the hash)
 and a later pull of the same hash validates nothing. A verdict is only ever read for the hash it
 names; a failing dataset is not cached (it is checked again, and named again, each time).
@@ -47,14 +48,30 @@ class FolderSummary:
     channels: int
 
 
+JPEG_END = b"\xff\xd9"  # EOI: cannot occur inside a JPEG's entropy-coded data (0xFF is stuffed)
+TAIL_BYTES = 1024  # how far from the end a JPEG's EOI may sit (some writers pad after it)
+
+
+def _jpeg_ends(file: Path) -> bool:
+    """Whether the file's last ``TAIL_BYTES`` hold a JPEG end-of-image marker."""
+    with file.open("rb") as f:
+        f.seek(max(0, f.seek(0, 2) - TAIL_BYTES))
+        return JPEG_END in f.read()
+
+
 def _inspect(file: Path) -> tuple[tuple[int, int], str]:
-    """(height, width) and mode of an image from its header, then ``verify()``: the file's
-    structure is checked (a PNG's chunk CRCs to its end) without decoding a pixel."""
+    """(height, width) and mode of an image from its header, and its structure checked without
+    decoding a pixel where the format allows: a PNG's chunks and CRCs to its end
+    (``verify()``), a JPEG's end-of-image marker. Any other format, or a JPEG without its end
+    marker (truncated, or with data appended), is decoded once to be sure."""
     from PIL import Image
 
     with Image.open(file) as image:
         size, mode = (image.height, image.width), image.mode
-        image.verify()
+        if image.format == "PNG":
+            image.verify()
+        elif image.format != "JPEG" or not _jpeg_ends(file):
+            image.load()
     return size, mode
 
 
