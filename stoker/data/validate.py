@@ -27,6 +27,7 @@ from stoker.runtime.records import read_json, write_json
 MAX_NAMED = 20  # problems named in one message; the count says how many there are in all
 VERDICT_VERSION = 1  # bump when the rules change: older verdicts are then not trusted
 READERS = min(8, 2 * (os.cpu_count() or 1))  # threads: file reads wait on the disk, not the GIL
+BATCH = 256  # files per task of the pool
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,37 @@ def _inspect(file: Path) -> tuple[tuple[int, int], str]:
     return size, mode
 
 
-def _check(file: Path) -> tuple[tuple[int, int], str] | str:
-    """``_inspect``'s answer, or the problem as text (``<class>/<file>: not a readable image``)."""
+@dataclass
+class _Tally:
+    """What a batch of files showed: up to two distinct sizes (one says "all share it"),
+    whether any is in colour, and the problems named."""
+
+    sizes: set[tuple[int, int]]
+    colour: bool
+    problems: list[str]
+
+    def add(self, other: _Tally) -> _Tally:
+        sizes = self.sizes | other.sizes
+        return _Tally(set(list(sizes)[:2]), self.colour or other.colour,
+                      self.problems + other.problems)
+
+
+def _check(folder: Path, names: list[str]) -> _Tally:
+    """Inspect ``folder/<name>`` for each name (one task of the pool: a few hundred files, so
+    a million files make a few thousand tasks, not a million futures)."""
     from PIL import UnidentifiedImageError
 
-    try:
-        return _inspect(file)
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # SyntaxError: PNG
-        return f"{file.parent.name}/{file.name}: not a readable image ({e})"
+    tally = _Tally(set(), False, [])
+    for name in names:
+        try:
+            size, mode = _inspect(folder / name)
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # PNG: Syntax
+            tally.problems.append(f"{folder.name}/{name}: not a readable image ({e})")
+            continue
+        if len(tally.sizes) < 2:
+            tally.sizes.add(size)
+        tally.colour = tally.colour or mode not in GRAY_MODES
+    return tally
 
 
 def verdict_path(root: Path, dataset_hash: str) -> Path:
@@ -124,29 +148,29 @@ def validate_image_folder(root: Path, dataset_hash: str | None = None) -> Folder
     folders = class_folders(root)
     if not folders:
         raise DatasetError(f"{root}: no class folders (expected <class>/<image> files)")
-    listed = [(folder, image_files(folder)) for folder in folders]
-    problems = [f"class {folder.name!r}: empty class (no image files)"
-                for folder, files in listed if not files]
-    every = [file for _, files in listed for file in files]
+    listed = [(folder, [p.name for p in image_files(folder)]) for folder in folders]
+    tally = _Tally(set(), False, [f"class {folder.name!r}: empty class (no image files)"
+                                  for folder, names in listed if not names])
+    batches = ((folder, names[i:i + BATCH]) for folder, names in listed
+               for i in range(0, len(names), BATCH))
     with ThreadPoolExecutor(READERS, thread_name_prefix="stoker-validate") as pool:
-        answers = list(pool.map(_check, every))
-    problems += [a for a in answers if isinstance(a, str)]
+        for part in pool.map(lambda batch: _check(*batch), batches):
+            tally = tally.add(part)
+    problems = tally.problems
     if problems:
         raise DatasetError(
             f"{root}: {len(problems)} problem(s) in the dataset: " + "; ".join(problems[:MAX_NAMED])
             + (f"; ... and {len(problems) - MAX_NAMED} more" if len(problems) > MAX_NAMED else ""))
-    sizes = {size for size, _ in answers}
-    colour = any(mode not in GRAY_MODES for _, mode in answers)
-    height, width = next(iter(sizes)) if len(sizes) == 1 else (None, None)
-    summary = FolderSummary(tuple(f.name for f in folders), tuple(len(f) for _, f in listed),
-                            height, width, 3 if colour else 1)
+    height, width = next(iter(tally.sizes)) if len(tally.sizes) == 1 else (None, None)
+    summary = FolderSummary(tuple(f.name for f in folders), tuple(len(n) for _, n in listed),
+                            height, width, 3 if tally.colour else 1)
     if dataset_hash is not None:
-        _save(root, dataset_hash, summary, listed, colour)
+        _save(root, dataset_hash, summary, listed, tally.colour)
     return summary
 
 
 def _save(root: Path, dataset_hash: str, summary: FolderSummary,
-          listed: list[tuple[Path, list[Path]]], colour: bool) -> None:
+          listed: list[tuple[Path, list[str]]], colour: bool) -> None:
     """Cache the verdict, and the training's file list when it has none yet (so the first
     attempt lists and probes nothing: the same listing rules, the same headers)."""
     from stoker.runtime.imagefolder import LIST_VERSION, list_cache_path, save_listing
@@ -156,7 +180,6 @@ def _save(root: Path, dataset_hash: str, summary: FolderSummary,
         size = [summary.height, summary.width] if summary.height else None
         save_listing(listing, {
             "version": LIST_VERSION, "probed": True, "size": size, "colour": colour,
-            "classes": [{"name": f.name, "files": [p.name for p in files]}
-                        for f, files in listed]})
+            "classes": [{"name": f.name, "files": names} for f, names in listed]})
     write_json(verdict_path(root, dataset_hash), {
         "version": VERDICT_VERSION, "md5": dataset_hash, "summary": asdict(summary)})
