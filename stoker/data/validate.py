@@ -78,17 +78,24 @@ def _inspect(file: Path) -> tuple[tuple[int, int], str]:
 
 @dataclass
 class _Tally:
-    """What a batch of files showed: up to two distinct sizes (one says "all share it"),
-    whether any is in colour, and the problems named."""
+    """What files showed: up to two distinct sizes (one says "all share it"), whether any is
+    in colour, the first ``MAX_NAMED`` problems and how many there are."""
 
     sizes: set[tuple[int, int]]
     colour: bool
     problems: list[str]
+    count: int = 0
 
-    def add(self, other: _Tally) -> _Tally:
-        sizes = self.sizes | other.sizes
-        return _Tally(set(list(sizes)[:2]), self.colour or other.colour,
-                      self.problems + other.problems)
+    def problem(self, text: str) -> None:
+        self.count += 1
+        if len(self.problems) < MAX_NAMED:
+            self.problems.append(text)
+
+    def merge(self, other: _Tally) -> None:
+        self.sizes = set(list(self.sizes | other.sizes)[:2])
+        self.colour = self.colour or other.colour
+        self.problems += other.problems[:MAX_NAMED - len(self.problems)]
+        self.count += other.count
 
 
 def _check(folder: Path, names: list[str]) -> _Tally:
@@ -101,7 +108,7 @@ def _check(folder: Path, names: list[str]) -> _Tally:
         try:
             size, mode = _inspect(folder / name)
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # PNG: Syntax
-            tally.problems.append(f"{folder.name}/{name}: not a readable image ({e})")
+            tally.problem(f"{folder.name}/{name}: not a readable image ({e})")
             continue
         if len(tally.sizes) < 2:
             tally.sizes.add(size)
@@ -149,18 +156,20 @@ def validate_image_folder(root: Path, dataset_hash: str | None = None) -> Folder
     if not folders:
         raise DatasetError(f"{root}: no class folders (expected <class>/<image> files)")
     listed = [(folder, [p.name for p in image_files(folder)]) for folder in folders]
-    tally = _Tally(set(), False, [f"class {folder.name!r}: empty class (no image files)"
-                                  for folder, names in listed if not names])
+    tally = _Tally(set(), False, [])
+    for folder, names in listed:
+        if not names:
+            tally.problem(f"class {folder.name!r}: empty class (no image files)")
     batches = ((folder, names[i:i + BATCH]) for folder, names in listed
                for i in range(0, len(names), BATCH))
     with ThreadPoolExecutor(READERS, thread_name_prefix="stoker-validate") as pool:
         for part in pool.map(lambda batch: _check(*batch), batches):
-            tally = tally.add(part)
-    problems = tally.problems
-    if problems:
+            tally.merge(part)
+    if tally.count:
+        more = tally.count - len(tally.problems)
         raise DatasetError(
-            f"{root}: {len(problems)} problem(s) in the dataset: " + "; ".join(problems[:MAX_NAMED])
-            + (f"; ... and {len(problems) - MAX_NAMED} more" if len(problems) > MAX_NAMED else ""))
+            f"{root}: {tally.count} problem(s) in the dataset: " + "; ".join(tally.problems)
+            + (f"; ... and {more} more" if more else ""))
     height, width = next(iter(tally.sizes)) if len(tally.sizes) == 1 else (None, None)
     summary = FolderSummary(tuple(f.name for f in folders), tuple(len(n) for _, n in listed),
                             height, width, 3 if tally.colour else 1)
