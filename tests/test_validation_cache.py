@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def _truncated_copy(source: Path, target: Path) -> None:
 
 def test_warm_pull_step_reads_no_file_and_first_reads_no_pixel(tmp_path, counted):
     from stoker.data.prepare import prepare_dataset
+    from stoker.data.validate import verdict_path
 
     repo = make_repo(tmp_path / "user", {"v1": THREE}, mode="RGB")
     first = prepare_dataset(_config(repo, tmp_path / "work", "v1"), log=lambda _: None)
@@ -60,6 +62,12 @@ def test_warm_pull_step_reads_no_file_and_first_reads_no_pixel(tmp_path, counted
     again = prepare_dataset(_config(repo, tmp_path / "work", "v1"), log=lambda _: None)
     assert counted == {"inspected": 12, "decoded": 0}  # the verdict of this hash: no file read
     assert again.summary == first.summary
+    # A verdict torn by a crash mid-write is not trusted: the folder is checked again.
+    verdict = verdict_path(Path(first.ref.local_path), first.ref.md5)
+    verdict.write_text(verdict.read_text()[:40])
+    third = prepare_dataset(_config(repo, tmp_path / "work", "v1"), log=lambda _: None)
+    assert counted == {"inspected": 24, "decoded": 0} and third.summary == first.summary
+    assert json.loads(verdict.read_text())["md5"] == first.ref.md5  # written whole again
 
 
 def test_changed_dataset_is_validated_again_and_a_truncated_file_is_named(tmp_path, counted):
