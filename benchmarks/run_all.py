@@ -56,6 +56,8 @@ MEASURES = (
      "ratio >= 0.9; warm <= 0.5 s"),
     ("bench_loader", "Loader: streaming image_folder vs a plain DataLoader; RSS 20k/200k files",
      "ratio >= 0.95; 200k RSS <= 1.1 x 20k"),
+    ("bench_train_memory", "Training memory per rank: 20k vs 200k listed files",
+     "200k peak <= 1.1 x 20k + the extra file list"),
     ("bench_tracking", "Tracking overhead per step", "<= 1 % (ratio <= 0.01)"),
     ("bench_gpu_resnet", "GPU: ResNet-50 images/s (bf16, channels-last), scaling",
      "none set (reported)"),

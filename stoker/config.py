@@ -91,8 +91,9 @@ class TrainConfig(_Frozen):
 
     model: str = Field(
         "small_cnn",
-        description="Built-in model name (small_cnn, resnet18, resnet50) or 'module:callable' "
-        "returning a torch.nn.Module given num_classes.",
+        description="Built-in model name (small_cnn; resnet18, resnet34, resnet50 need "
+        "torchvision: the vision extra) or 'module:callable' returning a torch.nn.Module given "
+        "num_classes.",
     )
     dataset: str = Field(
         "image_folder",

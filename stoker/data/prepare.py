@@ -40,7 +40,8 @@ class PreparedDataset:
 def prepare_dataset(config: PipelineConfig, log: Callable[[str], None] = print
                     ) -> PreparedDataset:
     """Pull ``config.data`` (the demo repository when ``data.repo_url`` is empty) and, for the
-    image_folder factory, validate every class and file before any job folder or process exists.
+    image_folder factory, validate every class and file before any job folder or process exists
+    (once per DVC hash: a later pull of the same hash reuses the verdict and reads no file).
 
     Raises:
         DatasetError: the pull failed or the folder is not a usable ImageFolder (each bad file or
@@ -58,7 +59,7 @@ def prepare_dataset(config: PipelineConfig, log: Callable[[str], None] = print
         f"files -> {ref.local_path}")
     summary = None
     if config.train.dataset == "image_folder":
-        summary = validate_image_folder(Path(ref.local_path))
+        summary = validate_image_folder(Path(ref.local_path), ref.md5)
         size = f"{summary.width}x{summary.height} px" if summary.height else "mixed sizes"
         log(f"{len(summary.classes)} classes {list(summary.classes)}, {size}, "
             f"{summary.channels} channel(s)")

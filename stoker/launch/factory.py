@@ -103,14 +103,17 @@ def store_environment(config: PipelineConfig) -> dict[str, str]:
 def check_before_pull(config: PipelineConfig) -> None:
     """Checks that need this machine, run before the dataset is pulled: a local data repository
     exists, the global batch splits over the processes this node will start
-    (``nproc_per_node=auto``: one per GPU, or 2), an http(s) tracking server answers, and the
+    (``nproc_per_node=auto``: one per GPU, or 2), a ``resnet*`` model has torchvision here (local
+    launcher: training runs on this machine), an http(s) tracking server answers, and the
     ``checkpoint_dir`` store takes a write.
 
     Raises:
-        ConfigError: naming ``data.repo_url``, ``train.global_batch_size`` or
-            ``tracking.tracking_uri``; ``BucketError`` (a ConfigError) naming ``checkpoint_dir``.
+        ConfigError: naming ``data.repo_url``, ``train.global_batch_size``, ``train.model`` (and
+            the ``vision`` extra) or ``tracking.tracking_uri``; ``BucketError`` (a ConfigError)
+            naming ``checkpoint_dir``.
     """
     from stoker.launch.supervisor import nproc
+    from stoker.runtime.models import vision_problem
     from stoker.tracking.server import check_tracking_server
 
     repo = config.data.repo_url
@@ -122,6 +125,9 @@ def check_before_pull(config: PipelineConfig) -> None:
         check_batch(train.global_batch_size, train.grad_accum_steps, nproc(config))
     except ValueError as e:
         raise ConfigError(f"train.{e}") from None
+    problem = vision_problem(train.model) if config.launcher.kind == "local" else None
+    if problem:  # containers: the training image must hold torchvision (not checkable here)
+        raise ConfigError(problem)
     check_tracking_server(config.tracking_uri())
     if config.checkpoint_dir:  # wrong credentials or no bucket: named before anything runs
         from stoker.launch.store import JobStore

@@ -128,6 +128,14 @@ def _read_listing(cache: Path) -> dict | None:
     return listing if ok and isinstance(listing.get("classes"), list) else None
 
 
+def save_listing(cache: Path, listing: dict) -> None:
+    """Write a listing (as :func:`scan_image_folder` returns it) to ``cache`` atomically."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")  # ranks may race: both win
+    tmp.write_text(json.dumps(listing))
+    tmp.replace(cache)
+
+
 def load_file_list(root: Path, job_dir: Path | None = None, probe: bool = True) -> FileList:
     """The file list of ``root``, from its cache when there is one (else scanned and cached).
 
@@ -144,10 +152,7 @@ def load_file_list(root: Path, job_dir: Path | None = None, probe: bool = True) 
     if listing is None or (probe and not listing.get("probed", True)):
         listing = scan_image_folder(root, probe)
         if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")  # ranks may race: both win
-            tmp.write_text(json.dumps(listing))
-            tmp.replace(cache)
+            save_listing(cache, listing)
     labels = np.concatenate([np.full(len(c["files"]), i, dtype=np.int64)
                              for i, c in enumerate(listing["classes"])])
     size = tuple(listing["size"]) if listing["size"] else None

@@ -42,12 +42,35 @@ class SmallCNN(nn.Module):
         return self.head(features)
 
 
-def _resnet(name: str, num_classes: int, in_channels: int) -> nn.Module:
+VISION_MODELS = ("resnet18", "resnet34", "resnet50")  # built on torchvision: the vision extra
+
+
+def vision_problem(name: str) -> str | None:
+    """Why the built-in model ``name`` cannot be built in this environment, in one line; None
+    when it can (or needs no torchvision).
+
+    torchvision is an optional extra (``pip install 'stoker[vision]'``): a build made for
+    another torch fails at import ("operator torchvision::nms does not exist"), not only a
+    missing one, so the import itself is tried.
+    """
+    if name not in VISION_MODELS:
+        return None
     try:
-        import torchvision
-    except ImportError:
-        raise ModelError(f"train.model {name!r}: needs torchvision (pip install torchvision)") \
-            from None
+        import torchvision  # noqa: F401
+    except (ImportError, RuntimeError, OSError) as e:  # absent, or built for another torch
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        return (f"train.model {name!r} needs torchvision, which cannot be imported here "
+                f"({reason}); install the vision extra: pip install 'stoker[vision]' (a "
+                f"torchvision build matching torch {torch.__version__})")
+    return None
+
+
+def _resnet(name: str, num_classes: int, in_channels: int) -> nn.Module:
+    problem = vision_problem(name)
+    if problem:
+        raise ModelError(problem)
+    import torchvision
+
     model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
     if in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
@@ -66,11 +89,12 @@ def build_model(name: str, num_classes: int, in_channels: int,
     ``nn.Module`` mapping [N, C, H, W] to logits [N, num_classes].
 
     Raises:
-        ModelError: unknown name, import failure, or a callable that returns no nn.Module.
+        ModelError: unknown name, import failure (for resnet*: torchvision, the ``vision``
+            extra), or a callable that returns no nn.Module.
     """
     if name == "small_cnn":
         return SmallCNN(num_classes, in_channels, activation_checkpointing)
-    if name in ("resnet18", "resnet34", "resnet50"):
+    if name in VISION_MODELS:
         return _resnet(name, num_classes, in_channels)
     module, _, attr = name.partition(":")
     if not attr:
