@@ -1,7 +1,8 @@
 """The ``stoker`` command line.
 
 ``stoker run [--config FILE] [field=value ...]`` runs the pipeline flow with the embedded defaults:
-Prefect without a separately started server (unless PREFECT_API_URL is set), MLflow in
+Prefect on a long-lived local server under ``<work_dir>/.prefect`` that the first run starts and
+later runs reuse (unless PREFECT_API_URL is set; ``stoker server stop`` ends it), MLflow in
 ``<work_dir>/mlflow.db``, DVC with a local remote.
 """
 
@@ -13,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Annotated
@@ -42,7 +44,7 @@ def quiet_telemetry(work_dir: Path) -> None:
     """Telemetry off and Prefect's home inside the work directory, unless the user set them."""
     os.environ.setdefault("PREFECT_HOME", str((work_dir / ".prefect").resolve()))
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
-    # The embedded (ephemeral) Prefect server migrates its database on first start: slow on 2 cores.
+    # The local Prefect server migrates its database on first start: slow on 2 cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     for name, value in TELEMETRY_OFF.items():
         os.environ.setdefault(name, value)
@@ -142,9 +144,13 @@ def _report_failure(error: Exception, debug: bool) -> int:
     """One line for a user error (exit 2) or a failed job (exit 1, with where to look); the
     traceback only for a bug, or with ``--debug``."""
     from stoker.launch.supervisor import TrainingFailed
+    from stoker.local_server import ServerError
 
     if debug:
         traceback.print_exc()
+    if isinstance(error, ServerError):
+        typer.echo(f"error: {error}", err=True)
+        return 1
     if isinstance(error, _user_errors()):
         typer.echo(f"error: {error}", err=True)
         return 2
@@ -189,31 +195,44 @@ EXIT_BUSY = 4  # `stoker run`: the job is owned by another live run (nothing was
 
 @contextlib.contextmanager
 def prefect_api():
-    """The Prefect API for this command: PREFECT_API_URL when set, else a temporary server that
-    this process owns (its own session, ends with this process; see stoker.embedded_server)."""
-    if os.environ.get("PREFECT_API_URL"):
-        try:
-            yield
-        finally:
-            drain_prefect_workers()
-        return
-    from stoker.embedded_server import EmbeddedServer
+    """The Prefect API for this command: PREFECT_API_URL when set, else the long-lived local
+    server of PREFECT_HOME, started in the background on first use (stoker.local_server).
 
-    server = EmbeddedServer(Path(os.environ["PREFECT_HOME"]) / "server.log",
-                            float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
-    # Prefect's own wording and log format: benchmarks/bench_pipeline_overhead.py times it.
-    stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
-    typer.echo(f"{stamp} | INFO    | stoker - Starting temporary server on "
-               f"{server.api_url.removesuffix('/api')}", err=True)
-    try:
-        server.start()
+    Flow runs started inside carry this process's tag; runs that an earlier command left Running
+    when its process died (SIGKILL) are marked Crashed first.
+
+    Raises:
+        ServerError: the local server did not start.
+    """
+    if not os.environ.get("PREFECT_API_URL"):
+        from stoker.local_server import LocalServer
+
+        started_at = time.monotonic()
+        server = LocalServer(Path(os.environ["PREFECT_HOME"]),
+                             float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+        api_url, started = server.ensure()
+        # Prefect's log format: benchmarks/bench_pipeline_overhead.py times the phases from it.
+        stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
+        how = f"started in {time.monotonic() - started_at:.1f} s" if started else "reused"
+        typer.echo(f"{stamp} | INFO    | stoker - Local Prefect server {how}: UI at "
+                   f"{api_url.removesuffix('/api')} (`stoker server stop` ends it)", err=True)
         # Before Prefect is imported: its global settings (seen by every thread) read the env.
-        os.environ["PREFECT_API_URL"] = server.api_url
-        yield
+        os.environ["PREFECT_API_URL"] = api_url
+    from prefect import tags
+
+    from stoker.local_server import process_tag
+    from tasks.stopping import crash_runs_of_gone_processes
+
+    try:
+        try:
+            crash_runs_of_gone_processes()
+        except Exception as e:  # noqa: BLE001 - bookkeeping of earlier runs never fails this one
+            typer.echo(f"warning: could not mark the runs of dead commands Crashed: {e}",
+                       err=True)
+        with tags(process_tag()):
+            yield
     finally:
         drain_prefect_workers()
-        os.environ.pop("PREFECT_API_URL", None)
-        server.stop()
 
 
 def drain_prefect_workers() -> None:
@@ -344,9 +363,10 @@ def cost_guard(
 
         typer.echo(render_markdown(sweep_host(config)), nl=False)
         return
-    from flows.cost_guard import cost_guard as cost_guard_flow
+    with prefect_api():  # the local server (or PREFECT_API_URL), not a temporary one
+        from flows.cost_guard import cost_guard as cost_guard_flow
 
-    typer.echo(json.dumps(cost_guard_flow(config), indent=2, default=str))
+        typer.echo(json.dumps(cost_guard_flow(config), indent=2, default=str))
 
 
 @app.command("show-config")
@@ -403,6 +423,10 @@ def predict(
         extra = "".join(f"\t{k}={row[k]:.3f}" for k in table.columns if k.startswith("logit_"))
         typer.echo(f"{path}\t{row['class']}\t{row['probability']:.3f}{extra}")
 
+
+from stoker.server_cli import server_app  # noqa: E402 - `stoker server start|status|stop`
+
+app.add_typer(server_app, name="server")
 
 if __name__ == "__main__":
     sys.exit(app())
