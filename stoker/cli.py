@@ -367,6 +367,7 @@ def cost_guard(
         from flows.cost_guard import cost_guard as cost_guard_flow
 
         typer.echo(json.dumps(cost_guard_flow(config), indent=2, default=str))
+    stopping.exit_now(0)  # recorded and drained: Prefect's exit hooks would add seconds
 
 
 @app.command("show-config")
