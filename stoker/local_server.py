@@ -123,11 +123,36 @@ class LocalServer:
         """
         self.home.mkdir(parents=True, exist_ok=True)
         with FileLock(self.home / "server.lock", timeout=self.startup_timeout_s + 60):
-            record = self.record()
-            if record is not None and self._wait_healthy(record, 10.0):
-                return record["api_url"], False
+            record = self.record() or self._prefect_background_server()
+            if record is not None:
+                # One still starting (its starter was killed mid-start) gets its whole start-up.
+                left = float(record.get("started", 0)) + self.startup_timeout_s - time.time()
+                if self._wait_healthy(record, max(10.0, left)):
+                    return record["api_url"], False
             self._end(record)  # stale: dead, or alive but not answering
             return self._start(), True
+
+    def _prefect_background_server(self) -> dict[str, Any] | None:
+        """A server that ``prefect server start --background`` started with this home (its pid
+        file, no record of ours) on Prefect's default address: adopted, and recorded."""
+        try:
+            pid = int((self.home / PREFECT_PID_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        api_url = f"http://127.0.0.1:{DEFAULT_PORT}/api"
+        started = _started_at(pid)
+        if started is None or not healthy(api_url):
+            return None
+        record = {"pid": pid, "create_time": started, "port": DEFAULT_PORT, "api_url": api_url,
+                  "started": started}
+        self._write(record)
+        return record
+
+    def _write(self, record: dict[str, Any]) -> None:
+        (self.home / PREFECT_PID_FILE).write_text(str(record["pid"]))
+        tmp = self.home / f"{RECORD}.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.home / RECORD)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """End the recorded server (SIGTERM, SIGKILL after ``grace_s``); returns its pid, or None
@@ -166,18 +191,19 @@ class LocalServer:
         env |= {"PREFECT_HOME": str(self.home.resolve()), "PREFECT__SERVER_FINAL": "1",
                 # What the UI's settings and links are built from.
                 "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
-        with open(self.log_path, "ab") as log:
-            detach = subprocess.run([sys.executable, "-c", _DETACH, *self._command(port)],
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=log, env=env, cwd=self.home,
-                                    start_new_session=True, check=True, timeout=60)
-        pid = int(detach.stdout.decode().strip())
+        try:
+            with open(self.log_path, "ab") as log:
+                detach = subprocess.run([sys.executable, "-c", _DETACH, *self._command(port)],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=log, env=env, cwd=self.home,
+                                        start_new_session=True, check=True, timeout=60)
+            pid = int(detach.stdout.decode().strip())
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            raise ServerError(f"could not start the Prefect server ({e}); see "
+                              f"{self.log_path}") from e
         record = {"pid": pid, "create_time": _started_at(pid) or 0.0, "port": port,
                   "api_url": api_url, "started": time.time()}
-        (self.home / PREFECT_PID_FILE).write_text(str(pid))
-        tmp = self.home / f"{RECORD}.tmp"
-        tmp.write_text(json.dumps(record))
-        tmp.replace(self.home / RECORD)
+        self._write(record)
         if not self._wait_healthy(record, self.startup_timeout_s):
             alive = self.record() is not None
             self._end(record)
