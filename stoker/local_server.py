@@ -141,8 +141,8 @@ class LocalServer:
             return None
         api_url = f"http://127.0.0.1:{DEFAULT_PORT}/api"
         started = _started_at(pid)
-        if started is None or not healthy(api_url):
-            return None
+        if started is None or pid not in server_pids(self.home) or not healthy(api_url):
+            return None  # gone, or a recycled pid: not a server of this home
         record = {"pid": pid, "create_time": started, "port": DEFAULT_PORT, "api_url": api_url,
                   "started": started}
         self._write(record)
