@@ -134,16 +134,24 @@ class LocalServer:
 
     def _prefect_background_server(self) -> dict[str, Any] | None:
         """A server that ``prefect server start --background`` started with this home (its pid
-        file, no record of ours) on Prefect's default address: adopted, and recorded."""
+        file, no record of ours; its ``--port``) on 127.0.0.1: adopted, and recorded."""
         try:
             pid = int((self.home / PREFECT_PID_FILE).read_text())
         except (OSError, ValueError):
             return None
-        api_url = f"http://127.0.0.1:{DEFAULT_PORT}/api"
         started = _started_at(pid)
-        if started is None or pid not in server_pids(self.home) or not healthy(api_url):
+        if started is None or pid not in server_pids(self.home):
             return None  # gone, or a recycled pid: not a server of this home
-        record = {"pid": pid, "create_time": started, "port": DEFAULT_PORT, "api_url": api_url,
+        try:
+            command = psutil.Process(pid).cmdline()
+            port = int(command[command.index("--port") + 1]) if "--port" in command \
+                else DEFAULT_PORT
+        except (psutil.Error, ValueError, IndexError):
+            return None
+        api_url = f"http://127.0.0.1:{port}/api"
+        if not healthy(api_url):
+            return None
+        record = {"pid": pid, "create_time": started, "port": port, "api_url": api_url,
                   "started": started}
         self._write(record)
         return record

@@ -113,3 +113,24 @@ def test_runs_start_the_server_once_and_reuse_it(work):
     assert record(work) == server and server_pids(work / ".prefect") == [server["pid"]]
     runs = httpx.post(f"{server['api_url']}/flow_runs/filter", json={}, timeout=10).json()
     assert [r["state"]["type"] for r in runs] == ["COMPLETED"] * 2
+
+
+def test_a_prefect_background_server_of_the_same_home_is_adopted(work):
+    """``prefect server start --background`` with this home's PREFECT_HOME: Stoker reuses it
+    (and ``stoker server stop`` ends it) instead of starting a second server."""
+    from mlflow_server import free_port
+
+    home = work / ".prefect"
+    home.mkdir(parents=True)
+    port = free_port()
+    subprocess.run([sys.executable, "-m", "prefect", "server", "start", "--background",
+                    "--host", "127.0.0.1", "--port", str(port)], check=True, timeout=300,
+                   env={**env(), "PREFECT_HOME": str(home.resolve())}, capture_output=True)
+    prefect_pid = int((home / "server.pid").read_text())
+    assert LocalServer(home)._wait_healthy({"pid": prefect_pid,
+                                            "api_url": f"http://127.0.0.1:{port}/api"}, 300)
+    start = stoker("server", "start", "-w", str(work))
+    assert start.stdout.startswith(f"already running: http://127.0.0.1:{port}"), start.stdout
+    assert record(work)["pid"] == prefect_pid
+    assert server_pids(home) == [prefect_pid]
+    assert f"stopped (pid {prefect_pid})" in stoker("server", "stop", "-w", str(work)).stdout
