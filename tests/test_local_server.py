@@ -134,3 +134,23 @@ def test_a_prefect_background_server_of_the_same_home_is_adopted(work):
     assert record(work)["pid"] == prefect_pid
     assert server_pids(home) == [prefect_pid]
     assert f"stopped (pid {prefect_pid})" in stoker("server", "stop", "-w", str(work)).stdout
+
+
+def test_process_tags_name_dead_commands_only():
+    """A flow run's ``stoker:process=`` tag is judged on this host only; a recycled pid (same
+    number, later start) counts as gone; a garbled tag is left alone."""
+    import socket
+
+    from stoker.local_server import PROCESS_TAG, process_gone, process_tag
+
+    assert process_gone([process_tag(), "other"]) is None  # this process lives
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    tag = process_tag(child.pid)
+    child.wait()
+    assert process_gone(["x", tag]) == child.pid
+    host, pid, start = tag.removeprefix(PROCESS_TAG).split(":")
+    recycled = f"{PROCESS_TAG}{host}:{os.getpid()}:{float(start) - 1000:.2f}"
+    assert process_gone([recycled]) == os.getpid()
+    assert process_gone([f"{PROCESS_TAG}elsewhere-{socket.gethostname()}:{pid}:{start}"]) is None
+    assert process_gone([f"{PROCESS_TAG}{host}:notapid:{start}", f"{PROCESS_TAG}"]) is None
+    assert process_gone([]) is None
