@@ -8,13 +8,10 @@ later runs reuse (unless PREFECT_API_URL is set; ``stoker server stop`` ends it)
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import json
 import logging
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Annotated
@@ -23,6 +20,7 @@ import typer
 
 from stoker import stopping
 from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
+from stoker.server_cli import prefect_api, server_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Stoker: resumable GPU training pipelines on Prefect, DVC, PyTorch, MLflow.")
@@ -191,60 +189,6 @@ def quiet_console_tracebacks() -> None:
 
 
 EXIT_BUSY = 4  # `stoker run`: the job is owned by another live run (nothing was changed)
-
-
-@contextlib.contextmanager
-def prefect_api():
-    """The Prefect API for this command: PREFECT_API_URL when set, else the long-lived local
-    server of PREFECT_HOME, started in the background on first use (stoker.local_server).
-
-    Flow runs started inside carry this process's tag; runs that an earlier command left Running
-    when its process died (SIGKILL) are marked Crashed first.
-
-    Raises:
-        ServerError: the local server did not start.
-    """
-    if not os.environ.get("PREFECT_API_URL"):
-        from stoker.local_server import LocalServer
-
-        started_at = time.monotonic()
-        server = LocalServer(Path(os.environ["PREFECT_HOME"]),
-                             float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
-        api_url, started = server.ensure()
-        # Prefect's log format: benchmarks/bench_pipeline_overhead.py times the phases from it.
-        stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
-        how = f"started in {time.monotonic() - started_at:.1f} s" if started else "reused"
-        typer.echo(f"{stamp} | INFO    | stoker - Local Prefect server {how}: UI at "
-                   f"{api_url.removesuffix('/api')} (`stoker server stop` ends it)", err=True)
-        # Before Prefect is imported: its global settings (seen by every thread) read the env.
-        os.environ["PREFECT_API_URL"] = api_url
-    from prefect import tags
-
-    from stoker.local_server import process_tag
-    from tasks.stopping import crash_runs_of_gone_processes
-
-    try:
-        try:
-            crash_runs_of_gone_processes()
-        except Exception as e:  # noqa: BLE001 - bookkeeping of earlier runs never fails this one
-            typer.echo(f"warning: could not mark the runs of dead commands Crashed: {e}",
-                       err=True)
-        with tags(process_tag()):
-            yield
-    finally:
-        drain_prefect_workers()
-
-
-def drain_prefect_workers() -> None:
-    """Send Prefect's queued logs and events (before the server they go to stops)."""
-    if "prefect" not in sys.modules:
-        return
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    for worker in (APILogWorker, EventsWorker):
-        with contextlib.suppress(Exception):
-            worker.drain_all(timeout=5)
 
 
 WORK_DIR_OPTION = typer.Option("--work-dir", "-w", help="The work folder (work_dir) of the jobs")
@@ -425,9 +369,8 @@ def predict(
         typer.echo(f"{path}\t{row['class']}\t{row['probability']:.3f}{extra}")
 
 
-from stoker.server_cli import server_app  # noqa: E402 - `stoker server start|status|stop`
 
-app.add_typer(server_app, name="server")
+app.add_typer(server_app, name="server")  # `stoker server start|status|stop`
 
 if __name__ == "__main__":
     sys.exit(app())
