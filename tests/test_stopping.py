@@ -159,6 +159,7 @@ def test_sigkill_of_stoker_run_leaves_the_server_and_the_next_command_crashes_it
     process = start_run(work)
     wait_for_training(work, process)
     server = LocalServer(work / ".prefect").running()
+    assert server is not None  # the local server, recorded in the work folder
     process.kill()
     process.wait(timeout=10)
     assert wait_gone(work, timeout_s=60) == []  # no rank, no torchrun
