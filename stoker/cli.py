@@ -1,14 +1,13 @@
 """The ``stoker`` command line.
 
 ``stoker run [--config FILE] [field=value ...]`` runs the pipeline flow with the embedded defaults:
-Prefect without a separately started server (unless PREFECT_API_URL is set), MLflow in
+Prefect on a long-lived local server under ``<work_dir>/.prefect`` that the first run starts and
+later runs reuse (unless PREFECT_API_URL is set; ``stoker server stop`` ends it), MLflow in
 ``<work_dir>/mlflow.db``, DVC with a local remote.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ import typer
 
 from stoker import stopping
 from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
+from stoker.server_cli import prefect_api, server_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Stoker: resumable GPU training pipelines on Prefect, DVC, PyTorch, MLflow.")
@@ -42,7 +42,7 @@ def quiet_telemetry(work_dir: Path) -> None:
     """Telemetry off and Prefect's home inside the work directory, unless the user set them."""
     os.environ.setdefault("PREFECT_HOME", str((work_dir / ".prefect").resolve()))
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
-    # The embedded (ephemeral) Prefect server migrates its database on first start: slow on 2 cores.
+    # The local Prefect server migrates its database on first start: slow on 2 cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     for name, value in TELEMETRY_OFF.items():
         os.environ.setdefault(name, value)
@@ -142,9 +142,13 @@ def _report_failure(error: Exception, debug: bool) -> int:
     """One line for a user error (exit 2) or a failed job (exit 1, with where to look); the
     traceback only for a bug, or with ``--debug``."""
     from stoker.launch.supervisor import TrainingFailed
+    from stoker.local_server import ServerError
 
     if debug:
         traceback.print_exc()
+    if isinstance(error, ServerError):
+        typer.echo(f"error: {error}", err=True)
+        return 1
     if isinstance(error, _user_errors()):
         typer.echo(f"error: {error}", err=True)
         return 2
@@ -185,47 +189,6 @@ def quiet_console_tracebacks() -> None:
 
 
 EXIT_BUSY = 4  # `stoker run`: the job is owned by another live run (nothing was changed)
-
-
-@contextlib.contextmanager
-def prefect_api():
-    """The Prefect API for this command: PREFECT_API_URL when set, else a temporary server that
-    this process owns (its own session, ends with this process; see stoker.embedded_server)."""
-    if os.environ.get("PREFECT_API_URL"):
-        try:
-            yield
-        finally:
-            drain_prefect_workers()
-        return
-    from stoker.embedded_server import EmbeddedServer
-
-    server = EmbeddedServer(Path(os.environ["PREFECT_HOME"]) / "server.log",
-                            float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
-    # Prefect's own wording and log format: benchmarks/bench_pipeline_overhead.py times it.
-    stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
-    typer.echo(f"{stamp} | INFO    | stoker - Starting temporary server on "
-               f"{server.api_url.removesuffix('/api')}", err=True)
-    try:
-        server.start()
-        # Before Prefect is imported: its global settings (seen by every thread) read the env.
-        os.environ["PREFECT_API_URL"] = server.api_url
-        yield
-    finally:
-        drain_prefect_workers()
-        os.environ.pop("PREFECT_API_URL", None)
-        server.stop()
-
-
-def drain_prefect_workers() -> None:
-    """Send Prefect's queued logs and events (before the server they go to stops)."""
-    if "prefect" not in sys.modules:
-        return
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    for worker in (APILogWorker, EventsWorker):
-        with contextlib.suppress(Exception):
-            worker.drain_all(timeout=5)
 
 
 WORK_DIR_OPTION = typer.Option("--work-dir", "-w", help="The work folder (work_dir) of the jobs")
@@ -344,9 +307,11 @@ def cost_guard(
 
         typer.echo(render_markdown(sweep_host(config)), nl=False)
         return
-    from flows.cost_guard import cost_guard as cost_guard_flow
+    with prefect_api():  # the local server (or PREFECT_API_URL), not a temporary one
+        from flows.cost_guard import cost_guard as cost_guard_flow
 
-    typer.echo(json.dumps(cost_guard_flow(config), indent=2, default=str))
+        typer.echo(json.dumps(cost_guard_flow(config), indent=2, default=str))
+    stopping.exit_now(0)  # recorded and drained: Prefect's exit hooks would add seconds
 
 
 @app.command("show-config")
@@ -403,6 +368,9 @@ def predict(
         extra = "".join(f"\t{k}={row[k]:.3f}" for k in table.columns if k.startswith("logit_"))
         typer.echo(f"{path}\t{row['class']}\t{row['probability']:.3f}{extra}")
 
+
+
+app.add_typer(server_app, name="server")  # `stoker server start|status|stop`
 
 if __name__ == "__main__":
     sys.exit(app())

@@ -88,3 +88,27 @@ def crash_orphaned_flow_run(flow_run_id: str | None, job: str, current: str | No
             message=f"its process died; job {job} was taken over by flow run {current}"),
             force=True)
 
+
+
+def crash_runs_of_gone_processes() -> list[str]:
+    """Mark Crashed every flow run left Running, Pending or Cancelling by a command whose process
+    is gone (its ``stoker:process=`` tag names a dead pid on this host): a SIGKILLed
+    ``stoker run`` leaves its run so on the long-lived local server. Returns their ids."""
+    from prefect.client.schemas.filters import FlowRunFilterState, FlowRunFilterStateType
+    from prefect.states import Crashed
+
+    from stoker.local_server import process_gone
+
+    crashed = []
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+            type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING,
+                                              StateType.CANCELLING]))))
+        for run in runs:
+            pid = process_gone(list(run.tags or []))
+            if pid is None:
+                continue
+            client.set_flow_run_state(run.id, Crashed(
+                message=f"its process (pid {pid}) died; marked by the next command"), force=True)
+            crashed.append(str(run.id))
+    return crashed

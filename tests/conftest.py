@@ -18,12 +18,24 @@ os.environ["DVC_NO_ANALYTICS"] = "1"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
+from local_servers import stop_local_servers  # noqa: E402
+
 pytest_plugins = ["image_fixtures"]  # the training image, shared by image and docker tests
 
 from stoker.config import TrainConfig  # noqa: E402
 from stoker.data.demo import ensure_demo_repo  # noqa: E402
 from stoker.data.pull import pull_dataset  # noqa: E402
 from stoker.runtime.spec import RunSpec  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_local_server_left(request):
+    """A test that ran `stoker run` or `stoker cost-guard` without PREFECT_API_URL started the
+    long-lived local server of its tmp work folder: stopped here, so none leaks from the suite."""
+    root = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if root is not None:
+        stop_local_servers(root)
 
 
 @pytest.fixture(scope="session")

@@ -208,7 +208,7 @@ def test_results_table_explains_itself_and_shows_per_pair_figures():
 def test_pipeline_phases_from_prefect_log_lines():
     started = dt.datetime(2026, 1, 2, 7, 37, 0).timestamp()
     log = "\n".join([
-        "07:37:06.000 | INFO    | prefect - Starting temporary server on http://127.0.0.1:8494",
+        "07:37:06.000 | INFO    | stoker - Local Prefect server reused: UI at http://127.0.0.1:4200",
         "07:37:16.000 | INFO    | Flow run 'x' - Beginning flow run 'x' for flow 'pipeline'",
         "noise without a time stamp",
         "07:37:17.000 | INFO    | Task run 'pull-dataset-5c1' - Finished in state Completed()",
@@ -219,7 +219,7 @@ def test_pipeline_phases_from_prefect_log_lines():
         "07:37:43.000 | INFO    | Flow run 'x' - Finished in state Completed()",
     ])
     got = phases(log, started, started + 50)
-    assert got == {"python_and_prefect_import": 6.0, "prefect_server_start": 10.0, "pull": 1.0,
+    assert got == {"cli_start_and_server": 6.0, "flow_start": 10.0, "pull": 1.0,
                    "train_setup": 1.0, "train_attempt": 20.0, "train_wrap_up": 0.5,
                    "register": 4.0, "report_and_flow_end": 0.5, "shutdown": 7.0}
     assert phases("no prefect lines", started, started + 1) == {}

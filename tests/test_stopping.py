@@ -1,8 +1,8 @@
 """Every way to stop ``stoker run`` on real processes: Ctrl-C, a second Ctrl-C, SIGTERM, SIGKILL.
 
-``stoker run`` runs as a subprocess in the default embedded mode (no PREFECT_API_URL: it starts its
-own temporary Prefect server), in its own session so that ``killpg`` reaches it like a terminal's
-Ctrl-C reaches the foreground process group.
+``stoker run`` runs as a subprocess in the default embedded mode (no PREFECT_API_URL: it starts the
+long-lived local Prefect server of its work folder, which outlives it), in its own session so that
+``killpg`` reaches it like a terminal's Ctrl-C reaches the foreground process group.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from local_servers import stop_local_servers
 from mlflow import MlflowClient
 
+from stoker.local_server import LocalServer
 from stoker.runtime.checkpoint import Checkpointer
 from stoker.runtime.progress import read_events
 
@@ -36,8 +38,10 @@ def start_run(work: Path, *overrides: str) -> subprocess.Popen:
 
 @pytest.fixture(autouse=True)
 def _no_leftovers(tmp_path):
-    """Whatever a failed test left running is killed (a test must not leak a trainer)."""
+    """Whatever a failed test left running is killed (a test must not leak a trainer); the
+    local server is stopped."""
     yield
+    stop_local_servers(tmp_path)
     for proc in psutil.process_iter():
         try:
             if str(tmp_path) in " ".join(proc.cmdline()) + proc.environ().get("PREFECT_HOME", ""):
@@ -57,8 +61,9 @@ def wait_for_training(work: Path, process: subprocess.Popen, timeout_s: float = 
     raise AssertionError(f"training never started (exit {process.poll()}):\n{log}")
 
 
-def processes_of(work: Path) -> list[str]:
-    """Live processes whose command line or environment names this test's work folder."""
+def processes_of(work: Path, server_too: bool = False) -> list[str]:
+    """Live processes whose command line or environment names this test's work folder (the
+    local Prefect server, which outlives ``stoker run``, only with ``server_too``)."""
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.pid == os.getpid():
@@ -68,7 +73,7 @@ def processes_of(work: Path) -> list[str]:
                 "PREFECT_HOME", "")
         except psutil.Error:
             continue
-        if str(work) in text:
+        if str(work) in text and (server_too or "uvicorn" not in text):
             found.append(text[:200])
     return found
 
@@ -111,7 +116,8 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
           f"{exited - (tree_gone or exited):.1f} s later")
     log = (tmp_path / "stoker-run.log").read_text()
     assert code == 130, log[-3000:]
-    assert wait_gone(work) == []  # no rank, no torchrun, no Prefect server left
+    assert wait_gone(work) == []  # no rank, no torchrun left
+    assert LocalServer(work / ".prefect").running() is not None  # the server lives on
     end = [e for e in read_events(job_dir) if e["event"] == "end"][-1]
     assert end["outcome"] == "preempted"
     assert Checkpointer(str(job_dir / "checkpoints"), 0, 1).committed_steps()[-1] == end["step"]
@@ -146,11 +152,27 @@ def test_sigterm_to_stoker_run_exits_143(tmp_path):
     assert mlflow_status(work, job_dir) == "KILLED"
 
 
-def test_sigkill_of_stoker_run_leaves_no_server(tmp_path):
+def test_sigkill_of_stoker_run_leaves_the_server_and_the_next_command_crashes_its_run(tmp_path):
+    """The ranks go (parent-death signal); the local server lives on with the flow run Running;
+    the next command that uses the server marks that run Crashed (its process is gone)."""
     work = tmp_path / "work"
     process = start_run(work)
     wait_for_training(work, process)
-    assert any("uvicorn" in p for p in processes_of(work))  # the embedded server is running
+    server = LocalServer(work / ".prefect").running()
+    assert server is not None  # the local server, recorded in the work folder
     process.kill()
     process.wait(timeout=10)
-    assert wait_gone(work, timeout_s=60) == []
+    assert wait_gone(work, timeout_s=60) == []  # no rank, no torchrun
+    assert LocalServer(work / ".prefect").running() == server
+    [(flow_state, _)] = prefect_states(work, "flow_run").values()
+    assert flow_state == "RUNNING"
+    guard = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "cost-guard", f"work_dir={work}",
+         "policy.window_s=10", "policy.sample_interval_s=5"], capture_output=True, text=True,
+        timeout=300, env={k: v for k, v in os.environ.items()
+                          if k not in ("PREFECT_API_URL", "PREFECT_HOME")})
+    assert guard.returncode == 0, guard.stderr[-3000:]
+    states = prefect_states(work, "flow_run")
+    assert sorted(kind for kind, _ in states.values()) == ["COMPLETED", "CRASHED"], states
+    [message] = [m for kind, m in states.values() if kind == "CRASHED"]
+    assert f"pid {process.pid}" in message

@@ -1,0 +1,273 @@
+"""The long-lived local Prefect server: started on first use, reused by every later command.
+
+Without ``PREFECT_API_URL``, ``stoker run`` and ``stoker cost-guard`` use one Prefect server per
+Prefect home (``<work_dir>/.prefect``: its sqlite database, log and the record of the server).
+The first command starts it in the background; later ones find it through the record and reuse
+it, so no command pays a server start (about 8 CPU-s) and the UI stays up after the run.
+
+* The server runs detached: in its own session (Ctrl-C at the terminal does not reach it) and
+  not as a child of the command that started it (a command's second Ctrl-C, which kills its own
+  process tree, spares it); its output goes to ``server.log``.
+* ``server.json`` records its pid, the pid's start time (so a recycled pid is not mistaken for
+  it), its port and API URL; ``server.pid`` is Prefect's own pid file, so ``prefect server
+  stop`` with the same ``PREFECT_HOME`` ends it too.
+* A file lock (``server.lock``) makes concurrent commands start one server between them.
+* A record whose process is gone, or whose process does not answer ``/api/health``, is stale:
+  the next command replaces it.
+
+No Prefect import here: the server is ``uvicorn`` on Prefect's app factory, as
+``prefect server start`` runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from filelock import FileLock
+
+DEFAULT_PORT = 4200  # Prefect's own default: the UI address users know; another if taken
+RECORD = "server.json"
+PREFECT_PID_FILE = "server.pid"  # prefect.cli._server_utils.SERVER_PID_FILE_NAME
+LOG = "server.log"
+
+# Starts the server as a grandchild and prints its pid: the command that asked is not its parent.
+_DETACH = ("import subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL,"
+           " stdout=sys.stderr, stderr=subprocess.STDOUT); print(p.pid)")
+
+
+class ServerError(RuntimeError):
+    """The local server did not start or did not answer in time."""
+
+
+def free_port(host: str = "127.0.0.1", preferred: int | None = None) -> int:
+    """``preferred`` when nothing listens on it on ``host``, else a port that is free now."""
+    for port in ([preferred] if preferred else []) + [0]:
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise ServerError(f"no free port on {host}")
+
+
+def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
+    """Whether the Prefect API at ``api_url`` answers ``/health`` with 200."""
+    try:
+        return httpx.get(f"{api_url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _started_at(pid: Any) -> float | None:
+    """The start time of live process ``pid`` (None when gone, a zombie, or not a pid)."""
+    if not isinstance(pid, int) or not 0 < pid < 2**31:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+    except psutil.Error:
+        return None
+
+
+class LocalServer:
+    """The Prefect server of one Prefect home (``PREFECT_HOME``).
+
+    Args:
+        home: the Prefect home; holds ``prefect.db``, ``server.log``, ``server.json``.
+        startup_timeout_s: seconds to wait for ``/api/health`` (a first start migrates sqlite).
+    """
+
+    def __init__(self, home: Path, startup_timeout_s: float = 120.0):
+        self.home = Path(home)
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = self.home / LOG
+
+    def record(self) -> dict[str, Any] | None:
+        """The recorded server, if its process still lives (not whether it answers)."""
+        try:
+            record = json.loads((self.home / RECORD).read_text())
+        except (OSError, ValueError):  # none yet, or torn
+            return None
+        if not isinstance(record, dict) or not isinstance(record.get("api_url"), str):
+            return None
+        started = _started_at(record.get("pid"))
+        if started is None or abs(started - float(record.get("create_time") or 0)) > 1:
+            return None  # gone, or its pid now belongs to another process
+        return record
+
+    def running(self) -> dict[str, Any] | None:
+        """The recorded server when its process lives and answers, else None."""
+        record = self.record()
+        return record if record is not None and healthy(record["api_url"]) else None
+
+    def ensure(self) -> tuple[str, bool]:
+        """The API URL of a running server of this home, started now if there is none.
+
+        Returns:
+            (api_url, started): ``started`` is True when this call started it.
+
+        Raises:
+            ServerError: it exited or did not answer within ``startup_timeout_s``.
+        """
+        self.home.mkdir(parents=True, exist_ok=True)
+        with FileLock(self.home / "server.lock", timeout=self.startup_timeout_s + 60):
+            record = self.record() or self._prefect_background_server()
+            if record is not None:
+                # One still starting (its starter was killed mid-start) gets its whole start-up.
+                left = float(record.get("started", 0)) + self.startup_timeout_s - time.time()
+                if self._wait_healthy(record, max(10.0, left)):
+                    return record["api_url"], False
+            self._end(record)  # stale: dead, or alive but not answering
+            return self._start(), True
+
+    def _prefect_background_server(self) -> dict[str, Any] | None:
+        """A server that ``prefect server start --background`` started with this home (its pid
+        file, no record of ours; its ``--port``) on 127.0.0.1: adopted, and recorded."""
+        try:
+            pid = int((self.home / PREFECT_PID_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        started = _started_at(pid)
+        if started is None or pid not in server_pids(self.home):
+            return None  # gone, or a recycled pid: not a server of this home
+        try:
+            command = psutil.Process(pid).cmdline()
+            port = int(command[command.index("--port") + 1]) if "--port" in command \
+                else DEFAULT_PORT
+        except (psutil.Error, ValueError, IndexError):
+            return None
+        api_url = f"http://127.0.0.1:{port}/api"
+        if not healthy(api_url):
+            return None
+        record = {"pid": pid, "create_time": started, "port": port, "api_url": api_url,
+                  "started": started}
+        self._write(record)
+        return record
+
+    def _write(self, record: dict[str, Any]) -> None:
+        (self.home / PREFECT_PID_FILE).write_text(str(record["pid"]))
+        tmp = self.home / f"{RECORD}.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.home / RECORD)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """End the recorded server (SIGTERM, SIGKILL after ``grace_s``); returns its pid, or None
+        when none was running. Safe to call when nothing runs."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        with FileLock(self.home / "server.lock", timeout=self.startup_timeout_s + 60):
+            record = self.record()
+            self._end(record, grace_s)
+            return None if record is None else record["pid"]
+
+    def _end(self, record: dict[str, Any] | None, grace_s: float = 10.0) -> None:
+        if record is not None:
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(record["pid"])
+                proc.terminate()
+                _gone, alive = psutil.wait_procs([proc], timeout=grace_s)
+                for left in alive:
+                    left.kill()
+                psutil.wait_procs(alive, timeout=5)
+        for name in (RECORD, PREFECT_PID_FILE):
+            (self.home / name).unlink(missing_ok=True)
+
+    def _command(self, port: int) -> list[str]:
+        # Found, not imported: importing Prefect here would cost the command seconds.
+        prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
+        return [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent),
+                "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+                "--port", str(port), "--log-level", "warning", "--lifespan", "on",
+                # Open websockets (Prefect's event clients) would hold a graceful stop open.
+                "--timeout-graceful-shutdown", "2"]
+
+    def _start(self) -> str:
+        port = free_port(preferred=DEFAULT_PORT)
+        api_url = f"http://127.0.0.1:{port}/api"
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        env |= {"PREFECT_HOME": str(self.home.resolve()), "PREFECT__SERVER_FINAL": "1",
+                # What the UI's settings and links are built from.
+                "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
+        try:
+            with open(self.log_path, "ab") as log:
+                detach = subprocess.run([sys.executable, "-c", _DETACH, *self._command(port)],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=log, env=env, cwd=self.home,
+                                        start_new_session=True, check=True, timeout=60)
+            pid = int(detach.stdout.decode().strip())
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            raise ServerError(f"could not start the Prefect server ({e}); see "
+                              f"{self.log_path}") from e
+        record = {"pid": pid, "create_time": _started_at(pid) or 0.0, "port": port,
+                  "api_url": api_url, "started": time.time()}
+        self._write(record)
+        if not self._wait_healthy(record, self.startup_timeout_s):
+            alive = self.record() is not None
+            self._end(record)
+            raise ServerError(f"Prefect server on {api_url} "
+                              + ("did not answer within " f"{self.startup_timeout_s:g} s"
+                                 if alive else "exited") + f"; see {self.log_path}")
+        return api_url
+
+    def _wait_healthy(self, record: dict[str, Any], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if healthy(record["api_url"]):
+                return True
+            if _started_at(record["pid"]) is None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+
+def server_pids(home: Path) -> list[int]:
+    """Pids of live processes whose ``PREFECT_HOME`` is ``home`` and that run uvicorn (tests,
+    ``stoker server status``: a server without a record)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if "uvicorn" in " ".join(proc.info["cmdline"] or []) and \
+                    proc.environ().get("PREFECT_HOME") == str(Path(home).resolve()):
+                found.append(proc.pid)
+    return found
+
+
+
+PROCESS_TAG = "stoker:process="  # flow-run tag: the host, pid and start time of its command
+
+
+def process_tag(pid: int | None = None) -> str:
+    """The flow-run tag naming this process (``stoker:process=HOST:PID:START``): a later command
+    that finds the run still Running while the process is gone marks it Crashed."""
+    pid = os.getpid() if pid is None else pid
+    return f"{PROCESS_TAG}{socket.gethostname()}:{pid}:{_started_at(pid) or 0:.2f}"
+
+
+def process_gone(tags: list[str]) -> int | None:
+    """The pid of a ``process_tag`` in ``tags`` whose process is gone from this host (dead, or
+    its pid now belongs to a process started later), else None (alive, another host, no tag,
+    or a garbled one)."""
+    for tag in tags:
+        if not tag.startswith(PROCESS_TAG):
+            continue
+        host, _, rest = tag.removeprefix(PROCESS_TAG).rpartition(":")[0].partition(":")
+        try:
+            pid = int(rest)
+            start = float(tag.rsplit(":", 1)[1])
+        except ValueError:
+            return None
+        if host != socket.gethostname():
+            return None
+        started = _started_at(pid)
+        return pid if started is None or abs(started - start) > 1 else None
+    return None

@@ -1,0 +1,132 @@
+"""``stoker server start|status|stop``, and the Prefect API of ``stoker run`` and ``stoker
+cost-guard``: the long-lived local Prefect server of a work folder, or PREFECT_API_URL.
+
+Its state lives in ``<work_dir>/.prefect`` (or ``PREFECT_HOME`` when set): the sqlite database,
+``server.log``, and ``server.json`` (pid, port, API URL). See stoker.local_server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+server_app = typer.Typer(no_args_is_help=True, help="The local Prefect server that `stoker run` "
+                         "starts on first use and reuses (its UI shows every run).")
+
+WORK_DIR = typer.Option("--work-dir", "-w", help="The work folder; the server's state is in "
+                        "<work-dir>/.prefect unless PREFECT_HOME is set")
+
+
+def _server(work_dir: Path, create: bool = True):
+    """The local server of ``work_dir`` (``status`` and ``stop`` create no folder)."""
+    from stoker.cli import TELEMETRY_OFF, quiet_telemetry
+    from stoker.local_server import LocalServer
+
+    if create:
+        quiet_telemetry(work_dir)
+    else:
+        for name, value in TELEMETRY_OFF.items():
+            os.environ.setdefault(name, value)
+    home = Path(os.environ.get("PREFECT_HOME") or (work_dir / ".prefect").resolve())
+    return LocalServer(home, float(os.environ.get(
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")))
+
+
+@server_app.command()
+def start(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
+    """Start the local server in the background (nothing to do if it runs); print its UI address.
+
+    Exit codes: 0 running, 1 it did not start (its log is named)."""
+    from stoker.local_server import ServerError
+
+    server = _server(work_dir)
+    try:
+        api_url, started = server.ensure()
+    except ServerError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{'started' if started else 'already running'}: {api_url.removesuffix('/api')} "
+               f"(log {server.log_path})")
+
+
+@server_app.command()
+def status(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
+    """Say whether the local server runs: pid, UI address, log. Exit codes: 0 running, 1 not."""
+    server = _server(work_dir, create=False)
+    record = server.running()
+    if record is None:
+        stale = server.record() is not None
+        typer.echo("not running" + (" (its process lives but does not answer; `stoker server "
+                                    "stop` ends it)" if stale else "") + f"; home {server.home}")
+        raise typer.Exit(1)
+    typer.echo(f"running: pid {record['pid']}, {record['api_url'].removesuffix('/api')}, "
+               f"log {server.log_path}")
+
+
+@server_app.command()
+def stop(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
+    """End the local server (SIGTERM, then SIGKILL after 10 s). Exit code 0 also when none ran."""
+    server = _server(work_dir, create=False)
+    pid = server.stop() if server.home.is_dir() else None
+    typer.echo("no local server running" if pid is None else f"stopped (pid {pid})")
+
+
+@contextlib.contextmanager
+def prefect_api():
+    """The Prefect API for this command: PREFECT_API_URL when set, else the long-lived local
+    server of PREFECT_HOME, started in the background on first use (stoker.local_server).
+
+    Flow runs started inside carry this process's tag; runs that an earlier command left Running
+    when its process died (SIGKILL) are marked Crashed first.
+
+    Raises:
+        ServerError: the local server did not start.
+    """
+    if not os.environ.get("PREFECT_API_URL"):
+        from stoker.local_server import LocalServer
+
+        started_at = time.monotonic()
+        server = LocalServer(Path(os.environ["PREFECT_HOME"]),
+                             float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+        api_url, started = server.ensure()
+        # Prefect's log format: benchmarks/bench_pipeline_overhead.py times the phases from it.
+        stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
+        how = f"started in {time.monotonic() - started_at:.1f} s" if started else "reused"
+        typer.echo(f"{stamp} | INFO    | stoker - Local Prefect server {how}: UI at "
+                   f"{api_url.removesuffix('/api')} (`stoker server stop` ends it)", err=True)
+        # Before Prefect is imported: its global settings (seen by every thread) read the env.
+        os.environ["PREFECT_API_URL"] = api_url
+    from prefect import tags
+
+    from stoker.local_server import process_tag
+    from tasks.stopping import crash_runs_of_gone_processes
+
+    try:
+        try:
+            crash_runs_of_gone_processes()
+        except Exception as e:  # noqa: BLE001 - bookkeeping of earlier runs never fails this one
+            typer.echo(f"warning: could not mark the runs of dead commands Crashed: {e}",
+                       err=True)
+        with tags(process_tag()):
+            yield
+    finally:
+        drain_prefect_workers()
+
+
+def drain_prefect_workers() -> None:
+    """Send Prefect's queued logs and events (before the server they go to stops)."""
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=5)

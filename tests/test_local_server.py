@@ -1,0 +1,156 @@
+"""The long-lived local Prefect server on real processes: ``stoker server start|status|stop``, a
+killed server replaced, concurrent starts, reuse by ``stoker run`` and ``stoker cost-guard``.
+
+Each test has its own work folder (so its own server home); the fixture stops the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from local_servers import stop_local_servers
+from mlflow import MlflowClient
+
+from stoker.local_server import LocalServer, server_pids
+
+pytestmark = pytest.mark.integration
+
+
+def env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+
+
+def stoker(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stoker.cli", *args], env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def work(tmp_path):
+    """A work folder whose local server is always stopped after the test."""
+    work = tmp_path / "work"
+    yield work
+    stop_local_servers(tmp_path)
+    assert server_pids(work / ".prefect") == []
+
+
+def record(work: Path) -> dict:
+    return json.loads((work / ".prefect" / "server.json").read_text())
+
+
+def test_server_start_status_stop(work):
+    first = stoker("server", "start", "-w", str(work))
+    assert first.returncode == 0 and first.stdout.startswith("started: http://127.0.0.1:"), \
+        first.stdout + first.stderr
+    pid = record(work)["pid"]
+    assert httpx.get(f"{record(work)['api_url']}/health", timeout=5).status_code == 200
+    assert psutil.Process(pid).ppid() != os.getpid()  # detached: not a child of the command
+    assert os.getsid(pid) != os.getsid(0)  # its own session: Ctrl-C at the terminal misses it
+    again = stoker("server", "start", "-w", str(work))
+    assert again.stdout.startswith("already running") and record(work)["pid"] == pid
+    status = stoker("server", "status", "-w", str(work))
+    assert status.returncode == 0 and f"pid {pid}" in status.stdout
+    assert (work / ".prefect" / "server.pid").read_text() == str(pid)  # `prefect server stop`
+    stopped = stoker("server", "stop", "-w", str(work))
+    assert stopped.returncode == 0 and f"stopped (pid {pid})" in stopped.stdout
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert stoker("server", "status", "-w", str(work)).returncode == 1
+    assert "no local server running" in stoker("server", "stop", "-w", str(work)).stdout
+
+
+def test_a_killed_server_is_replaced(work):
+    assert stoker("server", "start", "-w", str(work)).returncode == 0
+    dead = record(work)["pid"]
+    psutil.Process(dead).kill()  # kill -9: its record and Prefect's pid file stay behind
+    psutil.Process(dead).wait(timeout=10)
+    assert stoker("server", "status", "-w", str(work)).returncode == 1
+    again = stoker("server", "start", "-w", str(work))
+    assert again.stdout.startswith("started"), again.stdout + again.stderr
+    assert record(work)["pid"] != dead
+    assert server_pids(work / ".prefect") == [record(work)["pid"]]
+    assert LocalServer(work / ".prefect").running() is not None
+
+
+def test_two_concurrent_starts_make_one_server(work):
+    starts = [subprocess.Popen([sys.executable, "-m", "stoker.cli", "server", "start", "-w",
+                                str(work)], env=env(), stdout=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    outputs = sorted(p.communicate(timeout=400)[0] for p in starts)
+    assert [p.returncode for p in starts] == [0, 0]
+    assert outputs[0].startswith("already running") and outputs[1].startswith("started"), outputs
+    assert server_pids(work / ".prefect") == [record(work)["pid"]]
+
+
+def test_runs_start_the_server_once_and_reuse_it(work):
+    """``stoker run`` starts the local server and leaves it up, with the MLflow run's flow-run
+    link answering; ``stoker cost-guard`` then reuses it (same pid, no start, no temporary
+    server) and its flow run is recorded there too."""
+    run = stoker("run", f"work_dir={work}", "train.epochs=1",
+                 "tracking.system_metrics_interval_s=null")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Local Prefect server started" in run.stderr
+    server = record(work)
+    assert LocalServer(work / ".prefect").running()["pid"] == server["pid"]  # outlived the run
+    done = json.loads(next((work / "jobs").glob("*/pipeline_done.json")).read_text())
+    mlflow_run = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(done["run_id"])
+    url = mlflow_run.data.tags["prefect.flow_run_url"]
+    base = server["api_url"].removesuffix("/api")
+    assert url.startswith(f"{base}/flow-runs/flow-run/"), url
+    flow_run = httpx.get(f"{server['api_url']}/flow_runs/{url.rsplit('/', 1)[1]}", timeout=10)
+    assert flow_run.json()["state"]["type"] == "COMPLETED"
+
+    guard = stoker("cost-guard", f"work_dir={work}", "policy.window_s=10",
+                   "policy.sample_interval_s=5")
+    assert guard.returncode == 0, guard.stderr[-3000:]
+    assert "Local Prefect server reused" in guard.stderr
+    assert "Starting temporary server" not in guard.stderr
+    assert record(work) == server and server_pids(work / ".prefect") == [server["pid"]]
+    runs = httpx.post(f"{server['api_url']}/flow_runs/filter", json={}, timeout=10).json()
+    assert [r["state"]["type"] for r in runs] == ["COMPLETED"] * 2
+
+
+def test_a_prefect_background_server_of_the_same_home_is_adopted(work):
+    """``prefect server start --background`` with this home's PREFECT_HOME: Stoker reuses it
+    (and ``stoker server stop`` ends it) instead of starting a second server."""
+    from mlflow_server import free_port
+
+    home = work / ".prefect"
+    home.mkdir(parents=True)
+    port = free_port()
+    subprocess.run([sys.executable, "-m", "prefect", "server", "start", "--background",
+                    "--host", "127.0.0.1", "--port", str(port)], check=True, timeout=300,
+                   env={**env(), "PREFECT_HOME": str(home.resolve())}, capture_output=True)
+    prefect_pid = int((home / "server.pid").read_text())
+    assert LocalServer(home)._wait_healthy({"pid": prefect_pid,
+                                            "api_url": f"http://127.0.0.1:{port}/api"}, 300)
+    start = stoker("server", "start", "-w", str(work))
+    assert start.stdout.startswith(f"already running: http://127.0.0.1:{port}"), start.stdout
+    assert record(work)["pid"] == prefect_pid
+    assert server_pids(home) == [prefect_pid]
+    assert f"stopped (pid {prefect_pid})" in stoker("server", "stop", "-w", str(work)).stdout
+
+
+def test_process_tags_name_dead_commands_only():
+    """A flow run's ``stoker:process=`` tag is judged on this host only; a recycled pid (same
+    number, later start) counts as gone; a garbled tag is left alone."""
+    import socket
+
+    from stoker.local_server import PROCESS_TAG, process_gone, process_tag
+
+    assert process_gone([process_tag(), "other"]) is None  # this process lives
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    tag = process_tag(child.pid)
+    child.wait()
+    assert process_gone(["x", tag]) == child.pid
+    host, pid, start = tag.removeprefix(PROCESS_TAG).split(":")
+    recycled = f"{PROCESS_TAG}{host}:{os.getpid()}:{float(start) - 1000:.2f}"
+    assert process_gone([recycled]) == os.getpid()
+    assert process_gone([f"{PROCESS_TAG}elsewhere-{socket.gethostname()}:{pid}:{start}"]) is None
+    assert process_gone([f"{PROCESS_TAG}{host}:notapid:{start}", f"{PROCESS_TAG}"]) is None
+    assert process_gone([]) is None
