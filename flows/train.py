@@ -11,6 +11,7 @@ from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.job import JobClaim
 from tasks.data import pull
 from tasks.images import build_image
+from tasks.stopping import cancelled_promptly
 from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()
@@ -22,7 +23,7 @@ def train_only(config: PipelineConfig = DEFAULT_CONFIG, image: ImageRequest = DE
                ) -> dict:
     """Pull data at a pinned revision and train; returns the MLflow run id, metrics and cost.
     The job is leased while this flow runs (see ``flows.pipeline``)."""
-    with JobClaim(config, flow_run.get_id()) as job:
+    with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
         if job.done is not None:
             return job.done
         check_before_pull(config)
