@@ -44,9 +44,22 @@ def flow_run_state(server: PrefectServer, flow_run_id: str):
         return client.read_flow_run(uuid.UUID(flow_run_id)).state
 
 
+def task_run_states(server: PrefectServer, flow_run_id: str) -> dict:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}), \
+            get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+    return {t.name: t.state for t in runs}
+
+
 def test_a_prefect_cancel_commits_the_stop_checkpoint_and_ends_cancelled(deployed, tmp_path):
-    """Input 8: cancel mid-training -> the ranks commit a stop checkpoint, the flow run ends
-    Cancelled, the MLflow run KILLED."""
+    """Input 8: cancel mid-training -> the ranks commit a stop checkpoint, the flow run and its
+    ``train`` and ``attempt-1`` task runs end Cancelled (they were Crashed), the MLflow run
+    KILLED."""
     work = tmp_path / "work"
     trial = cancel_trial(deployed, work)
     print(f"cancel -> ranks stopped {trial.to_ranks_stopped_s} s, -> Cancelled "
@@ -54,6 +67,10 @@ def test_a_prefect_cancel_commits_the_stop_checkpoint_and_ends_cancelled(deploye
     assert trial.final_state == "CANCELLED", trial.worker_output[-4000:]
     state = flow_run_state(deployed, trial.flow_run_id)
     assert state.type.value == "CANCELLED", state
+    tasks = task_run_states(deployed, trial.flow_run_id)  # not Crashed: a cancel is no crash
+    assert tasks["attempt-1"].type.value == "CANCELLED", tasks
+    assert next(s for name, s in tasks.items() if name.startswith("train")).type.value \
+        == "CANCELLED", tasks
     end = [e for e in read_events(trial.job_dir) if e["event"] == "end"][-1]
     assert end["outcome"] == "preempted", end
     assert (trial.job_dir / "checkpoints" / f"step-{end['step']:09d}" / "COMMITTED").exists()
