@@ -159,9 +159,12 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         if lost:
             logger.warning("attempt %d lost %d step(s): it reached step %d, the last committed "
                            "checkpoint is step %d", number, lost, reached, committed)
-            if read_text(run_file):  # the job's total so far, on the job's run
-                client.log_metric(read_text(run_file), "steps_lost",
-                                  total_steps_lost(attempts_log.history()), step=reached)
+            try:  # the job's total so far, on the job's run
+                if read_text(run_file):
+                    client.log_metric(read_text(run_file), "steps_lost",
+                                      total_steps_lost(attempts_log.history()), step=reached)
+            except Exception as e:  # tracking must not mask the attempt's outcome
+                logger.warning("could not log steps_lost to MLflow: %s", e)
         if attempt.outcome == Outcome.PREEMPTED:
             emit_event(**training_event("preempted", job_dir.name, read_text(run_file),
                                         attempt=number, exit_code=attempt.exit_code))
