@@ -61,6 +61,8 @@ MEASURES = (
     ("bench_tracking", "Tracking overhead per step", "<= 1 % (ratio <= 0.01)"),
     ("bench_gpu_resnet", "GPU: ResNet-50 images/s (bf16, channels-last), scaling",
      "none set (reported)"),
+    ("bench_cancel", "Prefect cancel on a process worker: -> ranks stopped; -> Cancelled",
+     "median <= 2 s; <= 5 s"),
 )
 
 

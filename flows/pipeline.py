@@ -18,7 +18,7 @@ from tasks.data import pull
 from tasks.images import build_image
 from tasks.registry import register
 from tasks.report import report
-from tasks.stopping import cancel_stopped_flow_run
+from tasks.stopping import cancel_stopped_flow_run, cancelled_promptly
 from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()
@@ -54,7 +54,7 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
     done: with ``job_id`` before the pull, otherwise right after it. A done ``job_id`` returns
     its summary and does nothing."""
     guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
-    with JobClaim(config, flow_run.get_id()) as job:
+    with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
         if job.done is not None:
             return job.done
         check_before_pull(config)

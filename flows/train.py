@@ -12,6 +12,7 @@ from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.job import JobClaim
 from tasks.data import pull
 from tasks.images import build_image
+from tasks.stopping import cancelled_promptly
 from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()
@@ -33,7 +34,7 @@ def train_local(config: TrainForm = TrainForm()) -> dict:  # noqa: B008 - frozen
 
 def run_training(config: PipelineConfig, image: ImageRequest) -> dict:
     """Pull and train inside a flow run; the job is leased meanwhile (see ``flows.pipeline``)."""
-    with JobClaim(config, flow_run.get_id()) as job:
+    with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
         if job.done is not None:
             return job.done
         check_before_pull(config)

@@ -76,20 +76,29 @@ def run(
     debug: Annotated[bool, typer.Option(
         "--debug", help="Print tracebacks in the terminal (the Prefect task log always has "
         "them)")] = False,
+    resume_stalled: Annotated[bool, typer.Option(
+        "--resume-stalled", help="Resume a job the cost guard stopped for a stall (same as "
+        "retry.resume_stalled=true)")] = False,
 ) -> None:
     """Run the main job: pull the dataset, train with torchrun, register the model in MLflow.
 
     Exit codes: 0 done, 1 failed, 2 bad input, 3 stopped on request, 4 the job is owned by
     another live run, 130/143 Ctrl-C/SIGTERM (docs: reference/exit-codes.md)."""
+    if resume_stalled:
+        overrides = [*(overrides or []), "retry.resume_stalled=true"]
     config = _config(config_file, overrides)
     from stoker.launch.job import check_job_early
     from stoker.launch.lease import JobBusy
+    from stoker.launch.stop_request import TrainingStopped
 
     try:
-        done = check_job_early(config)  # a busy or done job_id: before the flow starts
+        done = check_job_early(config)  # a busy, done or stalled job_id: before the flow starts
     except JobBusy as e:  # one line, no traceback: another run owns the job
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(EXIT_BUSY) from None
+    except TrainingStopped as e:  # the guard stopped it for a stall: not resumed by default
+        typer.echo(f"stoker run: {e}", err=True)
+        raise typer.Exit(stopping.EXIT_STOPPED) from None
     if done is not None:
         typer.echo(f"job {config.job_id} is already done; nothing to do", err=True)
         typer.echo(json.dumps(done, indent=2, default=str))
@@ -101,7 +110,6 @@ def run(
     try:
         with prefect_api():
             from flows.pipeline import pipeline
-            from stoker.launch.stop_request import TrainingStopped
 
             if not debug:
                 quiet_console_tracebacks()
@@ -240,12 +248,14 @@ def status(job: Annotated[str, typer.Argument(help="Job folder name (or a unique
         typer.echo(f"progress   {s.progress.describe()}")
     typer.echo(f"heartbeat  {age(s.heartbeat_age_s)}")
     typer.echo(f"mlflow run {s.mlflow_run_id or '-'}")
+    typer.echo(f"steps lost {s.steps_lost}")
     if s.cost_usd is not None:
         typer.echo(f"cost       ${s.cost_usd:.4f}")
     for a in AttemptLog(folder).history():
         typer.echo(f"attempt {a.get('number')}: {a.get('outcome')} (exit {a.get('exit_code')}) "
                    f"after {float(a.get('duration_s') or 0):.1f} s on "
-                   f"{a.get('capacity_type', '-')} capacity")
+                   f"{a.get('capacity_type', '-')} capacity"
+                   + (f", {a['steps_lost']} step(s) lost" if a.get("steps_lost") else ""))
     typer.echo(f"folder     {folder.resolve()}")
     if s.state == "unfinished":
         typer.echo("resume it: run the same command again (or stoker run job_id=" + s.job + ")")

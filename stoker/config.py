@@ -294,6 +294,10 @@ class RetryConfig(_Frozen):
     on_demand_after_preemptions: int | None = Field(
         None, gt=0, description="After this many preemptions switch spot capacity to on-demand "
         "(recorded on the run; passed to launchers that can choose capacity).")
+    resume_stalled: bool = Field(
+        False, description="Resume a job the cost guard stopped because it stalled. Off: the "
+        "next run of that job refuses in one line (exit 3) naming the step, so it is not "
+        "resumed into the same stall; `stoker run --resume-stalled` sets it.")
 
 
 class DockerLauncherConfig(_Frozen):

@@ -20,13 +20,18 @@ from prefect.transactions import CommitMode, transaction
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
-from stoker.launch.attempts import AttemptLog
+from stoker.launch.attempts import AttemptLog, lost_steps, total_steps_lost
 from stoker.launch.factory import make_launcher
 from stoker.launch.job import JobClaim, job_store
 from stoker.launch.lease import JobBusy, held_lease
 from stoker.launch.retry import Attempt, Outcome, run_with_retries
 from stoker.launch.status import JOB_LOG
-from stoker.launch.stop_request import clear_stop_request, read_stop_request, stopped
+from stoker.launch.stop_request import (
+    clear_stop_request,
+    read_stop_request,
+    refuse_stalled,
+    stopped,
+)
 from stoker.launch.store import RecordSync
 from stoker.launch.supervisor import (
     LineLog,
@@ -41,6 +46,7 @@ from stoker.launch.supervisor import (
 )
 from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
+from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import ensure_store
 from stoker.tracking.cost import cost_report
 from stoker.tracking.events import training_event
@@ -73,6 +79,10 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
 def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None,
            job_dir: Path) -> TrainResult:
     logger = get_run_logger()
+    stall = refuse_stalled(job_dir, config.retry.resume_stalled)  # raises unless overridden
+    if stall is not None:
+        logger.warning("resuming job %s although it %s (retry.resume_stalled=true)",
+                       job_dir.name, stall.describe())
     lease = held_lease(job_dir)
     if lease.previous:  # the owner died: its flow run would stay Running forever
         crash_orphaned_flow_run(lease.previous.get("flow_run_id"), job_dir.name,
@@ -136,11 +146,25 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             state.result()  # the attempt raised (timeout, cancel): raise it here
         return codes[number]
 
+    checkpoints = RunSpec.load(spec_path).checkpoint_location
+
     def record(attempt: Attempt) -> None:
         nonlocal preempted
         preempted += attempt.outcome == Outcome.PREEMPTED
         number = attempt.number + first_number - 1
-        attempts_log.end(number, {**attempt.to_dict(), "capacity_type": capacities[number]})
+        lost, reached, committed = (0, 0, 0) if attempt.outcome == Outcome.COMPLETED \
+            else lost_steps(job_dir, attempt.started, checkpoints)
+        attempts_log.end(number, {**attempt.to_dict(), "capacity_type": capacities[number],
+                                  "steps_lost": lost})
+        if lost:
+            logger.warning("attempt %d lost %d step(s): it reached step %d, the last committed "
+                           "checkpoint is step %d", number, lost, reached, committed)
+            try:  # the job's total so far, on the job's run
+                if read_text(run_file):
+                    client.log_metric(read_text(run_file), "steps_lost",
+                                      total_steps_lost(attempts_log.history()), step=reached)
+            except Exception as e:  # tracking must not mask the attempt's outcome
+                logger.warning("could not log steps_lost to MLflow: %s", e)
         if attempt.outcome == Outcome.PREEMPTED:
             emit_event(**training_event("preempted", job_dir.name, read_text(run_file),
                                         attempt=number, exit_code=attempt.exit_code))

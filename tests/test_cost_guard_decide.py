@@ -208,6 +208,14 @@ def test_stalled_job_is_stopped_when_configured(tmp_path):
     assert row.decision.verdict == Verdict.STALLED
     assert [r.id for r in actor.stopped] == ["c0ffee"]
     assert row.idle_gpu_hours == pytest.approx(2.0, rel=0.01)  # held since the last heartbeat
+    # The stop request names the stall and its step: the next run of the job refuses it.
+    from stoker.launch.stop_request import TrainingStopped, read_stop_request, refuse_stalled
+
+    request = read_stop_request(job)
+    assert (request.by, request.verdict, request.step) == ("cost-guard", "stalled", 10)
+    with pytest.raises(TrainingStopped, match="stalled at step 10 and was stopped by cost-guard"):
+        refuse_stalled(job, resume_stalled=False)
+    assert refuse_stalled(job, resume_stalled=True) == request
 
     report_only = make_config(tmp_path, stop_stalled=False)
     row, actor, _ = sweep(tmp_path, frames, container(job_dir=job), clock=clock,

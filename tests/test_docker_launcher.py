@@ -10,6 +10,7 @@ import pytest
 from conftest import events
 
 from stoker.launch.docker import DockerLauncher, combine_exit_codes
+from stoker.launch.retry import Outcome, classify_exit
 from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
 
 pytestmark = pytest.mark.integration
@@ -64,6 +65,7 @@ def test_docker_stop_checkpoints_and_the_next_attempt_resumes(training_image, ma
     finally:
         container.remove(force=True)
     assert status["StatusCode"] == 75, logs[-3000:]
+    assert classify_exit(status["StatusCode"]) is Outcome.PREEMPTED  # resumed at once
     stopped = [e for e in events(spec.parent) if e["event"] == "end"][-1]
     assert stopped["outcome"] == "preempted"
     assert (spec.parent / "checkpoints" / f"step-{stopped['step']:09d}" / "COMMITTED").exists()

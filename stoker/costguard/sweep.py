@@ -338,7 +338,8 @@ def _act(config: CostGuardConfig, row: Row, resource: Resource, snapshots: list[
     for job in again.resources[resource.key].jobs:
         with contextlib.suppress(OSError):
             request_stop(job.job_dir, "cost-guard", f"{current.decision.verdict}: "
-                         + "; ".join(current.decision.reasons))
+                         + "; ".join(current.decision.reasons),
+                         verdict=str(current.decision.verdict))
     result = actor.act(again.resources[resource.key])
     log.info("%s %s: %s", resource.key, result.status, result.detail)
     return result.status, result.detail

@@ -6,19 +6,74 @@ between the two (Ctrl-C, SIGKILL, a lost node) leaves an open attempt; the next 
 ``interrupted`` (or with the outcome the runtime wrote, e.g. preempted when it checkpointed on
 the way out), billed from its start to the last heartbeat. Numbers continue over the job, so
 attempts, preemptions, billed time and cost add up over all of them.
+
+An ended record also has ``steps_lost`` (:func:`lost_steps`): the steps the attempt trained
+past its job's last committed checkpoint, which the next attempt must run again (0 when the
+attempt completed or its stop checkpoint committed).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
+
+import fsspec
 
 from stoker.runtime.records import append_jsonl, read_json, read_jsonl
 
 ATTEMPTS_FILE = "attempts.jsonl"
 # What the runtime's last `end` event says, as an attempt outcome (stoker.launch.retry.Outcome).
 _END_OUTCOME = {"completed": "completed", "preempted": "preempted", "failed": "user_error"}
+# The checkpointer's layout (stoker.runtime.checkpoint, which imports torch): a step counts once
+# its folder holds the commit marker.
+_STEP_DIR = re.compile(r"^step-(\d{9})$")
+_MARKER = "COMMITTED"
+
+
+def committed_step(location: str) -> int:
+    """The highest committed checkpoint step under ``location`` (folder or fsspec URL); 0 when
+    there is none (or the store cannot be listed: every step since the start is then lost)."""
+    try:
+        fs, root = fsspec.core.url_to_fs(location)
+        fs.invalidate_cache(root)
+        markers = fs.glob(f"{root.rstrip('/')}/step-*/{_MARKER}")
+    except (OSError, ValueError):
+        return 0
+    steps = [int(m.group(1)) for path in markers
+             if (m := _STEP_DIR.match(str(path).rstrip("/").rsplit("/", 2)[-2]))]
+    return max(steps, default=0)
+
+
+def reached_step(job_dir: Path, since: float) -> int | None:
+    """The highest step rank 0 reported (progress events and heartbeat) at or after ``since``
+    (Unix seconds); None when it reported none."""
+    job_dir = Path(job_dir)
+    steps = [e["step"] for e in read_jsonl(job_dir / "progress.jsonl")
+             if isinstance(e.get("step"), int) and isinstance(e.get("time"), int | float)
+             and e["time"] >= since]
+    beat = read_json(job_dir / "heartbeat.json", default={}, warn=lambda *_: None)
+    if isinstance(beat, dict) and isinstance(beat.get("step"), int) \
+            and isinstance(beat.get("time"), int | float) and beat["time"] >= since:
+        steps.append(beat["step"])
+    return max(steps, default=None)
+
+
+def lost_steps(job_dir: Path, since: float, checkpoint_location: str) -> tuple[int, int, int]:
+    """``(steps_lost, reached, committed)`` of an attempt that started at ``since``: the last
+    step it reached minus the job's last committed checkpoint step (never negative)."""
+    committed = committed_step(checkpoint_location)
+    reached = reached_step(job_dir, since)
+    if reached is None:
+        return 0, committed, committed
+    return max(0, reached - committed), reached, committed
+
+
+def total_steps_lost(history: list[dict[str, Any]]) -> int:
+    """The ``steps_lost`` of every attempt record, summed (records without it count 0)."""
+    return sum(a["steps_lost"] for a in history
+               if isinstance(a.get("steps_lost"), int) and not isinstance(a["steps_lost"], bool))
 
 
 class AttemptLog:

@@ -204,6 +204,8 @@ def check_job_early(config: PipelineConfig) -> dict | None:
 
     Raises:
         JobBusy: a live run owns the job (one line naming it).
+        TrainingStopped: the cost guard stopped the job for a stall and the config does not
+            say ``retry.resume_stalled`` (one line naming the step).
     """
     if not config.job_id:
         return None
@@ -212,4 +214,7 @@ def check_job_early(config: PipelineConfig) -> dict | None:
     if summary is not None:
         return {**summary, "already_done": True, "job_dir": str(job_dir)}
     check_free(job_dir)
+    from stoker.launch.stop_request import refuse_stalled
+
+    refuse_stalled(job_dir, config.retry.resume_stalled)
     return None

@@ -105,7 +105,8 @@ class JobSummary:
 
     ``state``: ``done``, ``training`` (a live run holds the lease), ``stopped`` (a stop was
     requested), or ``unfinished`` (no live owner: the same command resumes it). ``heartbeat_age_s``
-    is the seconds since rank 0's last heartbeat; ``cost_usd`` is known once the job is done."""
+    is the seconds since rank 0's last heartbeat; ``cost_usd`` is known once the job is done;
+    ``steps_lost`` sums the attempts' steps trained past the last committed checkpoint."""
 
     job: str
     path: Path
@@ -119,11 +120,12 @@ class JobSummary:
     heartbeat_age_s: float | None
     progress: JobProgress | None
     owner: str | None
+    steps_lost: int = 0
 
 
 def job_summary(job_dir: Path, now: float | None = None) -> JobSummary:
     """Summarise one job folder from its records (never raises on a torn or missing record)."""
-    from stoker.launch.attempts import AttemptLog
+    from stoker.launch.attempts import AttemptLog, total_steps_lost
     from stoker.launch.job import done_summary
     from stoker.launch.lease import holder_alive
     from stoker.launch.stop_request import read_stop_request
@@ -162,7 +164,7 @@ def job_summary(job_dir: Path, now: float | None = None) -> JobSummary:
         cost_usd=float(cost) if isinstance(cost, int | float) else None,
         mlflow_run_id=read_text(job_dir / "mlflow_run_id", warn=quiet),
         heartbeat_age_s=now - beat_time if isinstance(beat_time, int | float) else None,
-        progress=progress, owner=owner)
+        progress=progress, owner=owner, steps_lost=total_steps_lost(history))
 
 
 def list_jobs(work_dir: Path) -> list[JobSummary]:

@@ -1,0 +1,139 @@
+"""Stops that leave something behind, with ``stoker run`` as a user runs it (real Prefect server,
+torchrun, gloo ranks, MLflow sqlite): the steps a stop that did not commit lost are counted, and
+a job the cost guard stopped for a stall is not resumed into the same stall without saying so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import events
+from mlflow import MlflowClient
+from prefect_server import PrefectServer
+
+from stoker.launch.attempts import AttemptLog, committed_step
+from stoker.launch.local import terminate_tree
+from stoker.launch.status import job_summary
+from stoker.launch.stop_request import read_stop_request, request_stop
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with PrefectServer(tmp_path_factory.mktemp("prefect-stop")) as running:
+        yield running
+
+
+def stoker(server: PrefectServer, *args: str) -> subprocess.Popen:
+    env = {**server.env, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "stoker.cli", *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(process: subprocess.Popen, timeout_s: float = 600) -> tuple[int, str]:
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    finally:
+        if process.poll() is None:
+            terminate_tree(process.pid, grace_s=5)
+    return process.returncode, out + err
+
+
+def training(process: subprocess.Popen, work: Path, min_step: int, timeout_s: float = 300
+             ) -> tuple[Path, psutil.Process]:
+    """The job folder and torchrun's process once rank 0 reported step ``min_step``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        for job in (work / "jobs").glob("*") if (work / "jobs").is_dir() else []:
+            if any(e["event"] == "step" and e["step"] >= min_step for e in events(job)):
+                for child in psutil.Process(process.pid).children(recursive=True):
+                    try:
+                        if "stoker.runtime.launch" in " ".join(child.cmdline()):
+                            return job, child
+                    except psutil.Error:
+                        continue
+        time.sleep(0.05)
+    raise AssertionError("training never started")
+
+
+def test_a_stop_that_does_not_commit_counts_the_steps_it_lost(server, tmp_path):
+    """Input 5: torchrun gets SIGTERM and rank 0 dies before its stop checkpoint commits (the
+    grace ran out mid-save). The attempt is an infrastructure failure whose lost steps (last
+    step reached minus last committed step) are in its attempt record, the job's summary,
+    ``stoker status`` and the job's MLflow run."""
+    work = tmp_path / "work"
+    process = stoker(server, "run", f"work_dir={work}", "train.epochs=50",
+                     "train.checkpoint_every_steps=1000", "retry.max_infra_failures=0",
+                     "tracking.system_metrics_interval_s=null")
+    job, torchrun = training(process, work, min_step=3)
+    rank0 = next(p for p in torchrun.children(recursive=True) if p.environ().get("RANK") == "0")
+    torchrun.send_signal(signal.SIGTERM)
+    rank0.kill()
+    code, output = finish(process)
+    assert code == 1, output[-3000:]
+
+    (attempt,) = AttemptLog(job).history()
+    assert attempt["outcome"] == "infrastructure_failure", attempt
+    reached = max(max(e["step"] for e in events(job)),
+                  json.loads((job / "heartbeat.json").read_text())["step"])
+    committed = committed_step(str(job / "checkpoints"))
+    assert attempt["steps_lost"] == reached - committed > 0, (attempt, reached, committed)
+    assert job_summary(job).steps_lost == attempt["steps_lost"]
+
+    run_id = (job / "mlflow_run_id").read_text().strip()
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    history = client.get_metric_history(run_id, "steps_lost")
+    assert [m.value for m in history] == [attempt["steps_lost"]]
+    assert client.get_run(run_id).info.status == "KILLED"
+
+    status = subprocess.run([sys.executable, "-m", "stoker.cli", "status", job.name,
+                             "--work-dir", str(work)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert f"steps lost {attempt['steps_lost']}" in status.stdout, status.stdout + status.stderr
+
+
+def test_a_stalled_job_is_not_resumed_into_the_stall_without_the_override(server, tmp_path):
+    """Input 6 (tail): the guard stops a stalled job; the next ``stoker run`` of it refuses in
+    one line (exit 3) naming the step, who and the override, and changes nothing;
+    ``--resume-stalled`` resumes it from the stop checkpoint to the end."""
+    work = tmp_path / "work"
+    command = ["run", f"work_dir={work}", "train.epochs=3",
+               "tracking.system_metrics_interval_s=null"]
+    process = stoker(server, *command)
+    job, torchrun = training(process, work, min_step=5)
+    request = request_stop(job, "cost-guard", "stalled: no progress for 600 s",
+                           verdict="stalled")  # what the guard writes, then docker stop
+    torchrun.send_signal(signal.SIGTERM)
+    code, output = finish(process)
+    assert code == 3, output[-3000:]
+    assert request.step is not None and request.step >= 5
+    stop_step = [e for e in events(job) if e["event"] == "end"][-1]["step"]
+    records = (job / "attempts.jsonl").read_text()
+
+    code, output = finish(stoker(server, *command))
+    assert code == 3, output[-3000:]
+    refusal = output.strip().splitlines()[-1]  # the command's own last line
+    assert refusal.startswith(f"stoker run: job {job.name} stalled at step {request.step} "
+                              "and was stopped by cost-guard"), output[-3000:]
+    assert "--resume-stalled" in refusal
+    assert (job / "attempts.jsonl").read_text() == records  # nothing launched
+    assert read_stop_request(job) is not None  # still stopped
+    assert sum(e["event"] == "start" for e in events(job)) == 1
+
+    code, output = finish(stoker(server, *command, "--resume-stalled"))
+    assert code == 0, output[-3000:]
+    starts = [e for e in events(job) if e["event"] == "start"]
+    assert len(starts) == 2 and starts[-1]["resumed"] and starts[-1]["step"] == stop_step
+    assert (job / "pipeline_done.json").exists()
+    assert read_stop_request(job) is None

@@ -1,0 +1,121 @@
+"""Stops of a deployment run on a real process worker (real Prefect server, ``prefect worker
+start --run-once``, torchrun with 2 gloo ranks, MLflow sqlite): a Prefect cancel, and the death
+of the worker itself. Speed figures are in ``benchmarks/bench_cancel.py``, not asserted here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow import MlflowClient
+from prefect_server import PrefectServer
+
+from stoker.launch.local import terminate_tree
+from stoker.runtime.progress import read_events
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_cancel import POOL, cancel_trial, deploy  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    with PrefectServer(tmp_path_factory.mktemp("prefect-worker-stops")) as server:
+        deploy(server)
+        yield server
+
+
+def flow_run_state(server: PrefectServer, flow_run_id: str):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}), \
+            get_client(sync_client=True) as client:
+        return client.read_flow_run(uuid.UUID(flow_run_id)).state
+
+
+def task_run_states(server: PrefectServer, flow_run_id: str) -> dict:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}), \
+            get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+    return {t.name: t.state for t in runs}
+
+
+def test_a_prefect_cancel_commits_the_stop_checkpoint_and_ends_cancelled(deployed, tmp_path):
+    """Input 8: cancel mid-training -> the ranks commit a stop checkpoint, the flow run and its
+    ``train`` and ``attempt-1`` task runs end Cancelled (they were Crashed), the MLflow run
+    KILLED."""
+    work = tmp_path / "work"
+    trial = cancel_trial(deployed, work)
+    print(f"cancel -> ranks stopped {trial.to_ranks_stopped_s} s, -> Cancelled "
+          f"{trial.to_cancelled_s} s")
+    assert trial.final_state == "CANCELLED", trial.worker_output[-4000:]
+    state = flow_run_state(deployed, trial.flow_run_id)
+    assert state.type.value == "CANCELLED", state
+    tasks = task_run_states(deployed, trial.flow_run_id)  # not Crashed: a cancel is no crash
+    assert tasks["attempt-1"].type.value == "CANCELLED", tasks
+    assert next(s for name, s in tasks.items() if name.startswith("train")).type.value \
+        == "CANCELLED", tasks
+    end = [e for e in read_events(trial.job_dir) if e["event"] == "end"][-1]
+    assert end["outcome"] == "preempted", end
+    assert (trial.job_dir / "checkpoints" / f"step-{end['step']:09d}" / "COMMITTED").exists()
+    run_id = (trial.job_dir / "mlflow_run_id").read_text().strip()
+    run = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id)
+    assert run.info.status == "KILLED"
+    assert not (trial.job_dir / "pipeline_done.json").exists()
+
+
+def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_path):
+    """Worker death: SIGKILL of the process worker while its flow run trains -> the flow process
+    trains on, its MLflow run ends FINISHED, the model is registered, the job is marked done and
+    the flow run is Completed."""
+    work = tmp_path / "work"
+    params = {"config": {"work_dir": str(work), "train": {"epochs": 3},
+                         "tracking": {"system_metrics_interval_s": None}}}
+    out = deployed.prefect("deployment", "run", "pipeline/pipeline", "--params",
+                           json.dumps(params)).stdout
+    flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()
+                       if "UUID:" in line)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--run-once"],
+        env={**deployed.env, "PYTHONPATH": str(REPO)}, cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    flow_process = None
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and flow_process is None:
+            assert worker.poll() is None, worker.stdout.read().decode(errors="replace")
+            jobs = list((work / "jobs").glob("*")) if (work / "jobs").is_dir() else []
+            if jobs and any(e["event"] == "step" for e in read_events(jobs[0])):
+                flow_process = next(p for p in psutil.Process(worker.pid).children()
+                                    if "prefect.engine" in " ".join(p.cmdline()))
+            time.sleep(0.05)
+        assert flow_process is not None, "training never started"
+        worker.kill()  # SIGKILL: its pipes to the flow process are gone with it
+        worker.wait(timeout=30)
+        flow_process.wait(timeout=600)
+    finally:
+        terminate_tree(worker.pid, grace_s=5)
+        if flow_process is not None and flow_process.is_running():
+            terminate_tree(flow_process.pid, grace_s=5)
+
+    assert flow_run_state(deployed, flow_run_id).type.value == "COMPLETED"
+    done = json.loads(next((work / "jobs").glob("*/pipeline_done.json")).read_text())
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    assert client.get_run(done["run_id"]).info.status == "FINISHED"
+    assert client.get_model_version("stoker-digits", "1").run_id == done["run_id"]
