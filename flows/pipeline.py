@@ -8,18 +8,15 @@ from pathlib import Path
 from prefect import flow
 from prefect.runtime import flow_run
 
+from flows.train import pull_and_train
 from stoker.config import PipelineConfig
 from stoker.forms import DockerPipelineForm, PipelineForm
 from stoker.images.spec import ImageRequest
-from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.job import JobClaim, mark_done
 from stoker.stdio import guard_stdio
-from tasks.data import pull
-from tasks.images import build_image
 from tasks.registry import register
 from tasks.report import report
 from tasks.stopping import cancel_stopped_flow_run, cancelled_promptly
-from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()
 DEFAULT_IMAGE = ImageRequest()
@@ -55,15 +52,10 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
     its summary and does nothing."""
     guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
     with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
-        if job.done is not None:
-            return job.done
-        check_before_pull(config)
-        dataset = pull(config)
-        job_dir = job.bind(dataset.md5)
-        if job.done is not None:
-            return job.done
-        training_image = build_image(image) if needs_image(config) else None
-        trained = train(config, dataset, training_image, job_dir)
+        pulled = pull_and_train(config, image, job)
+        if not isinstance(pulled, tuple):
+            return pulled
+        dataset, trained = pulled
         registration = register(config, dataset, trained)
         report(dataset, trained, registration, config.tracking, config.tracking_uri())
         summary = {"dataset": asdict(dataset), "run_id": trained.run_id,

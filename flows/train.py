@@ -6,10 +6,12 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from stoker.config import PipelineConfig
+from stoker.data.pull import DatasetRef
 from stoker.forms import TrainForm
 from stoker.images.spec import ImageRequest
 from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.job import JobClaim
+from stoker.launch.supervisor import TrainResult
 from tasks.data import pull
 from tasks.images import build_image
 from tasks.stopping import cancelled_promptly
@@ -35,14 +37,25 @@ def train_local(config: TrainForm = TrainForm()) -> dict:  # noqa: B008 - frozen
 def run_training(config: PipelineConfig, image: ImageRequest) -> dict:
     """Pull and train inside a flow run; the job is leased meanwhile (see ``flows.pipeline``)."""
     with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
-        if job.done is not None:
-            return job.done
-        check_before_pull(config)
-        dataset = pull(config)
-        job_dir = job.bind(dataset.md5)
-        if job.done is not None:
-            return job.done
-        training_image = build_image(image) if needs_image(config) else None
-        trained = train(config, dataset, training_image, job_dir)
+        pulled = pull_and_train(config, image, job)
+        if not isinstance(pulled, tuple):
+            return pulled
+        _dataset, trained = pulled
     return {"run_id": trained.run_id, "metrics": trained.metrics, "cost": trained.cost,
             "job_dir": trained.job_dir}
+
+
+def pull_and_train(config: PipelineConfig, image: ImageRequest, job: JobClaim
+                   ) -> dict | tuple[DatasetRef, TrainResult]:
+    """The steps every training flow shares, inside ``job``'s claim: pull the dataset, bind the
+    job to its hash, build the image when training runs in containers, train. Returns the done
+    job's summary when the job already finished, else ``(dataset, trained)``."""
+    if job.done is not None:
+        return job.done
+    check_before_pull(config)
+    dataset = pull(config)
+    job_dir = job.bind(dataset.md5)
+    if job.done is not None:
+        return job.done
+    training_image = build_image(image) if needs_image(config) else None
+    return dataset, train(config, dataset, training_image, job_dir)
