@@ -11,9 +11,14 @@ keeps, under ``<checkpoint_dir>/<job name>/``:
     lease.json                 who trains the job now, until when (see ``BucketLease``)
 
 The local ``<work_dir>/jobs/<job name>/`` folder is a cache: ``pull`` fills a fresh one from the
-bucket (another node, an empty disk) and ``push`` copies the records back (``RecordSync`` does so
-every few seconds while the job trains). Records written on a node after its last push are lost
-with it: billed time of a lost node counts up to its last push.
+bucket (another node, an empty disk) and ``push`` copies the records back. The records that
+decide resumption and billing (the attempt record, the spec, the done marker; the runtime writes
+``mlflow_run_id`` itself) are written through at once (``write_through``), so a node killed right
+after writing one loses nothing; ``RecordSync`` pushes the rest (progress, heartbeat) every few
+seconds while the job trains.
+
+Fencing: while a node owns a job (``own``), every push first checks that the lease object in the
+bucket is still this node's; a node whose lease was taken over writes nothing more there.
 
 Credentials come from the environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_ENDPOINT_URL``, ...), read by s3fs/boto3 themselves; they are never logged.
@@ -25,6 +30,7 @@ import logging
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
@@ -40,6 +46,42 @@ DONE_MARKER = "pipeline_done.json"
 
 class BucketError(ConfigError):
     """The job store (``checkpoint_dir``) cannot be reached, read or written."""
+
+
+# Jobs this process owns in a bucket: job folder -> (store, lease check), and one lock per job so
+# that a write-through and a periodic push never land out of order.
+_OWNED: dict[Path, tuple[JobStore, Callable[[], None]]] = {}
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def own(job_dir: Path, store: JobStore, check: Callable[[], None]) -> None:
+    """Register ``job_dir`` as held in ``store``: ``check`` (raising ``LeaseLost`` once the
+    lease is another node's) guards every push, and ``write_through`` pushes at once."""
+    _OWNED[Path(job_dir).resolve()] = (store, check)
+
+
+def disown(job_dir: Path) -> None:
+    _OWNED.pop(Path(job_dir).resolve(), None)
+
+
+def _lock(name: str) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(name, threading.Lock())
+
+
+def write_through(job_dir: Path, *records: str) -> None:
+    """Push ``records`` of ``job_dir`` to its bucket now, when this process owns the job there
+    (a no-op otherwise). A store error or a lost lease is logged, never raised: the caller's
+    local record stands, and the periodic push (or the next run) catches up."""
+    owner = _OWNED.get(Path(job_dir).resolve())
+    if owner is None:
+        return
+    try:
+        owner[0].push(Path(job_dir), records)
+    except Exception as e:  # the bucket down, or the job another node's now (LeaseLost)
+        log.warning("job %s: %s not written to %s (%s: %s)", Path(job_dir).name,
+                    ", ".join(records), owner[0].url, type(e).__name__, str(e)[:200])
 
 
 def _redact(text: str) -> str:
@@ -138,11 +180,19 @@ class JobStore:
         return copied
 
     def push(self, job_dir: Path, records: tuple[str, ...] = RECORDS) -> None:
-        """Copy the records of ``job_dir`` to the store (each object replaced whole)."""
-        for record in records:
-            local = job_dir / record
-            if local.exists():
-                self.put(self._path(job_dir.name, record), local.read_bytes())
+        """Copy the records of ``job_dir`` to the store (each object replaced whole).
+
+        Raises:
+            LeaseLost: this process owns the job (``own``) but the bucket lease is no longer its.
+        """
+        owner = _OWNED.get(Path(job_dir).resolve())
+        with _lock(job_dir.name):
+            if owner is not None:
+                owner[1]()  # fencing: right before the writes
+            for record in records:
+                local = job_dir / record
+                if local.exists():
+                    self.put(self._path(job_dir.name, record), local.read_bytes())
 
 
 class RecordSync(threading.Thread):

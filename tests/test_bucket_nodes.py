@@ -1,0 +1,134 @@
+# ruff: noqa: F811 - the S3 fixtures are imported from test_bucket and used as parameters
+"""Two nodes and one job in a bucket, against moto's S3 HTTP server on 127.0.0.1: records that
+matter reach the bucket when written (a SIGKILL right after loses nothing), a node whose lease
+was taken over commits no checkpoint and writes no record there (fencing), a save given up
+after its upload tries is surfaced, and `stoker jobs`/`stoker status` see the bucket's jobs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stoker.runtime.checkpoint import Checkpointer, CheckpointError
+from tests.test_bucket import BUCKET, keys_in, s3, s3_env  # noqa: F401 - fixtures
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def config(work: Path, store: str, job_id: str, lease_s: float = 60.0):
+    from stoker.config import PipelineConfig
+
+    return PipelineConfig(work_dir=work, checkpoint_dir=store, job_id=job_id,
+                          job_lease_s=lease_s)
+
+
+NODE_A = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from stoker.config import PipelineConfig
+    from stoker.launch.attempts import AttemptLog
+    from stoker.launch.job import JobClaim
+    from stoker.launch.store import RecordSync
+    config = PipelineConfig(work_dir=sys.argv[1], checkpoint_dir=sys.argv[2], job_id="k-1")
+    claim = JobClaim(config).__enter__()
+    sync = RecordSync(claim.store, claim.job_dir)  # as the train task runs it: every 3 s
+    sync.start()
+    time.sleep(0.5)
+    AttemptLog(claim.job_dir).start(1, "spot", "flow-a")
+    print("written", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_an_attempt_record_reaches_the_bucket_before_a_sigkill(s3_env, tmp_path):
+    """Node A writes its attempt-start record and is SIGKILLed at once (well inside the 3 s
+    sync period); node B, with an empty work_dir, sees the attempt in the bucket and closes it
+    as interrupted, so A's attempt counts."""
+    from stoker.launch.attempts import AttemptLog
+    from stoker.launch.store import JobStore
+
+    store = f"s3://{BUCKET}/sigkill"
+    node_a = subprocess.Popen([sys.executable, "-c", NODE_A, str(tmp_path / "a"), store],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert node_a.stdout.readline().strip() == "written", node_a.stderr.read()[-3000:]
+    finally:
+        node_a.kill()
+        node_a.wait(timeout=30)
+    job_b = tmp_path / "b" / "jobs" / "k-1"
+    assert "attempts.jsonl" in JobStore(store).pull("k-1", job_b)
+    log = AttemptLog(job_b)
+    assert [(r["number"], r["outcome"]) for r in log.close_interrupted()] == [(1, "interrupted")]
+    assert log.next_number() == 2
+
+
+def test_the_runtime_writes_the_mlflow_run_id_through(s3_env):
+    """The MLflow run id reaches the bucket when the runtime writes it, under its lease."""
+    from stoker.launch.bucket_lease import BucketLease
+    from stoker.launch.store import JobStore
+    from stoker.runtime.bucket import bucket_fence
+
+    store = JobStore(f"s3://{BUCKET}/runid")
+    lease = BucketLease(store, "k-2", ttl_s=30).acquire()
+    try:
+        fence = bucket_fence(f"{store.url}/k-2/checkpoints", lease.token)
+        fence.write("mlflow_run_id", b"run-123")
+        assert store.fs.cat_file(f"{BUCKET}/runid/k-2/mlflow_run_id") == b"run-123"
+    finally:
+        lease.release()
+
+
+def test_a_node_that_lost_its_lease_commits_nothing_in_the_bucket(s3_env, tmp_path):
+    """Node A stops renewing (a network partition), its lease expires and node B (another
+    work_dir) takes the job over. Before A notices at a renewal, its runtime tries to commit a
+    checkpoint and its orchestrator to write the attempt record: both are refused, A's local
+    lease is given up (so its runtime stops, exit 75), and B commits and writes normally."""
+    from stoker.launch.attempts import AttemptLog
+    from stoker.launch.job import JobClaim
+    from stoker.launch.store import RecordSync
+    from stoker.runtime.bucket import bucket_fence, caused_by_lost_lease
+
+    store = f"s3://{BUCKET}/fence"
+    claim_a = JobClaim(config(tmp_path / "a", store, "k-3", lease_s=3)).__enter__()
+    claim_b = None
+    try:
+        claim_a.bucket_lease._stop.set()  # partitioned: no more renewals from A
+        claim_a.bucket_lease._renewer.join(timeout=5)
+        time.sleep(3.2)
+        claim_b = JobClaim(config(tmp_path / "b", store, "k-3")).__enter__()
+        assert claim_b.lease is not None and claim_a.lease.lost is None  # A has not noticed
+
+        ckpt_a = Checkpointer(f"{store}/k-3/checkpoints", 0, 1)
+        stops: list[str] = []
+        ckpt_a.fence = bucket_fence(ckpt_a_url := f"{store}/k-3/checkpoints",
+                                    claim_a.lease.token, stops.append).check
+        ckpt_a.save(5, {"w": torch.ones(2)}, {"rng": 5})
+        with pytest.raises(CheckpointError) as error:
+            ckpt_a.wait()
+        assert caused_by_lost_lease(error.value) and stops  # the runtime stops (exit 75)
+        assert not [k for k in keys_in(s3_env, "fence/k-3/") if k.endswith("/COMMITTED")]
+
+        AttemptLog(claim_a.job_dir).start(2, "spot", "flow-a")  # A's orchestrator, stale
+        assert claim_a.lease.lost and "bucket lease" in claim_a.lease.lost
+        assert not RecordSync(claim_a.store, claim_a.job_dir).sync()
+        assert "fence/k-3/attempts.jsonl" not in keys_in(s3_env, "fence/k-3/")
+
+        AttemptLog(claim_b.job_dir).start(1, "spot", "flow-b")
+        assert b"flow-b" in claim_b.store.fs.cat_file(f"{BUCKET}/fence/k-3/attempts.jsonl")
+        ckpt_b = Checkpointer(ckpt_a_url, 0, 1)
+        ckpt_b.fence = bucket_fence(ckpt_a_url, claim_b.lease.token).check
+        ckpt_b.save(5, {"w": torch.ones(2)}, {"rng": 5})
+        ckpt_b.wait()
+        assert Checkpointer(ckpt_a_url, 0, 1).committed_steps() == [5]
+    finally:
+        if claim_b is not None:
+            claim_b.__exit__(None, None, None)
+        claim_a.__exit__(None, None, None)
