@@ -277,6 +277,10 @@ def status(job: Annotated[str, typer.Argument(help="Job folder name (or a unique
         typer.echo(f"progress   {s.progress.describe()}")
     typer.echo(f"heartbeat  {age(s.heartbeat_age_s)}")
     typer.echo(f"mlflow run {s.mlflow_run_id or '-'}")
+    for step in s.failed_saves:
+        typer.echo(f"warning    checkpoint step {step} was not saved (the store stayed "
+                   "unreachable through every upload try); nothing of it is trusted, a resume "
+                   "uses the newest committed step")
     if s.cost_usd is not None:
         typer.echo(f"cost       ${s.cost_usd:.4f}")
     for a in AttemptLog(folder).history():

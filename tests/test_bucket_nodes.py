@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from stoker.runtime.checkpoint import Checkpointer, CheckpointError
-from tests.test_bucket import BUCKET, keys_in, s3, s3_env  # noqa: F401 - fixtures
+from tests.test_bucket import BUCKET, keys_in, restartable_s3, s3, s3_env  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,3 +132,44 @@ def test_a_node_that_lost_its_lease_commits_nothing_in_the_bucket(s3_env, tmp_pa
         if claim_b is not None:
             claim_b.__exit__(None, None, None)
         claim_a.__exit__(None, None, None)
+
+
+def test_a_given_up_save_is_surfaced_in_records_status_and_mlflow(restartable_s3, tmp_path):
+    """The bucket stays down through every upload try of a save: the runtime records a
+    ``checkpoint_failed`` event, the attempt record names the step, `stoker status` warns, and
+    the job's MLflow run carries a tag and a metric; the step is not committed."""
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+    from stoker.launch.attempts import AttemptLog
+    from stoker.runtime.bucket import attach
+    from stoker.runtime.progress import ProgressWriter
+    from stoker.runtime.tracking import RunTracker
+
+    start, stop = restartable_s3
+    job = tmp_path / "work" / "jobs" / "k-4"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    trainer = SimpleNamespace(
+        ckpt=Checkpointer("s3://down-bucket/k-4/checkpoints", 0, 1, upload_attempts=2),
+        progress=ProgressWriter(job, 1), tracker=RunTracker(uri, "given-up"), run_id=None)
+    spec = SimpleNamespace(checkpoint_dir=None, lease_token=None)
+    attach(trainer, spec, lambda reason: None)
+    log = AttemptLog(job)
+    log.start(1, "spot")
+    stop()
+    trainer.ckpt.save(7, {"w": torch.ones(2)}, {"rng": 7})
+    trainer.ckpt.wait()  # given up: logged, not raised
+    start()
+    trainer.progress.close()
+    log.end(1, {"outcome": "completed", "exit_code": 0, "duration_s": 1.0})
+    assert log.history()[0]["failed_saves"] == [7]
+    assert 7 not in Checkpointer("s3://down-bucket/k-4/checkpoints", 0, 1).committed_steps()
+    run = MlflowClient(uri).get_run(trainer.tracker.run_id)
+    assert run.data.tags["stoker.checkpoint_failed"].startswith("step 7:")
+    assert run.data.metrics["checkpoint_failed_saves"] == 1.0
+    shown = CliRunner().invoke(app, ["status", "k-4", "--work-dir", str(tmp_path / "work")])
+    assert shown.exit_code == 0, shown.output
+    assert "warning    checkpoint step 7 was not saved" in shown.output

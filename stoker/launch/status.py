@@ -119,6 +119,7 @@ class JobSummary:
     heartbeat_age_s: float | None
     progress: JobProgress | None
     owner: str | None
+    failed_saves: tuple[int, ...] = ()  # steps whose save was given up (store unreachable)
 
 
 def job_summary(job_dir: Path, now: float | None = None) -> JobSummary:
@@ -137,6 +138,7 @@ def job_summary(job_dir: Path, now: float | None = None) -> JobSummary:
     live = isinstance(lease, dict) and holder_alive(lease, now)
     events = [e for e in read_events(job_dir)
               if isinstance(e.get("time"), int | float) and isinstance(e.get("step"), int)]
+    failed = tuple(e["step"] for e in events if e.get("event") == "checkpoint_failed")
     progress = job_progress(events)
     history = AttemptLog(job_dir).history()
     beat = read_json(job_dir / "heartbeat.json", default=None, warn=quiet)
@@ -162,7 +164,7 @@ def job_summary(job_dir: Path, now: float | None = None) -> JobSummary:
         cost_usd=float(cost) if isinstance(cost, int | float) else None,
         mlflow_run_id=read_text(job_dir / "mlflow_run_id", warn=quiet),
         heartbeat_age_s=now - beat_time if isinstance(beat_time, int | float) else None,
-        progress=progress, owner=owner)
+        progress=progress, owner=owner, failed_saves=failed)
 
 
 def list_jobs(work_dir: Path) -> list[JobSummary]:
