@@ -173,3 +173,34 @@ def test_a_given_up_save_is_surfaced_in_records_status_and_mlflow(restartable_s3
     shown = CliRunner().invoke(app, ["status", "k-4", "--work-dir", str(tmp_path / "work")])
     assert shown.exit_code == 0, shown.output
     assert "warning    checkpoint step 7 was not saved" in shown.output
+
+
+def test_jobs_and_status_on_a_fresh_node_show_the_bucket_s_jobs(s3_env, tmp_path):
+    """Node A trains a job into the bucket; `stoker jobs`/`stoker status --checkpoint-dir` on
+    a node with an empty work_dir list it, with A's attempt, MLflow run and A as its owner."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+    from stoker.launch.attempts import AttemptLog
+    from stoker.launch.job import JobClaim
+
+    store = f"s3://{BUCKET}/listing"
+    claim = JobClaim(config(tmp_path / "a", store, "k-5")).__enter__()
+    try:
+        AttemptLog(claim.job_dir).start(1, "spot", "flow-a")
+        (claim.job_dir / "mlflow_run_id").write_text("run-abc")
+        claim.store.push(claim.job_dir)
+        fresh = str(tmp_path / "b")
+        listed = CliRunner().invoke(app, ["jobs", "-w", fresh, "--checkpoint-dir", store])
+        assert listed.exit_code == 0, listed.output
+        [row] = [line for line in listed.output.splitlines() if line.startswith("k-5")]
+        assert row.split()[1] == "training" and "run-abc" in row
+        shown = CliRunner().invoke(app, ["status", "k-5", "-w", fresh, "-s", store])
+        assert shown.exit_code == 0, shown.output
+        assert "training (host" in shown.output and "mlflow run run-abc" in shown.output
+        assert "flow run" not in listed.output  # only the table
+    finally:
+        claim.__exit__(None, None, None)
+    assert "no jobs" in CliRunner().invoke(app, ["jobs", "-w", str(tmp_path / "c")]).output
+    wrong = CliRunner().invoke(app, ["jobs", "-w", fresh, "-s", "s3://no-such-bucket-x/jobs"])
+    assert wrong.exit_code == 2 and "checkpoint_dir s3://no-such-bucket-x/jobs" in wrong.output

@@ -26,6 +26,7 @@ Credentials come from the environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCES
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -152,26 +153,48 @@ class JobStore:
         return [n for n in names if n.startswith(f"{key}-")
                 and not self.fs.exists(self._path(n, DONE_MARKER))]
 
+    def jobs(self) -> list[str]:
+        """Names of every job in the store, sorted."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries
+                 if e.get("type") == "directory"]
+        return sorted(n for n in names if not n.startswith("."))
+
+    def lease(self, name: str) -> dict | None:
+        """The job's lease object (who trains it now), or None (none, or unreadable)."""
+        try:
+            record = json.loads(self.fs.cat_file(self._path(name, "lease.json")))
+        except (FileNotFoundError, ValueError):
+            return None
+        return record if isinstance(record, dict) and isinstance(record.get("token"), str) \
+            and isinstance(record.get("expires"), int | float) else None
+
     def is_done(self, name: str) -> bool:
         return self.fs.exists(self._path(name, DONE_MARKER))
 
-    def pull(self, name: str, job_dir: Path) -> list[str]:
+    def pull(self, name: str, job_dir: Path, refresh: bool = False) -> list[str]:
         """Refresh the local cache ``job_dir`` of job ``name`` from the store; returns the
         records copied. A record the cache lacks is copied; an append-only one
         (``*.jsonl``) is replaced when the store's is longer (another node ran the job since
-        this cache was written); other records already cached are kept."""
+        this cache was written); other records already cached are kept, unless ``refresh``
+        (a node that does not train the job, showing it: the store's are newer)."""
         job_dir.mkdir(parents=True, exist_ok=True)
         copied = []
         self.fs.invalidate_cache(self._path(name))
         for record in RECORDS:
             local = job_dir / record
-            if local.exists() and not record.endswith(".jsonl"):
+            if local.exists() and not record.endswith(".jsonl") and not refresh:
                 continue
             try:
                 data = self.fs.cat_file(self._path(name, record))
             except FileNotFoundError:
                 continue
-            if local.exists() and len(data) <= local.stat().st_size:
+            if local.exists() and (len(data) <= local.stat().st_size if record.endswith(".jsonl")
+                                   else data == local.read_bytes()):
                 continue  # the cache is as new (or newer: a push that failed)
             tmp = local.with_name(f".{record}.pull")
             tmp.write_bytes(data)
