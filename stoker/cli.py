@@ -200,6 +200,24 @@ EXIT_BUSY = 4  # `stoker run`: the job is owned by another live run (nothing was
 
 
 WORK_DIR_OPTION = typer.Option("--work-dir", "-w", help="The work folder (work_dir) of the jobs")
+STORE_OPTION = typer.Option(
+    "--checkpoint-dir", "-s", help="The job store (checkpoint_dir, e.g. s3://bucket/jobs): show "
+    "its jobs too, whichever node runs or ran them (copied into the work folder's cache)")
+
+
+def _sync_store(work_dir: Path, checkpoint_dir: str | None) -> dict:
+    """Jobs of ``checkpoint_dir`` into the cache (see ``sync_from_store``); exit 2 naming the
+    store when it cannot be read."""
+    from stoker.config import ConfigError
+    from stoker.launch.status import sync_from_store
+
+    if not checkpoint_dir:
+        return {}
+    try:
+        return sync_from_store(work_dir, checkpoint_dir)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _job_folder(work_dir: Path, job: str) -> Path:
@@ -214,11 +232,13 @@ def _job_folder(work_dir: Path, job: str) -> Path:
 
 
 @app.command()
-def jobs(work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work")) -> None:
-    """List the jobs of a work folder: state, step, attempts, preemptions, cost, MLflow run."""
+def jobs(work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
+         checkpoint_dir: Annotated[str | None, STORE_OPTION] = None) -> None:
+    """List the jobs of a work folder (and of a job store): state, step, attempts,
+    preemptions, cost, MLflow run."""
     from stoker.launch.status import age, list_jobs
 
-    rows = list_jobs(work_dir)
+    rows = list_jobs(work_dir, leases=_sync_store(work_dir, checkpoint_dir))
     if not rows:
         typer.echo(f"no jobs in {(work_dir / 'jobs').resolve()}")
         return
@@ -235,13 +255,15 @@ def jobs(work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work")) -> None:
 
 @app.command()
 def status(job: Annotated[str, typer.Argument(help="Job folder name (or a unique prefix)")],
-           work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work")) -> None:
+           work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
+           checkpoint_dir: Annotated[str | None, STORE_OPTION] = None) -> None:
     """Show one job: state, progress and ETA, attempts, owner, MLflow run, where its files are."""
     from stoker.launch.attempts import AttemptLog
     from stoker.launch.status import age, job_summary
 
+    leases = _sync_store(work_dir, checkpoint_dir)
     folder = _job_folder(work_dir, job)
-    s = job_summary(folder)
+    s = job_summary(folder, bucket_lease=leases.get(folder.name))
     typer.echo(f"job        {s.job}")
     typer.echo(f"state      {s.state}" + (f" ({s.owner})" if s.owner else ""))
     if s.progress is not None:
@@ -249,6 +271,10 @@ def status(job: Annotated[str, typer.Argument(help="Job folder name (or a unique
     typer.echo(f"heartbeat  {age(s.heartbeat_age_s)}")
     typer.echo(f"mlflow run {s.mlflow_run_id or '-'}")
     typer.echo(f"steps lost {s.steps_lost}")
+    for step in s.failed_saves:
+        typer.echo(f"warning    checkpoint step {step} was not saved (the store stayed "
+                   "unreachable through every upload try); nothing of it is trusted, a resume "
+                   "uses the newest committed step")
     if s.cost_usd is not None:
         typer.echo(f"cost       ${s.cost_usd:.4f}")
     for a in AttemptLog(folder).history():

@@ -299,7 +299,10 @@ def test_a_job_killed_on_one_node_resumes_on_another_from_the_bucket(api_env, s3
     try:
         wait_for(lambda: any(k.endswith("/COMMITTED") for k in keys_in(api_env, "nodes/"))
                  and any(k.endswith("/mlflow_run_id") for k in keys_in(api_env, "nodes/"))
-                 and any(k.endswith("/attempts.jsonl") for k in keys_in(api_env, "nodes/")),
+                 and any(k.endswith("/attempts.jsonl") for k in keys_in(api_env, "nodes/"))
+                 # billed up to the last heartbeat in the bucket (the attempt record is
+                 # written through at once; the heartbeat follows every 3 s)
+                 and any(k.endswith("/heartbeat.json") for k in keys_in(api_env, "nodes/")),
                  process=first)
         kill_everything(first)
     finally:

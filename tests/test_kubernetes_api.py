@@ -351,3 +351,48 @@ def test_rbac_grants_what_the_launcher_uses():
     account = next(d for d in docs if d["kind"] == "ServiceAccount")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"][0]["name"] == account["metadata"]["name"]
+
+
+@pytest.mark.parametrize("flavor", ["trainjob", "pytorchjob"])
+def test_a_job_kept_in_a_bucket_is_submitted_with_credentials_from_a_secret(server, api,
+                                                                              flavor):
+    """With a top-level checkpoint_dir the job's spec (in the ConfigMap) names its checkpoints
+    in the bucket; the pods get the bucket credentials from a Secret (secretKeyRef), never a
+    value in the manifest; an inline secret is refused naming the field, and so is a second
+    checkpoint location beside the job store's."""
+    from test_kubernetes import assert_valid
+
+    from stoker.config import PipelineConfig
+    from stoker.launch.factory import make_launcher
+
+    spec = RunSpec(data_dir="/data/digits", job_dir="/jobs/j1", lease_token="tok",
+                   checkpoint_dir="s3://stoker-jobs/jobs/j1/checkpoints")
+    jobs = TRAINJOBS if flavor == "trainjob" else PYTORCHJOBS
+    server.on("POST", CONFIGMAPS, (201, {}))
+    server.on("POST", jobs, (201, {}))
+    manifests = kapi.render(spec, NAME, config(namespace=NS, flavor=flavor,
+                                               credentials_secret="bucket-creds"))
+    kapi.submit(manifests, api)
+    assert server.calls() == [("POST", CONFIGMAPS), ("POST", jobs)]
+    configmap, job = (body for _, _, _, body in server.requests)
+    assert_valid(job)
+    sent = RunSpec.model_validate(__import__("yaml").safe_load(configmap["data"]["spec.yaml"]))
+    assert sent.checkpoint_dir == "s3://stoker-jobs/jobs/j1/checkpoints"
+    assert sent.lease_token == "tok"  # the pods fence their commits with the job's lease
+    text = json.dumps(job)
+    env = {e["name"]: e for e in (job["spec"]["trainer"]["env"] if flavor == "trainjob" else
+                                  job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+                                  ["spec"]["containers"][0]["env"])}
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        assert env[key]["valueFrom"]["secretKeyRef"]["name"] == "bucket-creds"
+        assert "value" not in env[key]
+    assert "testing-secret" not in text
+
+    with pytest.raises(ValueError, match="env.AWS_SECRET_ACCESS_KEY: credentials never go "
+                                         "inline"):
+        config(env={"AWS_SECRET_ACCESS_KEY": "testing-secret"})
+    pipeline = PipelineConfig(checkpoint_dir="s3://stoker-jobs/jobs", tracking={
+        "tracking_uri": "http://127.0.0.1:5000"}, launcher={
+        "kind": "kubernetes", "kubernetes": {"image": "img:1", "checkpoint_dir": "s3://x/y"}})
+    with pytest.raises(ConfigError, match="launcher.kubernetes.checkpoint_dir: leave it empty"):
+        make_launcher(pipeline, 1, "img:1")

@@ -21,6 +21,7 @@ from typing import Any
 
 import fsspec
 
+from stoker.launch.store import write_through
 from stoker.runtime.records import append_jsonl, read_json, read_jsonl
 
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -104,10 +105,13 @@ class AttemptLog:
         """Record attempt ``number`` as started (before it is launched)."""
         append_jsonl(self.path, {"number": number, "state": "started", "started": time.time(),
                                  "capacity_type": capacity_type, "flow_run_id": flow_run_id})
+        write_through(self.job_dir, ATTEMPTS_FILE)  # a lost node's attempt still counts
 
     def end(self, number: int, record: dict[str, Any]) -> None:
         """Close attempt ``number`` with its outcome record (``Attempt.to_dict()`` fields)."""
-        append_jsonl(self.path, {**record, "number": number, "state": "ended"})
+        append_jsonl(self.path, {**record, **self._failed_saves(number), "number": number,
+                                 "state": "ended"})
+        write_through(self.job_dir, ATTEMPTS_FILE)
 
     def close_interrupted(self) -> list[dict[str, Any]]:
         """Close the attempts a dead flow run left open; returns the records written."""
@@ -127,6 +131,17 @@ class AttemptLog:
             self.end(number, entry)
             closed.append({**entry, "number": number})
         return closed
+
+    def _failed_saves(self, number: int) -> dict[str, Any]:
+        """``{"failed_saves": [steps]}`` for the saves attempt ``number`` gave up after their
+        upload tries (the runtime's ``checkpoint_failed`` events since it started; {} if none)."""
+        started = self._latest().get(number, {}).get("started")
+        if not isinstance(started, int | float):
+            return {}
+        steps = [e.get("step") for e in read_jsonl(self.job_dir / "progress.jsonl")
+                 if e.get("event") == "checkpoint_failed"
+                 and isinstance(e.get("time"), int | float) and e["time"] >= started]
+        return {"failed_saves": steps} if steps else {}
 
     def _runtime_end(self, started: float) -> tuple[str, float]:
         """(outcome, last time the runtime was seen) for an attempt started at ``started``."""

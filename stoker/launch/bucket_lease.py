@@ -26,7 +26,7 @@ from typing import Any
 
 from stoker.launch.lease import JobBusy, holder_alive
 from stoker.launch.store import JobStore
-from stoker.runtime.lease import describe
+from stoker.runtime.lease import LeaseLost, describe
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +110,20 @@ class BucketLease:
         on_lost: called (with the reason) from the renewal thread once another node holds the
             lease; the job claim releases the local lease then, so the runtime checkpoints and
             stops (exit 75).
+        token: the lease token (default: a new one); the job claim passes its local lease's,
+            so that the runtime, launched under that token, can check the bucket lease too.
     """
 
     def __init__(self, store: JobStore, name: str, ttl_s: float,
                  flow_run_id: str | None = None,
-                 on_lost: Callable[[str], None] | None = None):
+                 on_lost: Callable[[str], None] | None = None, token: str | None = None):
         self.on_lost = on_lost
+        self._lost_told = threading.Lock()
         self.name, self.ttl_s, self.flow_run_id = name, ttl_s, flow_run_id
         path = f"{store.root}/{name}/{LEASE_OBJECT}"
         self.objects = _S3Objects(path) if store.fs.protocol[0] in ("s3", "s3a") \
             else _FsObjects(store, path)
-        self.token = uuid.uuid4().hex
+        self.token = token or uuid.uuid4().hex
         self.lost: str | None = None
         self._acquired = time.time()
         self._stop = threading.Event()
@@ -168,13 +171,31 @@ class BucketLease:
             return False
         return True
 
+    def check(self) -> None:
+        """Fencing: read the lease object right before a write to the job in the bucket.
+
+        Raises:
+            LeaseLost: another node holds the lease (or it was removed); ``on_lost`` is told.
+        """
+        if self.lost is None:
+            current, _ = self.objects.get()
+            if current is None or current["token"] != self.token:
+                self.lost = f"taken over by {describe(current)}" if current else "lease removed"
+        if self.lost is not None:
+            self._tell_lost()
+            raise LeaseLost(f"job {self.name}: bucket lease {self.lost}; not written")
+
+    def _tell_lost(self) -> None:
+        if self._lost_told.acquire(blocking=False):  # once, from whichever thread sees it
+            log.error("job %s: bucket lease lost (%s)", self.name, self.lost)
+            if self.on_lost is not None:
+                self.on_lost(self.lost)
+
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 if not self.renew():
-                    log.error("job %s: bucket lease lost (%s)", self.name, self.lost)
-                    if self.on_lost is not None:
-                        self.on_lost(self.lost)
+                    self._tell_lost()
                     return
             except Exception as e:  # the bucket down for a while: expiry decides
                 log.warning("job %s: bucket lease renewal failed (%s)", self.name,

@@ -80,6 +80,10 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
     from stoker.launch.kubernetes import KubernetesLauncher, api_client
 
     fields = dict(config.launcher.kubernetes)
+    if config.checkpoint_dir and fields.get("checkpoint_dir"):
+        # The job store decides where each job's checkpoints live (and is fenced there).
+        raise ConfigError("launcher.kubernetes.checkpoint_dir: leave it empty when the "
+                          f"top-level checkpoint_dir ({config.checkpoint_dir}) is set")
     if image:
         fields["image"] = image
     fields.setdefault("nproc_per_node", world_size)

@@ -22,7 +22,7 @@ from pathlib import Path
 from stoker.config import PipelineConfig
 from stoker.launch.bucket_lease import BucketLease
 from stoker.launch.lease import JobLease, check_free, holder_alive
-from stoker.launch.store import JobStore
+from stoker.launch.store import JobStore, disown, own, write_through
 from stoker.runtime.lease import read_lease
 from stoker.runtime.records import read_json, write_json
 from stoker.runtime.trainer import TRAJECTORY_FIELDS
@@ -76,6 +76,7 @@ def resolve_job_dir(config: PipelineConfig, dataset_md5: str | None) -> Path:
 def mark_done(job_dir: Path, summary: dict) -> None:
     """Record that the pipeline finished this job (training, registration, report)."""
     write_json(job_dir / DONE_MARKER, summary)
+    write_through(job_dir, DONE_MARKER)
 
 
 def done_summary(job_dir: Path) -> dict | None:
@@ -139,10 +140,12 @@ class JobClaim:
         """Lease the job in the bucket too, then fill the local cache from it."""
         try:
             self.bucket_lease = BucketLease(self.store, job_dir.name, self.config.job_lease_s,
-                                            self.flow_run_id, self._bucket_lease_lost).acquire()
+                                            self.flow_run_id, self._bucket_lease_lost,
+                                            token=self.lease.token).acquire()
         except BaseException:
             self._release()
             raise
+        own(job_dir, self.store, self.bucket_lease.check)
         copied = self.store.pull(job_dir.name, job_dir)
         if copied:
             log.info("job %s: records from %s: %s", job_dir.name, self.store.url,
@@ -158,6 +161,8 @@ class JobClaim:
 
     def _release(self) -> None:
         if self.bucket_lease is not None:
+            if self.lease is not None:
+                disown(self.lease.job_dir)
             self.bucket_lease.release()
             self.bucket_lease = None
         if self.lease is not None:

@@ -21,6 +21,7 @@ preemptions, infrastructure failures and user errors keep their separate retry b
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Literal
 
@@ -31,6 +32,8 @@ from stoker.config import ConfigError, _Frozen
 from stoker.launch.api_models import check_manifest
 from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
 from stoker.runtime.spec import RunSpec
+
+log = logging.getLogger(__name__)
 
 # The label values are valid Kubernetes label keys too; the cost guard finds pods by them.
 OWNER_LABEL = DOCKER_OWNER_LABEL
@@ -170,6 +173,10 @@ class KubernetesLaunchConfig(_Frozen):
             raise ValueError(f"volume_claims: mount paths must differ, got {paths}")
         if self.credentials_secret and not self.credentials_keys:
             raise ValueError("credentials_keys must not be empty when credentials_secret is set")
+        inline = sorted(k for k in self.env if _SECRET_NAME.search(k))
+        if inline:
+            raise ValueError(f"env.{inline[0]}: credentials never go inline into the job "
+                             "manifest; put them in the Secret named by credentials_secret")
         return self
 
     @property
@@ -194,19 +201,29 @@ def configmap_name(name: str) -> str:
     return f"{name}-spec"
 
 
+# Environment names that hold credentials (AWS_SECRET_ACCESS_KEY, MLFLOW_TRACKING_PASSWORD, ...).
+_SECRET_NAME = re.compile(r"(?i)(SECRET|PASSWORD|TOKEN|ACCESS_KEY|CREDENTIAL)")
+
+
 def pod_spec(spec: RunSpec, config: KubernetesLaunchConfig) -> RunSpec:
     """The run spec as the pods see it: ``checkpoint_dir`` from ``config`` when it sets one.
 
     Raises:
         ConfigError: ``data_dir``, ``job_dir`` or a checkpoint path is not on a volume claim
             (or the job folder or checkpoints are on a read-only one), so pods could not share
-            them and a resumed job would not find its checkpoints.
+            them and a resumed job would not find its checkpoints. Checkpoints in an object
+            store without ``credentials_secret`` or ``service_account`` are warned about (a
+            node's instance role may still reach the bucket).
     """
     if config.checkpoint_dir:
         spec = spec.model_copy(update={"checkpoint_dir": config.checkpoint_dir})
     needs = {"data_dir": (spec.data_dir, False), "job_dir": (spec.job_dir, True)}
     if "://" not in spec.checkpoint_location:
         needs["checkpoint_dir"] = (spec.checkpoint_location, True)
+    elif not (config.credentials_secret or config.service_account):
+        log.warning("checkpoint_dir %s: the pods get no bucket credentials (no launcher."
+                    "kubernetes.credentials_secret or service_account): only a node's own "
+                    "role can reach the bucket", spec.checkpoint_location)
     for field, (path, writable) in needs.items():
         claim = _claim_for(path, config.volume_claims)
         if claim is None:

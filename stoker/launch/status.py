@@ -121,10 +121,13 @@ class JobSummary:
     progress: JobProgress | None
     owner: str | None
     steps_lost: int = 0
+    failed_saves: tuple[int, ...] = ()  # steps whose save was given up (store unreachable)
 
 
-def job_summary(job_dir: Path, now: float | None = None) -> JobSummary:
-    """Summarise one job folder from its records (never raises on a torn or missing record)."""
+def job_summary(job_dir: Path, now: float | None = None,
+                bucket_lease: dict | None = None) -> JobSummary:
+    """Summarise one job folder from its records (never raises on a torn or missing record);
+    ``bucket_lease``: the job's lease object in the bucket, when it lives in one."""
     from stoker.launch.attempts import AttemptLog, total_steps_lost
     from stoker.launch.job import done_summary
     from stoker.launch.lease import holder_alive
@@ -137,8 +140,11 @@ def job_summary(job_dir: Path, now: float | None = None) -> JobSummary:
     done = done_summary(job_dir)
     lease = read_json(job_dir / "lease.json", default=None, warn=quiet)
     live = isinstance(lease, dict) and holder_alive(lease, now)
+    if not live and bucket_lease is not None and holder_alive(bucket_lease, now):
+        lease, live = bucket_lease, True  # trained on another node
     events = [e for e in read_events(job_dir)
               if isinstance(e.get("time"), int | float) and isinstance(e.get("step"), int)]
+    failed = tuple(e["step"] for e in events if e.get("event") == "checkpoint_failed")
     progress = job_progress(events)
     history = AttemptLog(job_dir).history()
     beat = read_json(job_dir / "heartbeat.json", default=None, warn=quiet)
@@ -164,17 +170,49 @@ def job_summary(job_dir: Path, now: float | None = None) -> JobSummary:
         cost_usd=float(cost) if isinstance(cost, int | float) else None,
         mlflow_run_id=read_text(job_dir / "mlflow_run_id", warn=quiet),
         heartbeat_age_s=now - beat_time if isinstance(beat_time, int | float) else None,
-        progress=progress, owner=owner, steps_lost=total_steps_lost(history))
+        progress=progress, owner=owner, steps_lost=total_steps_lost(history),
+        failed_saves=failed)
 
 
-def list_jobs(work_dir: Path) -> list[JobSummary]:
-    """Every job folder under ``<work_dir>/jobs``, newest first (by folder time)."""
+def sync_from_store(work_dir: Path, checkpoint_dir: str) -> dict[str, dict | None]:
+    """Fill ``<work_dir>/jobs`` (the cache) with every job of the store ``checkpoint_dir``
+    (another node's too) and refresh the records of those this node does not train.
+
+    Returns:
+        job name -> its lease object in the bucket (None: nobody holds it).
+
+    Raises:
+        BucketError: the store cannot be read (one line naming ``checkpoint_dir``).
+    """
+    from stoker.launch.job import job_owner
+    from stoker.launch.store import BucketError, JobStore, _redact
+
+    store = JobStore(checkpoint_dir)
+    jobs = Path(work_dir) / "jobs"
+    leases = {}
+    try:
+        if not store.local and not store.fs.exists(store.root.split("/", 1)[0]):
+            raise FileNotFoundError("no such bucket")
+        for name in store.jobs():
+            job_dir = jobs / name
+            store.pull(name, job_dir, refresh=job_owner(job_dir) is None)
+            leases[name] = store.lease(name)
+    except Exception as e:  # botocore/aiohttp raise many types: all mean "unreadable store"
+        raise BucketError(f"checkpoint_dir {store.url}: cannot list the jobs there "
+                          f"({type(e).__name__}: {_redact(str(e))[:300]})") from None
+    return leases
+
+
+def list_jobs(work_dir: Path, leases: dict[str, dict | None] | None = None) -> list[JobSummary]:
+    """Every job folder under ``<work_dir>/jobs``, newest first (by folder time); ``leases``:
+    the bucket leases of the jobs of a store (``sync_from_store`` ran first)."""
+    leases = leases or {}
     jobs = Path(work_dir) / "jobs"
     if not jobs.is_dir():
         return []
     folders = [p for p in jobs.iterdir() if p.is_dir() and not p.name.startswith(".")]
     folders.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    return [job_summary(p) for p in folders]
+    return [job_summary(p, bucket_lease=leases.get(p.name)) for p in folders]
 
 
 def find_job(work_dir: Path, name: str) -> Path | None:

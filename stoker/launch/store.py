@@ -11,9 +11,14 @@ keeps, under ``<checkpoint_dir>/<job name>/``:
     lease.json                 who trains the job now, until when (see ``BucketLease``)
 
 The local ``<work_dir>/jobs/<job name>/`` folder is a cache: ``pull`` fills a fresh one from the
-bucket (another node, an empty disk) and ``push`` copies the records back (``RecordSync`` does so
-every few seconds while the job trains). Records written on a node after its last push are lost
-with it: billed time of a lost node counts up to its last push.
+bucket (another node, an empty disk) and ``push`` copies the records back. The records that
+decide resumption and billing (the attempt record, the spec, the done marker; the runtime writes
+``mlflow_run_id`` itself) are written through at once (``write_through``), so a node killed right
+after writing one loses nothing; ``RecordSync`` pushes the rest (progress, heartbeat) every few
+seconds while the job trains.
+
+Fencing: while a node owns a job (``own``), every push first checks that the lease object in the
+bucket is still this node's; a node whose lease was taken over writes nothing more there.
 
 Credentials come from the environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_ENDPOINT_URL``, ...), read by s3fs/boto3 themselves; they are never logged.
@@ -21,10 +26,12 @@ Credentials come from the environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCES
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
@@ -40,6 +47,42 @@ DONE_MARKER = "pipeline_done.json"
 
 class BucketError(ConfigError):
     """The job store (``checkpoint_dir``) cannot be reached, read or written."""
+
+
+# Jobs this process owns in a bucket: job folder -> (store, lease check), and one lock per job so
+# that a write-through and a periodic push never land out of order.
+_OWNED: dict[Path, tuple[JobStore, Callable[[], None]]] = {}
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def own(job_dir: Path, store: JobStore, check: Callable[[], None]) -> None:
+    """Register ``job_dir`` as held in ``store``: ``check`` (raising ``LeaseLost`` once the
+    lease is another node's) guards every push, and ``write_through`` pushes at once."""
+    _OWNED[Path(job_dir).resolve()] = (store, check)
+
+
+def disown(job_dir: Path) -> None:
+    _OWNED.pop(Path(job_dir).resolve(), None)
+
+
+def _lock(name: str) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(name, threading.Lock())
+
+
+def write_through(job_dir: Path, *records: str) -> None:
+    """Push ``records`` of ``job_dir`` to its bucket now, when this process owns the job there
+    (a no-op otherwise). A store error or a lost lease is logged, never raised: the caller's
+    local record stands, and the periodic push (or the next run) catches up."""
+    owner = _OWNED.get(Path(job_dir).resolve())
+    if owner is None:
+        return
+    try:
+        owner[0].push(Path(job_dir), records)
+    except Exception as e:  # the bucket down, or the job another node's now (LeaseLost)
+        log.warning("job %s: %s not written to %s (%s: %s)", Path(job_dir).name,
+                    ", ".join(records), owner[0].url, type(e).__name__, str(e)[:200])
 
 
 def _redact(text: str) -> str:
@@ -110,26 +153,48 @@ class JobStore:
         return [n for n in names if n.startswith(f"{key}-")
                 and not self.fs.exists(self._path(n, DONE_MARKER))]
 
+    def jobs(self) -> list[str]:
+        """Names of every job in the store, sorted."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries
+                 if e.get("type") == "directory"]
+        return sorted(n for n in names if not n.startswith("."))
+
+    def lease(self, name: str) -> dict | None:
+        """The job's lease object (who trains it now), or None (none, or unreadable)."""
+        try:
+            record = json.loads(self.fs.cat_file(self._path(name, "lease.json")))
+        except (FileNotFoundError, ValueError):
+            return None
+        return record if isinstance(record, dict) and isinstance(record.get("token"), str) \
+            and isinstance(record.get("expires"), int | float) else None
+
     def is_done(self, name: str) -> bool:
         return self.fs.exists(self._path(name, DONE_MARKER))
 
-    def pull(self, name: str, job_dir: Path) -> list[str]:
+    def pull(self, name: str, job_dir: Path, refresh: bool = False) -> list[str]:
         """Refresh the local cache ``job_dir`` of job ``name`` from the store; returns the
         records copied. A record the cache lacks is copied; an append-only one
         (``*.jsonl``) is replaced when the store's is longer (another node ran the job since
-        this cache was written); other records already cached are kept."""
+        this cache was written); other records already cached are kept, unless ``refresh``
+        (a node that does not train the job, showing it: the store's are newer)."""
         job_dir.mkdir(parents=True, exist_ok=True)
         copied = []
         self.fs.invalidate_cache(self._path(name))
         for record in RECORDS:
             local = job_dir / record
-            if local.exists() and not record.endswith(".jsonl"):
+            if local.exists() and not record.endswith(".jsonl") and not refresh:
                 continue
             try:
                 data = self.fs.cat_file(self._path(name, record))
             except FileNotFoundError:
                 continue
-            if local.exists() and len(data) <= local.stat().st_size:
+            if local.exists() and (len(data) <= local.stat().st_size if record.endswith(".jsonl")
+                                   else data == local.read_bytes()):
                 continue  # the cache is as new (or newer: a push that failed)
             tmp = local.with_name(f".{record}.pull")
             tmp.write_bytes(data)
@@ -138,11 +203,19 @@ class JobStore:
         return copied
 
     def push(self, job_dir: Path, records: tuple[str, ...] = RECORDS) -> None:
-        """Copy the records of ``job_dir`` to the store (each object replaced whole)."""
-        for record in records:
-            local = job_dir / record
-            if local.exists():
-                self.put(self._path(job_dir.name, record), local.read_bytes())
+        """Copy the records of ``job_dir`` to the store (each object replaced whole).
+
+        Raises:
+            LeaseLost: this process owns the job (``own``) but the bucket lease is no longer its.
+        """
+        owner = _OWNED.get(Path(job_dir).resolve())
+        with _lock(job_dir.name):
+            if owner is not None:
+                owner[1]()  # fencing: right before the writes
+            for record in records:
+                local = job_dir / record
+                if local.exists():
+                    self.put(self._path(job_dir.name, record), local.read_bytes())
 
 
 class RecordSync(threading.Thread):

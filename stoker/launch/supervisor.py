@@ -19,6 +19,7 @@ from stoker.images.build import ImageResult
 from stoker.launch.lease import JobBusy
 from stoker.launch.status import job_progress
 from stoker.launch.stop_request import read_stop_request
+from stoker.launch.store import write_through
 from stoker.runtime.progress import read_events
 from stoker.runtime.spec import RunSpec
 from stoker.stopping import stop_reason
@@ -119,6 +120,7 @@ def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
     )
     job_dir.mkdir(parents=True, exist_ok=True)
     spec.dump(job_dir / "spec.yaml")
+    write_through(job_dir, "spec.yaml")
     return job_dir / "spec.yaml"
 
 

@@ -41,6 +41,7 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     """Load the spec and train; ``stop`` is already listening. Returns the exit code."""
     from stoker.config import ConfigError
     from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
+    from stoker.runtime.bucket import attach, caused_by_lost_lease
     from stoker.runtime.checkpoint import CheckpointError
     from stoker.runtime.data import DataError
     from stoker.runtime.distributed import init_distributed, teardown
@@ -66,12 +67,21 @@ def run(spec_path: Path, stop: StopFlag) -> int:
             stop.watch_notice_url(spec.train.preemption_notice_url,
                                   spec.train.preemption_notice_interval_s)
         trainer = Trainer(spec, env, stop)
+        if env.rank == 0:
+            attach(trainer, spec, stop.request)
         outcome = trainer.train()
         if outcome == "preempted":
             record_stop_committed(trainer.step)
             return EXIT_PREEMPTED
         return EXIT_OK
-    except (ConfigError, DataError, CheckpointError) as e:
+    except CheckpointError as e:
+        if caused_by_lost_lease(e):
+            # Another node owns the job: stop as a lost local lease does (exit 75).
+            log.error("stopping: %s", e)
+            return EXIT_PREEMPTED
+        log.error("%s", e)
+        return 2
+    except (ConfigError, DataError) as e:
         log.error("%s", e)
         return 2
     except Exception as e:

@@ -45,6 +45,7 @@ import fsspec
 import torch
 from tenacity import Retrying, stop_after_attempt, wait_exponential
 
+from stoker.runtime.lease import LeaseLost
 from stoker.runtime.staging import HashingWriter, HostStaging
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,11 @@ class Checkpointer:
             thread too, and the caller calls ``wait_staged()`` before the tensors change.
         commit_timeout_s: how long rank 0 waits for the other ranks' files before giving up.
         upload_attempts: tries per save on an object store (exponential backoff from 1 s).
+
+    Attributes a runtime may set after construction: ``fence`` (called by rank 0 right before
+    each ``COMMITTED`` write; raises ``stoker.runtime.lease.LeaseLost`` when this run no
+    longer owns the job, so the step stays uncommitted) and ``on_give_up`` (called with the step
+    and the reason when a save to an object store is given up after ``upload_attempts``).
     """
 
     def __init__(self, location: str, rank: int, world_size: int, keep_latest_k: int = 3,
@@ -95,6 +101,8 @@ class Checkpointer:
         self.remote = protocol not in ("file", "local", "memory")
         self.upload_attempts = upload_attempts
         self.failed_saves: list[int] = []  # steps given up after upload_attempts (remote only)
+        self.fence: Callable[[], None] | None = None
+        self.on_give_up: Callable[[int, str], None] | None = None
         self.root = self.root.rstrip("/")
         self.rank = rank
         self.world_size = world_size
@@ -239,9 +247,11 @@ class Checkpointer:
             raise  # a rank missing is no store outage: as on a local disk
         except Exception as e:  # botocore/aiohttp/OSError: the store is unreachable
             self.failed_saves.append(step)
-            log.error("checkpoint %s not saved after %d tries (%s: %s); training goes on, the "
-                      "next save tries again", self.step_dir(step), self.upload_attempts,
-                      type(e).__name__, str(e)[:200])
+            reason = f"{type(e).__name__}: {str(e)[:200]}"
+            log.error("checkpoint %s not saved after %d tries (%s); training goes on, the "
+                      "next save tries again", self.step_dir(step), self.upload_attempts, reason)
+            if self.on_give_up is not None:
+                self.on_give_up(step, reason)
 
     def _write_step(self, step: int, shared: dict | None, rank_state: dict,
                     metrics: dict | None = None) -> None:
@@ -258,6 +268,11 @@ class Checkpointer:
                   rank_file: digest, **self._rank_digests(folder, step)}
         marker = {"step": step, "world_size": self.world_size, "files": hashes,
                   "metrics": metrics or {}, "time": time.time()}
+        if self.fence is not None:  # a node that lost the job commits nothing more
+            try:
+                self.fence()
+            except LeaseLost as e:  # not an outage: never retried
+                raise CheckpointError(f"{folder}: left uncommitted: {e}") from e
         self._write(f"{folder}/{MARKER}", json.dumps(marker, indent=1).encode())
         self._verified.add(step)
         self._purge(step)

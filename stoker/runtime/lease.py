@@ -28,6 +28,10 @@ LEASE_FILE = "lease.json"
 EXPIRY_GRACE_S = 2.0
 
 
+class LeaseLost(RuntimeError):
+    """The job's lease is no longer this run's: nothing more may be written for the job."""
+
+
 def read_lease(job_dir: str | Path) -> dict[str, Any] | None:
     """The job's lease record, or None when there is none (or it is unreadable: warned)."""
     lease = read_json(Path(job_dir) / LEASE_FILE)
