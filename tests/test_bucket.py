@@ -401,3 +401,45 @@ def test_a_stale_local_cache_is_refreshed_from_the_bucket(s3_env, tmp_path):
     assert (job / "attempts.jsonl").read_text().count("\n") == 2
     assert (job / "result.json").read_text() == '{"local": true}'
     assert (job / "mlflow_run_id").read_text() == "abc123"
+
+
+def test_docker_containers_checkpoint_to_the_bucket_and_resume_from_it(
+        s3, training_image, make_spec, docker_engine, mlflow_http):
+    """The docker launcher with ``checkpoint_dir`` in a bucket: the training image reaches the
+    store with the credentials of the environment (never in the logs), `docker stop` commits a
+    stop checkpoint there, and the next attempt resumes from the bucket's newest step."""
+    import uuid
+
+    from conftest import events
+
+    from stoker.launch.docker import DockerLauncher
+    from stoker.runtime.spec import RunSpec
+
+    job = f"docker-bucket-{uuid.uuid4().hex[:8]}"
+    path = make_spec(job, epochs=4, tracking_uri=mlflow_http.uri)
+    url = f"s3://{BUCKET}/docker/{job}/checkpoints"
+    RunSpec.load(path).model_copy(update={"checkpoint_dir": url}).dump(path)
+    launcher = DockerLauncher(image=training_image.ref, gpus=0, shm_size="256m",
+                              shutdown_grace_s=20, nproc_per_node=2,
+                              rdzv_endpoint=f"127.0.0.1:{free_port()}", environment=dict(s3))
+    (container,) = launcher.start(path)
+    try:
+        wait_for(lambda: any(e["event"] == "step" and e["step"] >= 25
+                             for e in events(path.parent)), timeout_s=300)
+        container.stop(timeout=40)
+        status = container.wait(timeout=60)
+        logs = container.logs().decode()
+    finally:
+        container.remove(force=True)
+    assert status["StatusCode"] == 75, logs[-3000:]
+    stopped = [e for e in events(path.parent) if e["event"] == "end"][-1]
+    marker = f"docker/{job}/checkpoints/step-{stopped['step']:09d}/COMMITTED"
+    assert marker in keys_in(s3, f"docker/{job}/")
+    assert not (path.parent / "checkpoints").exists()  # nothing went to the local disk
+
+    lines: list[str] = []
+    assert launcher.run(path, on_line=lines.append, timeout_s=600) == 0, "\n".join(lines[-60:])
+    starts = [e for e in events(path.parent) if e["event"] == "start"]
+    assert starts[-1]["resumed"] and starts[-1]["step"] == stopped["step"]
+    said = logs + "\n".join(lines)
+    assert s3["AWS_SECRET_ACCESS_KEY"] not in said and s3["AWS_ACCESS_KEY_ID"] not in said
