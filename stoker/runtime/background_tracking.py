@@ -149,17 +149,22 @@ class BackgroundTracker:
                 self._idle.notify_all()
 
     def _drain(self) -> bool:
-        """Send every queued operation in order; True once the run was ended."""
+        """Send the operations queued when called, in order (not those queued meanwhile: one
+        batch per interval, not one per step); True once the run was ended."""
+        left = len(self._ops)
         while True:
             with self._lock:
-                if not self._ops:
-                    self._idle.notify_all()
+                if not self._ops or left <= 0:
+                    if not self._ops:
+                        self._idle.notify_all()
                     return False
                 op, args = self._ops.popleft()
+                left -= 1
                 if op == "metric":
                     batch = [args]
-                    while self._ops and self._ops[0][0] == "metric":
+                    while left > 0 and self._ops[0][0] == "metric":
                         batch.append(self._ops.popleft()[1])
+                        left -= 1
                     self._in_flight = batch
             if op == "metric":
                 self.tracker.log_records(batch)
