@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^/@\s]+@")  # scheme://user:password@host
@@ -40,12 +41,15 @@ class RunTracker:
         run_id: reopen this run (a resumed job); None creates a new run.
         run_name, tags, params: used when creating; params missing from a reopened run are added.
         flush_every_s: buffered metrics are sent at least this often (seconds).
+        on_created: called with the new run's id as soon as it exists (before params and the
+            system metrics monitor), so a process stopped while opening leaves no orphan run.
     """
 
     def __init__(self, tracking_uri: str, experiment: str, run_id: str | None = None,
                  run_name: str | None = None, tags: dict[str, str] | None = None,
                  params: dict[str, str] | None = None, artifact_location: str | None = None,
-                 flush_every_s: float = 2.0, system_metrics_interval_s: float | None = None):
+                 flush_every_s: float = 2.0, system_metrics_interval_s: float | None = None,
+                 on_created: Callable[[str], None] | None = None):
         from mlflow import MlflowClient
 
         ensure_store(tracking_uri)
@@ -57,6 +61,8 @@ class RunTracker:
             experiment_id = self._experiment_id(experiment, artifact_location)
             run = self.client.create_run(experiment_id, run_name=run_name, tags=tags or {})
             self.run_id = run.info.run_id
+            if on_created is not None:
+                on_created(self.run_id)
             existing: dict[str, str] = {}
         else:
             self.run_id = run_id

@@ -48,6 +48,9 @@ SHARED_KEYS = {"model", "optimizer", "scheduler", "scaler", "step", "config", "r
                "world_size"}
 SUMMARY_EVERY_STEPS = 10  # lr and samples_per_s go to MLflow once per this many steps
 RUN_OPEN_TIMEOUT_S = 300.0  # the result names the run: wait this long for MLflow at the end
+# A stopping attempt waits this long for MLflow, no longer: what it has not confirmed is in the
+# stop checkpoint (tracking_backlog) and is sent by the attempt that resumes from it.
+STOP_TRACKING_WAIT_S = 2.0
 
 
 class Trainer(ProfilingMixin):
@@ -219,11 +222,11 @@ class Trainer(ProfilingMixin):
             tracker = RunTracker(
                 spec.tracking_uri, spec.experiment, run_id=run_id, run_name=spec.run_name,
                 tags=spec.tags, params=params, artifact_location=spec.artifact_location,
-                system_metrics_interval_s=spec.system_metrics_interval_s)
+                system_metrics_interval_s=spec.system_metrics_interval_s,
+                on_created=run_file.write_text)
             tracker.set_tags(tags)
             if run_id is None:
                 tracker.log_dataset(spec.tags or {})  # once per run: the Datasets panel
-                run_file.write_text(tracker.run_id)
             return tracker
 
         return BackgroundTracker(open_run)
@@ -479,7 +482,8 @@ class Trainer(ProfilingMixin):
         if self.tracker is not None:
             try:
                 self.tracker.set_tags({"stoker.last_outcome": outcome})
-                self.tracker.end(status)
+                self.tracker.end(status, timeout_s=STOP_TRACKING_WAIT_S if outcome == "preempted"
+                                 else RUN_OPEN_TIMEOUT_S)
             except Exception as e:  # tracking must not mask the training outcome
                 log.warning("could not finish MLflow run %s: %s", self._run_id(), e)
         if self.progress is not None:
