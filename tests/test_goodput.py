@@ -135,3 +135,41 @@ print(ours, counter.get_total_flops(), dynamo)
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch):
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def test_metrics_a_stop_could_not_send_reach_mlflow_from_the_checkpoint_backlog(tmp_path):
+    """A stopping attempt waits for MLflow only briefly; what it could not send is in the stop
+    checkpoint (``backlog``) and the resumed attempt sends it, on its steps, without doubles."""
+    from stoker.runtime.background_tracking import BackgroundTracker, TrackingError
+    from stoker.runtime.tracking import RunTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_file = tmp_path / "mlflow_run_id"
+    exited = threading.Event()
+
+    def never_opens() -> RunTracker:  # the store stays busy until the process is gone
+        exited.wait(60)
+        raise ConnectionError("process gone")
+
+    first = BackgroundTracker(never_opens)
+    for step in range(1, 11):
+        first.log_metrics(step, {"train_loss": 1.0 / step})
+    saved = first.backlog()  # what the stop checkpoint holds
+    assert [r[3] for r in saved] == list(range(1, 11))
+    with pytest.raises(TrackingError):
+        first.end("KILLED", timeout_s=0.2)  # bounded: the attempt exits without the store
+    exited.set()
+    assert not run_file.exists()
+    # The resumed attempt opens the run, replays the backlog, then logs its own steps.
+    second = BackgroundTracker(lambda: RunTracker(uri, "backlog", run_name="r",
+                                                  on_created=run_file.write_text))
+    second.replay(saved)
+    second.log_metrics(11, {"train_loss": 1.0 / 11})
+    second.end("FINISHED")
+    # A third attempt resuming from the same checkpoint (a crash after it) adds no doubles.
+    run_id = run_file.read_text()
+    third = BackgroundTracker(lambda: RunTracker(uri, "backlog", run_id=run_id))
+    third.replay(saved)
+    third.end("FINISHED")
+    history = MlflowClient(uri).get_metric_history(run_id, "train_loss")
+    assert sorted(m.step for m in history) == list(range(1, 12))
