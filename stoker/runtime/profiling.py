@@ -8,6 +8,7 @@ datasheet values.
 from __future__ import annotations
 
 import resource
+import time
 from pathlib import Path
 
 import torch
@@ -62,6 +63,7 @@ class ProfilingMixin:
     """Profiler, FLOP count and the attempt's time/memory/throughput summary."""
 
     _step_flops: float | None = None
+    _cpu_started = 0.0  # time.process_time() when the attempt's loop started
 
     def _profiler(self):
         """An opt-in torch.profiler for ``profile_steps`` steps after 5 warm-up steps."""
@@ -120,6 +122,9 @@ class ProfilingMixin:
         """
         out: dict[str, float] = {f"{k}_s": round(v, 4) for k, v in self.timings.items()}
         out["wall_s"] = round(wall_s, 4)
+        # CPU seconds of this process (all its threads: tracking, data, checkpoint) over the
+        # same span: what rank 0's extra duties cost shows here, not in wall time alone.
+        out["process_cpu_s"] = round(time.process_time() - self._cpu_started, 4)
         out["steps"] = steps_run
         out["samples_per_s"] = round(steps_run * self.cfg.global_batch_size / max(wall_s, 1e-9),
                                      2)

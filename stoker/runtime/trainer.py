@@ -261,7 +261,7 @@ class Trainer(ProfilingMixin):
         """Run until done or preempted. Returns ``"completed"`` or ``"preempted"``."""
         self._event("start", total_steps=self.total_steps, resumed=self.step > 0,
                     restarted_from_zero=self.resume.restarted_from_zero)
-        started = time.perf_counter()
+        started, self._cpu_started = time.perf_counter(), time.process_time()
         start_step = self.step
         profiler = self._profiler()
         while self.step < self.total_steps:
