@@ -386,7 +386,7 @@ class Trainer(ProfilingMixin):
                      self.cfg.epochs, self.step, self.metrics["val_accuracy"],
                      self.metrics["val_loss"], epoch_time_s)
         self._event("eval", epoch=epoch + 1, val_accuracy=self.metrics["val_accuracy"],
-                    val_loss=self.metrics["val_loss"])
+                    val_loss=self.metrics["val_loss"], process_cpu_s=round(time.process_time(), 3))
         self._log({"val_accuracy": self.metrics["val_accuracy"],
                    "val_loss": self.metrics["val_loss"], "epoch_time_s": epoch_time_s})
         return self.metrics
