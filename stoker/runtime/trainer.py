@@ -386,7 +386,8 @@ class Trainer(ProfilingMixin):
                      self.cfg.epochs, self.step, self.metrics["val_accuracy"],
                      self.metrics["val_loss"], epoch_time_s)
         self._event("eval", epoch=epoch + 1, val_accuracy=self.metrics["val_accuracy"],
-                    val_loss=self.metrics["val_loss"], process_cpu_s=round(time.process_time(), 3))
+                    val_loss=self.metrics["val_loss"], process_cpu_s=round(time.process_time(), 3),
+                    **({"tracking_open": self.tracker.opened.is_set()} if self.tracker else {}))
         self._log({"val_accuracy": self.metrics["val_accuracy"],
                    "val_loss": self.metrics["val_loss"], "epoch_time_s": epoch_time_s})
         return self.metrics
