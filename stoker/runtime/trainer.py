@@ -483,8 +483,9 @@ class Trainer(ProfilingMixin):
         if self.tracker is not None:
             try:
                 self.tracker.set_tags({"stoker.last_outcome": outcome})
-                self.tracker.end(status, timeout_s=STOP_TRACKING_WAIT_S if outcome == "preempted"
-                                 else RUN_OPEN_TIMEOUT_S)
+                stopping = outcome == "preempted"
+                self.tracker.end(status, abandon_unopened=stopping,
+                                 timeout_s=STOP_TRACKING_WAIT_S if stopping else RUN_OPEN_TIMEOUT_S)
             except Exception as e:  # tracking must not mask the training outcome
                 log.warning("could not finish MLflow run %s: %s", self._run_id(), e)
         if self.progress is not None:
