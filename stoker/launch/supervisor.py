@@ -6,6 +6,7 @@ parts (task runs per attempt, the progress artifact, the flow run's id and URL).
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,10 +18,10 @@ from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
 from stoker.launch.lease import JobBusy
-from stoker.launch.status import job_progress
+from stoker.launch.status import WINDOW_STEPS, job_progress
 from stoker.launch.stop_request import read_stop_request
 from stoker.launch.store import write_through
-from stoker.runtime.progress import read_events
+from stoker.runtime.records import JsonlTail
 from stoker.runtime.spec import RunSpec
 from stoker.stopping import stop_reason
 from stoker.tracking.lineage import code_version
@@ -146,12 +147,33 @@ class ProgressWatcher(threading.Thread):
         self.job_dir, self.on_progress, self.every_s = job_dir, on_progress, every_s
         self.stopped = threading.Event()
         self._last: str | None = None
+        # Only the new bytes are read at each poll (the file grows by a line per step), and
+        # only what job_progress looks at is kept: every start, end and checkpoint event, and
+        # the current attempt's last WINDOW_STEPS step events.
+        self.tail = JsonlTail(Path(job_dir) / "progress.jsonl")
+        self._marks: list[dict] = []
+        self._steps: collections.deque = collections.deque(maxlen=WINDOW_STEPS)
+
+    def _add(self, event: dict) -> None:
+        if not (isinstance(event.get("time"), int | float) and isinstance(event.get("step"), int)):
+            return
+        kind = event.get("event")
+        if kind == "step":
+            self._steps.append(event)
+        elif kind in ("start", "end", "checkpoint"):
+            if kind == "start":
+                self._steps.clear()  # job_progress counts the current attempt's steps only
+            self._marks.append(event)
 
     def poll(self) -> None:
         """Report the job's state when it changed since the last report (no repeated lines)."""
-        events = [e for e in read_events(self.job_dir)
-                  if isinstance(e.get("time"), int | float) and isinstance(e.get("step"), int)]
-        progress = job_progress(events)
+        restarts = self.tail.restarts
+        records = self.tail.read()
+        if self.tail.restarts != restarts:  # the file was replaced: start over
+            self._marks, self._steps = [], collections.deque(maxlen=WINDOW_STEPS)
+        for event in records:
+            self._add(event)
+        progress = job_progress([*self._marks, *self._steps])
         if progress is None:
             return
         message = progress.describe()

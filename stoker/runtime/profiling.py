@@ -8,6 +8,7 @@ datasheet values.
 from __future__ import annotations
 
 import resource
+import time
 from pathlib import Path
 
 import torch
@@ -27,10 +28,42 @@ def peak_tflops(gpu_model: str, precision: str) -> float | None:
     return None
 
 
+def forward_flops(module: torch.nn.Module, x: torch.Tensor) -> float:
+    """FLOPs of ``module(x)`` in its convolution and linear layers (2 per multiply-add).
+
+    Forward hooks read each layer's input and output shapes, with the formulas torch's
+    ``FlopCounterMode`` uses; that mode would cost ~1 CPU-s per process the first time (it
+    imports torch._dynamo), which no rank should spend before a step. Matrix products written
+    as functions rather than layers (a custom attention) are not counted: a lower bound then.
+    """
+    from torch.utils.flop_counter import conv_flop_count
+
+    total = 0
+
+    def count(layer: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        nonlocal total
+        if isinstance(layer, torch.nn.Linear):
+            total += 2 * output.numel() * layer.in_features
+        else:  # ConvNd / ConvTransposeNd
+            transposed = isinstance(layer, torch.nn.modules.conv._ConvTransposeNd)
+            total += conv_flop_count(list(inputs[0].shape), list(layer.weight.shape),
+                                     list(output.shape), transposed)
+
+    kinds = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
+    hooks = [m.register_forward_hook(count) for m in module.modules() if isinstance(m, kinds)]
+    try:
+        module(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return float(total)
+
+
 class ProfilingMixin:
     """Profiler, FLOP count and the attempt's time/memory/throughput summary."""
 
     _step_flops: float | None = None
+    _cpu_started = 0.0  # time.process_time() when the attempt's loop started
 
     def _profiler(self):
         """An opt-in torch.profiler for ``profile_steps`` steps after 5 warm-up steps."""
@@ -68,18 +101,18 @@ class ProfilingMixin:
     def _measure_flops(self, micro) -> None:
         """Estimate FLOPs per optimizer step on this rank for achieved TFLOP/s and MFU.
 
-        Counts one forward pass with torch's FlopCounterMode and takes 3x (backward costs about
-        twice the forward), times micro-batches per step. The pass runs in eval mode without
+        Counts one forward pass (:func:`forward_flops`) and takes 3x (backward costs about twice
+        the forward), times micro-batches per step. The pass runs in eval mode without
         gradients, so it touches no BatchNorm statistic, RNG state or DDP hook (exactness holds).
         """
-        from torch.utils.flop_counter import FlopCounterMode
-
         x, _y = micro[0]
         self.module.eval()
-        with torch.no_grad(), FlopCounterMode(display=False) as counter, self._autocast():
-            self.module(self._to_device(x))
-        self.module.train()
-        self._step_flops = 3.0 * float(counter.get_total_flops()) * self.cfg.grad_accum_steps
+        try:
+            with torch.no_grad(), self._autocast():
+                flops = forward_flops(self.module, self._to_device(x))
+        finally:
+            self.module.train()
+        self._step_flops = 3.0 * flops * self.cfg.grad_accum_steps
 
     def profile(self, wall_s: float, steps_run: int) -> dict[str, float]:
         """Where this attempt's time went (seconds, rank 0's view), peak memory and throughput.
@@ -89,6 +122,9 @@ class ProfilingMixin:
         """
         out: dict[str, float] = {f"{k}_s": round(v, 4) for k, v in self.timings.items()}
         out["wall_s"] = round(wall_s, 4)
+        # CPU seconds of this process (all its threads: tracking, data, checkpoint) over the
+        # same span: what rank 0's extra duties cost shows here, not in wall time alone.
+        out["process_cpu_s"] = round(time.process_time() - self._cpu_started, 4)
         out["steps"] = steps_run
         out["samples_per_s"] = round(steps_run * self.cfg.global_batch_size / max(wall_s, 1e-9),
                                      2)

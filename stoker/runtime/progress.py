@@ -3,12 +3,14 @@
 ``<job_dir>/progress.jsonl``: one JSON object per line, appended. Every line has ``event``
 (``start``, ``step``, ``eval``, ``checkpoint``, ``end``), ``time`` (Unix seconds) and ``step``
 (global optimizer step). ``step`` lines add ``epoch``, ``loss``, ``lr``, ``samples_per_s``;
-``eval`` lines add ``val_accuracy``, ``val_loss``; ``end`` lines add ``outcome``. Every line also
-has ``attempt`` (1 for the job's first runtime start, counted from the ``start`` lines already in
-the file), and a ``step`` line for a step an earlier attempt already reported (re-run after
-resuming from an older checkpoint) has ``rerun: true``: readers that want one line per step drop
-those, nothing else to de-duplicate. Lines are appended whole; a torn last line (a crash
-mid-write) is skipped by readers with a warning and ended by the next writer.
+``eval`` lines add ``val_accuracy``, ``val_loss`` and ``process_cpu_s`` (rank 0's CPU seconds
+so far, all threads; with tracking, ``tracking_open``: whether the MLflow run is open yet);
+``end`` lines add ``outcome``. Every line also has ``attempt`` (1 for
+the job's first runtime start, counted from the ``start`` lines already in the file), and a
+``step`` line for a step an earlier attempt already reported (re-run after resuming from an
+older checkpoint) has ``rerun: true``: readers that want one line per step drop those, nothing
+else to de-duplicate. Lines are appended whole; a torn last line (a crash mid-write) is skipped
+by readers with a warning and ended by the next writer.
 
 ``<job_dir>/heartbeat.json``: rewritten atomically at most once per second with
 ``{"time", "step", "epoch", "pid", "world_size", "outcome"}``; its ``time`` going stale while the

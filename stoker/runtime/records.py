@@ -97,6 +97,55 @@ def read_jsonl(path: str | Path, warn: Warn = log.warning) -> list[dict[str, Any
     return records
 
 
+class JsonlTail:
+    """Reads a JSON-lines file that another process appends to, a little at a time.
+
+    Each :meth:`read` returns only the records completed since the last one: it keeps the byte
+    offset of the first unread line, so polling a growing file costs what was added, not its
+    whole size. A last line without its newline (being written, or torn by a crash) is left for
+    the next read; a line that ends but is not a JSON object is skipped with a warning. A file
+    that shrank (replaced) is read again from the start.
+    """
+
+    def __init__(self, path: str | Path, warn: Warn = log.warning):
+        self.path, self.warn = Path(path), warn
+        self.offset = 0       # bytes consumed: the start of the first unread line
+        self.bytes_read = 0   # total bytes read from the file (what polling has cost)
+        self.restarts = 0     # times the file shrank and was read again from the start
+        self._line = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        """The records whose lines were completed since the last call, oldest first."""
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < self.offset:
+                    self.offset, self._line = 0, 0
+                    self.restarts += 1
+                f.seek(self.offset)
+                data = f.read(size - self.offset)
+        except FileNotFoundError:
+            return []
+        self.bytes_read += len(data)
+        end = data.rfind(b"\n") + 1  # an unfinished last line waits for the next read
+        self.offset += end
+        records = []
+        for line in data[:end].split(b"\n")[:-1]:
+            self._line += 1
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                record = None
+            if not isinstance(record, dict):
+                self.warn(f"{self.path}: line {self._line} is not a whole JSON record "
+                          f"({len(line)} bytes, e.g. torn by a crash); skipped")
+                continue
+            records.append(record)
+        return records
+
+
 def read_json(path: str | Path, default: Any = None, warn: Warn = log.warning) -> Any:
     """The JSON value in ``path``; ``default`` when it is missing, or (with a warning) when it
     is empty, truncated or not JSON."""

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^/@\s]+@")  # scheme://user:password@host
@@ -40,24 +41,28 @@ class RunTracker:
         run_id: reopen this run (a resumed job); None creates a new run.
         run_name, tags, params: used when creating; params missing from a reopened run are added.
         flush_every_s: buffered metrics are sent at least this often (seconds).
+        on_created: called with the new run's id as soon as it exists (before params and the
+            system metrics monitor), so a process stopped while opening leaves no orphan run.
     """
 
     def __init__(self, tracking_uri: str, experiment: str, run_id: str | None = None,
                  run_name: str | None = None, tags: dict[str, str] | None = None,
                  params: dict[str, str] | None = None, artifact_location: str | None = None,
-                 flush_every_s: float = 2.0, system_metrics_interval_s: float | None = None):
+                 flush_every_s: float = 2.0, system_metrics_interval_s: float | None = None,
+                 on_created: Callable[[str], None] | None = None):
         from mlflow import MlflowClient
 
         ensure_store(tracking_uri)
         self.client = MlflowClient(tracking_uri)
         self.flush_every_s = flush_every_s
         self._buffer: list = []
-        self._pending: list = []
         self._last_flush = time.monotonic()
         if run_id is None:
             experiment_id = self._experiment_id(experiment, artifact_location)
             run = self.client.create_run(experiment_id, run_name=run_name, tags=tags or {})
             self.run_id = run.info.run_id
+            if on_created is not None:
+                on_created(self.run_id)
             existing: dict[str, str] = {}
         else:
             self.run_id = run_id
@@ -129,32 +134,27 @@ class RunTracker:
         return step <= self._last_step[key]
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Buffer metrics for ``step``; skipped per key if an earlier attempt logged that step."""
+        """Buffer metrics for ``step``; sent by the next :meth:`flush` (or after
+        ``flush_every_s``)."""
+        now_ms = int(time.time() * 1000)
+        self._buffer.extend((k, float(v), now_ms, step) for k, v in metrics.items())
+        if time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def log_records(self, records: list) -> None:
+        """Send ``(key, value, time_ms, step)`` records now (synchronously), skipping per key a
+        step that an earlier attempt already logged; log_batch takes at most 1000 per call."""
         from mlflow.entities import Metric
 
-        now_ms = int(time.time() * 1000)
-        for key, value in metrics.items():
-            if not self._already_logged(key, step):
-                self._buffer.append(Metric(key, float(value), now_ms, step))
-        if time.monotonic() - self._last_flush >= self.flush_every_s:
-            self.flush(wait=False)
+        metrics = [Metric(k, v, t, s) for k, v, t, s in records if not self._already_logged(k, s)]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
-    def flush(self, wait: bool = True) -> None:
-        """Send buffered metrics (log_batch takes at most 1000 per call).
-
-        Periodic flushes are asynchronous (MLflow's background logging queue, so the training
-        step does not wait for the store); ``wait=True`` (at checkpoints and at the end) also
-        waits for every queued batch, so what a checkpoint covers is durable in MLflow.
-        """
-        while self._buffer:
-            chunk, self._buffer = self._buffer[:1000], self._buffer[1000:]
-            self._pending.append(self.client.log_batch(self.run_id, metrics=chunk,
-                                                       synchronous=False))
-        if wait:
-            for operation in self._pending:
-                if operation is not None:
-                    operation.wait()
-            self._pending = []
+    def flush(self) -> None:
+        """Send buffered metrics and wait for the store (synchronous ``log_batch``: MLflow's
+        asynchronous queue polls once a second, which an attempt's end would wait for)."""
+        records, self._buffer = self._buffer, []
+        self.log_records(records)
         self._last_flush = time.monotonic()
 
     def set_tags(self, tags: dict[str, str]) -> None:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from stoker.config import ConfigError
 from stoker.runtime import EXIT_PREEMPTED
+from stoker.runtime.background_tracking import BackgroundTracker
 from stoker.runtime.checkpoint import Checkpointer, CheckpointError, Loaded
 from stoker.runtime.data import DataError, StepBatchSampler, build_splits, check_divisible
 from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier
@@ -45,6 +46,11 @@ TRAJECTORY_FIELDS = ("model", "dataset", "epochs", "global_batch_size", "grad_ac
                      "image_mean", "image_std", "random_resized_crop", "horizontal_flip")
 SHARED_KEYS = {"model", "optimizer", "scheduler", "scaler", "step", "config", "run_id",
                "world_size"}
+SUMMARY_EVERY_STEPS = 10  # lr and samples_per_s go to MLflow once per this many steps
+RUN_OPEN_TIMEOUT_S = 300.0  # the result names the run: wait this long for MLflow at the end
+# A stopping attempt waits this long for MLflow, no longer: what it has not confirmed is in the
+# stop checkpoint (tracking_backlog) and is sent by the attempt that resumes from it.
+STOP_TRACKING_WAIT_S = 2.0
 
 
 class Trainer(ProfilingMixin):
@@ -90,15 +96,19 @@ class Trainer(ProfilingMixin):
         self.train_time_s = 0.0  # time in committed training steps, summed over attempts
         self.run_id: str | None = None
         self.metrics: dict[str, float] = {}
+        self._tracking_backlog: list = []  # metrics a checkpoint holds that MLflow may not
         # Rank 0 chooses the checkpoint; every rank loads and confirms the same step.
         self.resume = resume_point(self.ckpt, env, self.cfg.on_no_usable_checkpoint, env.device)
         self._restore(self.resume.loaded)
         self.model = self._wrap()  # load the snapshot before wrapping in DDP
         self.progress = ProgressWriter(spec.job_dir, env.world_size) if env.is_main else None
         self.tracker = self._open_tracker() if env.is_main and spec.tracking_uri else None
-        if self.tracker is not None and self.resume.skipped:
-            self.tracker.set_tags(self.resume.tags())
+        if self.tracker is not None:
+            self.tracker.replay(self._tracking_backlog)
+            if self.resume.skipped:
+                self.tracker.set_tags(self.resume.tags())
         self._last_save = time.monotonic()
+        self._window_steps, self._window_s = 0, 0.0  # steps (and seconds) not yet summarised
 
     # -- setup --------------------------------------------------------------------------------
     def _configure_backends(self) -> None:
@@ -156,6 +166,7 @@ class Trainer(ProfilingMixin):
         self.run_id = loaded.shared["run_id"]
         self.metrics = dict(loaded.shared.get("metrics", {}))
         self.train_time_s = float(loaded.shared.get("train_time_s", 0.0))
+        self._tracking_backlog = list(loaded.shared.get("tracking_backlog", []))
         if loaded.rank_state is not None:
             self._set_rng(loaded.rank_state["rng"])
         else:
@@ -198,23 +209,31 @@ class Trainer(ProfilingMixin):
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
 
-    def _open_tracker(self) -> RunTracker:
+    def _open_tracker(self) -> BackgroundTracker:
+        """Open (or reopen) the job's MLflow run in a worker thread: the first step does not
+        wait for MLflow's import and the store (about 2 CPU-s); metrics queue meanwhile."""
         run_file = Path(self.spec.job_dir) / "mlflow_run_id"
         run_id = self.run_id or read_text(run_file)
-        tracker = RunTracker(
-            self.spec.tracking_uri, self.spec.experiment, run_id=run_id,
-            run_name=self.spec.run_name, tags=self.spec.tags,
-            params=flatten(self.cfg.model_dump(mode="json"), "train."),
-            artifact_location=self.spec.artifact_location,
-            system_metrics_interval_s=self.spec.system_metrics_interval_s,
-        )
-        tracker.set_tags({"stoker.gpu_model": self.gpu_model(),
-                          "stoker.world_size": str(self.env.world_size)})
-        if run_id is None:
-            tracker.log_dataset(self.spec.tags or {})  # once per run: the Datasets panel
-            run_file.write_text(tracker.run_id)
-        self.run_id = tracker.run_id
-        return tracker
+        spec, params = self.spec, flatten(self.cfg.model_dump(mode="json"), "train.")
+        tags = {"stoker.gpu_model": self.gpu_model(),
+                "stoker.world_size": str(self.env.world_size)}
+
+        def open_run() -> RunTracker:
+            tracker = RunTracker(
+                spec.tracking_uri, spec.experiment, run_id=run_id, run_name=spec.run_name,
+                tags=spec.tags, params=params, artifact_location=spec.artifact_location,
+                system_metrics_interval_s=spec.system_metrics_interval_s,
+                on_created=run_file.write_text)
+            tracker.set_tags(tags)
+            if run_id is None:
+                tracker.log_dataset(spec.tags or {})  # once per run: the Datasets panel
+            return tracker
+
+        return BackgroundTracker(open_run)
+
+    def _run_id(self) -> str | None:
+        """The MLflow run id: the open run's, else the one this job already had (or None)."""
+        return (self.tracker.run_id if self.tracker is not None else None) or self.run_id
 
     def gpu_model(self) -> str:
         """NVML/CUDA name of this rank's GPU (``NVIDIA H200``), or ``cpu``."""
@@ -242,7 +261,7 @@ class Trainer(ProfilingMixin):
         """Run until done or preempted. Returns ``"completed"`` or ``"preempted"``."""
         self._event("start", total_steps=self.total_steps, resumed=self.step > 0,
                     restarted_from_zero=self.resume.restarted_from_zero)
-        started = time.perf_counter()
+        started, self._cpu_started = time.perf_counter(), time.process_time()
         start_step = self.step
         profiler = self._profiler()
         while self.step < self.total_steps:
@@ -264,8 +283,9 @@ class Trainer(ProfilingMixin):
                 self.train_time_s += step_s
                 if profiler is not None:
                     profiler = self._profiler_step(profiler)
-                if self._step_flops is None:
-                    self._step_flops = 0.0  # measured once, on the first step of an attempt
+                if self._step_flops is None and self.env.is_main:
+                    # Once per attempt, on rank 0 alone (the only rank that reports it).
+                    self._step_flops = 0.0
                     self._measure_flops(micro)
                 self._log_step(epoch, mean_loss, lr, step_s)
                 if self.step % self.steps_per_epoch == 0:
@@ -370,7 +390,8 @@ class Trainer(ProfilingMixin):
                      self.cfg.epochs, self.step, self.metrics["val_accuracy"],
                      self.metrics["val_loss"], epoch_time_s)
         self._event("eval", epoch=epoch + 1, val_accuracy=self.metrics["val_accuracy"],
-                    val_loss=self.metrics["val_loss"])
+                    val_loss=self.metrics["val_loss"], process_cpu_s=round(time.process_time(), 3),
+                    **({"tracking_open": self.tracker.opened.is_set()} if self.tracker else {}))
         self._log({"val_accuracy": self.metrics["val_accuracy"],
                    "val_loss": self.metrics["val_loss"], "epoch_time_s": epoch_time_s})
         return self.metrics
@@ -382,16 +403,16 @@ class Trainer(ProfilingMixin):
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "step": self.step, "epoch": epoch,
                 "data_position": {"epoch": epoch, "step_in_epoch": step_in_epoch},
-                "config": self.cfg.model_dump(mode="json"), "run_id": self.run_id,
+                "config": self.cfg.model_dump(mode="json"), "run_id": self._run_id(),
                 "world_size": self.env.world_size, "metrics": self.metrics,
-                "train_time_s": self.train_time_s}
+                "train_time_s": self.train_time_s,
+                "tracking_backlog": self.tracker.backlog() if self.tracker is not None else []}
 
     def save(self) -> None:
         """Save a checkpoint at the current step (every rank calls this)."""
         t0 = time.perf_counter()
-        if self.tracker is not None:
-            # Metrics up to a checkpoint must survive a crash: steps before it are never re-run.
-            self.tracker.flush()
+        # Metrics up to a checkpoint must survive a crash (steps before it are never re-run):
+        # what MLflow has not confirmed yet is saved in it (tracking_backlog), not waited for.
         shared = self.state_dict() if self.env.is_main else None
         if shared is not None and self.ckpt.async_save:
             shared["model"] = self._freeze_buffers(shared["model"])
@@ -422,11 +443,21 @@ class Trainer(ProfilingMixin):
 
     # -- reporting ----------------------------------------------------------------------------
     def _log_step(self, epoch: int, loss: float, lr: float, step_s: float) -> None:
+        self._window_steps += 1
+        self._window_s += step_s
         if self.step % self.cfg.log_every_steps and self.step != self.total_steps:
             return
         samples_per_s = self.cfg.global_batch_size / max(step_s, 1e-9)
         self._event("step", epoch=epoch, loss=loss, lr=lr, samples_per_s=samples_per_s)
-        self._log({"train_loss": loss, "lr": lr, "samples_per_s": samples_per_s})
+        metrics = {"train_loss": loss}
+        # Each MLflow value costs ~0.1 ms of rank-0 CPU (the store's insert): the loss goes in at
+        # every step, lr and throughput (averaged over the steps since) every few steps.
+        if self._window_steps >= SUMMARY_EVERY_STEPS or self.step == self.total_steps:
+            metrics["lr"] = lr
+            metrics["samples_per_s"] = (self._window_steps * self.cfg.global_batch_size
+                                        / max(self._window_s, 1e-9))
+            self._window_steps, self._window_s = 0, 0.0
+        self._log(metrics)
 
     def _event(self, event: str, **fields: Any) -> None:
         if self.progress is not None:
@@ -445,7 +476,9 @@ class Trainer(ProfilingMixin):
         torch.save(self.module.state_dict(), tmp)
         tmp.replace(job / "final" / "model.pt")
         profile = self.profile(wall_s, steps_run)
-        result = {"run_id": self.run_id, "step": self.step, "total_steps": self.total_steps,
+        if self.tracker is not None:
+            self.tracker.wait_open(RUN_OPEN_TIMEOUT_S)
+        result = {"run_id": self._run_id(), "step": self.step, "total_steps": self.total_steps,
                   "metrics": self.metrics, "model": self.cfg.model,
                   "num_classes": self.splits.num_classes,
                   "input_shape": list(self.splits.input_shape),
@@ -468,9 +501,11 @@ class Trainer(ProfilingMixin):
         if self.tracker is not None:
             try:
                 self.tracker.set_tags({"stoker.last_outcome": outcome})
-                self.tracker.end(status)
+                stopping = outcome == "preempted"
+                self.tracker.end(status, abandon_unopened=stopping,
+                                 timeout_s=STOP_TRACKING_WAIT_S if stopping else RUN_OPEN_TIMEOUT_S)
             except Exception as e:  # tracking must not mask the training outcome
-                log.warning("could not finish MLflow run %s: %s", self.run_id, e)
+                log.warning("could not finish MLflow run %s: %s", self._run_id(), e)
         if self.progress is not None:
             self.progress.event("end", self.step, outcome=outcome)
             self.progress.heartbeat(self.step, outcome=outcome, force=True)
