@@ -68,10 +68,10 @@ def _job_events(first: int, last: int, total: int = 100) -> list[dict]:
 
 def test_progress_watcher_reads_only_new_bytes_and_waits_for_a_torn_line(tmp_path):
     path = tmp_path / "progress.jsonl"
-    for event in _job_events(1, 30):
-        append_jsonl(path, event)
     seen: list[str] = []
     watcher = ProgressWatcher(tmp_path, lambda p, m: seen.append(m))
+    for event in _job_events(1, 30):
+        append_jsonl(path, event)
     watcher.poll()
     assert seen[-1].startswith("step 30/100 (attempt 1)")
     size = path.stat().st_size
@@ -91,14 +91,14 @@ def test_progress_watcher_reads_only_new_bytes_and_waits_for_a_torn_line(tmp_pat
 
 def test_progress_watcher_skips_a_line_torn_by_a_crash_and_follows_the_next_attempt(tmp_path):
     path = tmp_path / "progress.jsonl"
-    for event in _job_events(1, 12):
-        append_jsonl(path, event)
-    with open(path, "ab") as f:
-        f.write(b'{"event": "step", "st')  # the rank died mid-write
     seen: list[str] = []
     warnings: list[str] = []
     watcher = ProgressWatcher(tmp_path, lambda p, m: seen.append(m))
     watcher.tail.warn = warnings.append
+    for event in _job_events(1, 12):
+        append_jsonl(path, event)
+    with open(path, "ab") as f:
+        f.write(b'{"event": "step", "st')  # the rank died mid-write
     watcher.poll()
     for event in [{"event": "checkpoint", "step": 10, "time": 1.1},
                   *_job_events(11, 17)]:  # the next attempt ends the torn line first
@@ -106,6 +106,21 @@ def test_progress_watcher_skips_a_line_torn_by_a_crash_and_follows_the_next_atte
     watcher.poll()
     assert seen[-1].startswith("step 17/100 (attempt 2)"), seen
     assert len(warnings) == 1 and "not a whole JSON record" in warnings[0]
+
+
+def test_progress_watcher_never_reports_what_an_earlier_run_left(tmp_path):
+    """A resumed job's first line was the killed run's last one ("step 12/100 (attempt 1)")."""
+    path = tmp_path / "progress.jsonl"
+    for event in _job_events(1, 12):  # attempt 1, killed: no end event
+        append_jsonl(path, event)
+    seen: list[str] = []
+    watcher = ProgressWatcher(tmp_path, lambda p, m: seen.append(m))
+    watcher.poll()
+    assert seen == []
+    for event in _job_events(13, 19):  # this run's attempt
+        append_jsonl(path, event)
+    watcher.poll()
+    assert len(seen) == 1 and seen[0].startswith("step 19/100 (attempt 2)"), seen
 
 
 def test_flops_are_counted_without_importing_torch_dynamo():

@@ -62,13 +62,13 @@ def test_a_requested_stop_reads_stopping_not_restarting(tmp_path):
     from stoker.launch.supervisor import ProgressWatcher
     from stoker.runtime.records import append_jsonl
 
+    seen: list[tuple[float, str]] = []
+    watcher = ProgressWatcher(tmp_path, lambda p, m: seen.append((p, m)))
     for event in [{"event": "start", "step": 0, "time": 0.0, "total_steps": 66},
                   *steps(1, 16, 0.0, 0.2),
                   {"event": "checkpoint", "step": 16, "time": 3.5},
                   {"event": "end", "step": 16, "time": 3.6, "outcome": "preempted"}]:
         append_jsonl(tmp_path / "progress.jsonl", event)
-    seen: list[tuple[float, str]] = []
-    watcher = ProgressWatcher(tmp_path, lambda p, m: seen.append((p, m)))
     watcher.poll()
     assert seen[-1][1] == "restarting (attempt 2, resuming at step 16/66)"
     request_stop(tmp_path, "cost-guard", "stalled")

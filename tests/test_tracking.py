@@ -118,7 +118,10 @@ def test_an_attempt_shorter_than_one_interval_still_logs_system_metrics(dataset,
     assert LocalLauncher(1, python=sys.executable).run(job / "spec.yaml",
                                                        on_line=lines.append) == 0, lines
     client = MlflowClient(uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("short").experiment_id])
+    experiment = client.get_experiment_by_name("short")
+    # the MLflow UI shows it as model training, not in its GenAI layout
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED"
     system = {k for k in run.data.metrics if k.startswith("system/")}
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system

@@ -153,6 +153,14 @@ class ProgressWatcher(threading.Thread):
         self.tail = JsonlTail(Path(job_dir) / "progress.jsonl")
         self._marks: list[dict] = []
         self._steps: collections.deque = collections.deque(maxlen=WINDOW_STEPS)
+        # What an earlier run of the job left is read now and never reported: the first line
+        # is this run's own attempt (a resumed job's last line was a stale "step N (attempt 1)").
+        for event in self.tail.read():
+            self._add(event)
+        self._starts_before = self._starts()
+
+    def _starts(self) -> int:
+        return sum(e.get("event") == "start" for e in self._marks)
 
     def _add(self, event: dict) -> None:
         if not (isinstance(event.get("time"), int | float) and isinstance(event.get("step"), int)):
@@ -171,8 +179,11 @@ class ProgressWatcher(threading.Thread):
         records = self.tail.read()
         if self.tail.restarts != restarts:  # the file was replaced: start over
             self._marks, self._steps = [], collections.deque(maxlen=WINDOW_STEPS)
+            self._starts_before = 0
         for event in records:
             self._add(event)
+        if self._starts() == self._starts_before:
+            return  # this run's first attempt has not started yet
         progress = job_progress([*self._marks, *self._steps])
         if progress is None:
             return

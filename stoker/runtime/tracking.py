@@ -18,6 +18,9 @@ URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^/@\s]+@")  # scheme://user:password
 SECRET_KEY = re.compile(r"(token|password|passwd|secret|api_?key|access_?key|credential)", re.I)
 
 
+# Experiment tag the MLflow UI reads to choose its layout (model training, not GenAI).
+EXPERIMENT_KIND = "mlflow.experimentKind"
+
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """Flatten nested dicts to dotted keys with string values; secret-looking keys are masked."""
     flat: dict[str, str] = {}
@@ -111,7 +114,9 @@ class RunTracker:
         if found is not None:
             return found.experiment_id
         try:
-            return self.client.create_experiment(name, artifact_location=artifact_location)
+            # The MLflow UI shows an experiment without this tag in its GenAI layout.
+            return self.client.create_experiment(name, artifact_location=artifact_location,
+                                                 tags={EXPERIMENT_KIND: "custom_model_development"})
         except MlflowException:  # created concurrently by another job
             found = self.client.get_experiment_by_name(name)
             if found is None:
