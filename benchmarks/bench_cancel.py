@@ -66,8 +66,8 @@ def _wait_for_step(work: Path, worker: subprocess.Popen, min_step: int, timeout_
                                + (worker.stdout.read() if worker.stdout else ""))
         for job in (work / "jobs").glob("*") if (work / "jobs").is_dir() else []:
             if any(e.get("event") == "step" and e.get("step", 0) >= min_step
-                   for e in read_events(job)):
-                return job
+                   for e in read_events(job)) and (job / "mlflow_run_id").is_file():
+                return job  # training, with its MLflow run open (it opens in the background)
         time.sleep(0.05)
     raise RuntimeError(f"training never reached step {min_step}")
 
@@ -80,7 +80,7 @@ def cancel_trial(server, work: Path, epochs: int = 30, min_step: int = 3,
     from prefect.states import Cancelling
 
     params = {"config": {"work_dir": str(work), "train": {"epochs": epochs},
-                         "tracking": {"system_metrics_interval_s": None}}}
+                         "overrides": ["tracking.system_metrics_interval_s=null"]}}
     out = server.prefect("deployment", "run", "pipeline/pipeline", "--params",
                          json.dumps(params)).stdout
     flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()

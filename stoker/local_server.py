@@ -36,6 +36,7 @@ import httpx
 import psutil
 from filelock import FileLock
 
+PORT_FILE = "server.port"  # the port of this home's server: kept when it stops, reused
 DEFAULT_PORT = 4200  # Prefect's own default: the UI address users know; another if taken
 RECORD = "server.json"
 PREFECT_PID_FILE = "server.pid"  # prefect.cli._server_utils.SERVER_PID_FILE_NAME
@@ -54,6 +55,8 @@ def free_port(host: str = "127.0.0.1", preferred: int | None = None) -> int:
     """``preferred`` when nothing listens on it on ``host``, else a port that is free now."""
     for port in ([preferred] if preferred else []) + [0]:
         with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+            # As uvicorn binds: a port left in TIME_WAIT by a killed server is free for it.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, port))
             except OSError:
@@ -192,8 +195,22 @@ class LocalServer:
                 # Open websockets (Prefect's event clients) would hold a graceful stop open.
                 "--timeout-graceful-shutdown", "2"]
 
+    def _port(self) -> int:
+        """The port this home's server had before (so that links recorded elsewhere, such as
+        MLflow's ``prefect.flow_run_url`` tags, keep reaching this home's server), else
+        ``DEFAULT_PORT``; another free port when that one is taken now."""
+        try:
+            sticky = int((self.home / PORT_FILE).read_text().strip())
+        except (OSError, ValueError):
+            sticky = None
+        for preferred in ([sticky] if sticky and 0 < sticky < 65536 else []) + [DEFAULT_PORT]:
+            if free_port(preferred=preferred) == preferred:
+                return preferred
+        return free_port()
+
     def _start(self) -> str:
-        port = free_port(preferred=DEFAULT_PORT)
+        port = self._port()
+        (self.home / PORT_FILE).write_text(f"{port}\n")
         api_url = f"http://127.0.0.1:{port}/api"
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
         env |= {"PREFECT_HOME": str(self.home.resolve()), "PREFECT__SERVER_FINAL": "1",

@@ -191,6 +191,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         attempts = run_with_retries(launch, config.retry, on_attempt=record,
                                     stop_requested=lambda: read_stop_request(job_dir) is not None)
     except BaseException:  # cancelled or timed out: the tree is already gone, close the run
+        # The attempt is recorded now (billed time, what the ranks did), not by the next run.
+        with contextlib.suppress(Exception):
+            attempts_log.close_interrupted()
         if read_text(run_file):
             finish_run(client, read_text(run_file), "KILLED")
         raise

@@ -93,9 +93,15 @@ def _answers(endpoint: str) -> bool:
 
 @pytest.fixture
 def s3_env(s3, monkeypatch):
+    from s3fs import S3FileSystem
+
     for name, value in s3.items():
         monkeypatch.setenv(name, value)
-    return s3
+    # s3fs caches filesystems by their arguments: one made for another module's server (its
+    # endpoint read from the environment then) would be handed out again.
+    S3FileSystem.clear_instance_cache()
+    yield s3
+    S3FileSystem.clear_instance_cache()
 
 
 def keys_in(s3: dict, prefix: str) -> list[str]:

@@ -144,7 +144,9 @@ def test_a_killed_orchestrator_is_taken_over_and_its_attempt_is_billed(api_env, 
     with get_client(sync_client=True) as client:
         orphan = client.read_flow_run(UUID(json.loads(left)["flow_run_id"]))
     assert orphan.state.type.value == "CRASHED", orphan.state
-    assert "taken over" in orphan.state.message
+    # by the next command's sweep of dead processes' runs, or by the lease takeover
+    assert "taken over" in orphan.state.message or (
+        f"its process (pid {first.pid}) died" in orphan.state.message), orphan.state.message
 
 
 def test_torn_records_after_a_crash_do_not_break_the_job(api_env, tmp_path):

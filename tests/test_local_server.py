@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,17 +63,22 @@ def test_server_start_status_stop(work):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert stoker("server", "status", "-w", str(work)).returncode == 1
     assert "no local server running" in stoker("server", "stop", "-w", str(work)).stdout
+    port = re.search(r"127\.0\.0\.1:(\d+)", first.stdout).group(1)
+    again = stoker("server", "start", "-w", str(work))  # a restart keeps its address
+    assert again.stdout.startswith(f"started: http://127.0.0.1:{port}"), again.stdout
 
 
 def test_a_killed_server_is_replaced(work):
     assert stoker("server", "start", "-w", str(work)).returncode == 0
-    dead = record(work)["pid"]
+    dead, port = record(work)["pid"], record(work)["port"]
     psutil.Process(dead).kill()  # kill -9: its record and Prefect's pid file stay behind
     psutil.Process(dead).wait(timeout=10)
     assert stoker("server", "status", "-w", str(work)).returncode == 1
     again = stoker("server", "start", "-w", str(work))
     assert again.stdout.startswith("started"), again.stdout + again.stderr
     assert record(work)["pid"] != dead
+    # the same address: links to its flow runs recorded elsewhere (MLflow tags) still work
+    assert record(work)["port"] == port
     assert server_pids(work / ".prefect") == [record(work)["pid"]]
     assert LocalServer(work / ".prefect").running() is not None
 

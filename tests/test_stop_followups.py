@@ -56,7 +56,8 @@ def training(process: subprocess.Popen, work: Path, min_step: int, timeout_s: fl
     while time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()[1][-3000:]
         for job in (work / "jobs").glob("*") if (work / "jobs").is_dir() else []:
-            if any(e["event"] == "step" and e["step"] >= min_step for e in events(job)):
+            if any(e["event"] == "step" and e["step"] >= min_step for e in events(job)) and (
+                    job / "mlflow_run_id").is_file():  # the MLflow run opens in the background
                 for child in psutil.Process(process.pid).children(recursive=True):
                     try:
                         if "stoker.runtime.launch" in " ".join(child.cmdline()):

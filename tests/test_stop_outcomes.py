@@ -45,7 +45,8 @@ def wait_for_attempt(work, attempt: int, timeout_s: float = 300):
             events = read_events(job)
             starts = [i for i, e in enumerate(events) if e["event"] == "start"]
             if len(starts) >= attempt and any(e["event"] == "step"
-                                               for e in events[starts[attempt - 1]:]):
+                                               for e in events[starts[attempt - 1]:]) and (
+                    job / "mlflow_run_id").is_file():  # the MLflow run opens in the background
                 return job
         time.sleep(0.05)
     raise AssertionError(f"attempt {attempt} never trained")

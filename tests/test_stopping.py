@@ -20,6 +20,8 @@ import pytest
 from local_servers import stop_local_servers
 from mlflow import MlflowClient
 
+from stoker.launch.attempts import AttemptLog
+from stoker.launch.status import job_summary
 from stoker.local_server import LocalServer
 from stoker.runtime.checkpoint import Checkpointer
 from stoker.runtime.progress import read_events
@@ -54,7 +56,10 @@ def wait_for_training(work: Path, process: subprocess.Popen, timeout_s: float = 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
         jobs = list((work / "jobs").glob("*")) if (work / "jobs").exists() else []
-        if jobs and any(e["event"] == "step" for e in read_events(jobs[0])):
+        # a step trained and the MLflow run open (it opens in the background: a stop in the
+        # first seconds leaves no run until the job resumes)
+        if jobs and any(e["event"] == "step" for e in read_events(jobs[0])) and (
+                jobs[0] / "mlflow_run_id").is_file():
             return jobs[0]
         time.sleep(0.05)
     log = (work.parent / "stoker-run.log").read_text()[-3000:]
@@ -127,6 +132,16 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
     [(flow_state, message)] = prefect_states(work, "flow_run").values()
     assert flow_state == "CANCELLED" and "SIGINT" in message
     assert prefect_states(work, "task_run")["attempt-1"][0] == "CANCELLED"
+    # The stopped attempt is on record at once (not only once a next run closes it) ...
+    (attempt,) = AttemptLog(job_dir).history()
+    assert attempt["outcome"] == "interrupted" and attempt["runtime_outcome"] == "preempted"
+    assert attempt["duration_s"] > 0
+    # ... and the job reads as not running, resuming at its stop checkpoint (not "restarting").
+    summary = job_summary(job_dir)
+    assert summary.state == "unfinished" and summary.attempts == 1
+    assert summary.progress.describe().startswith("not running: reached step "), summary
+    assert summary.progress.describe().endswith(
+        f"resumes at step {end['step']} (run the same command)")
 
 
 def test_second_ctrl_c_stops_at_once(tmp_path):

@@ -86,7 +86,7 @@ def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_pa
     the flow run is Completed."""
     work = tmp_path / "work"
     params = {"config": {"work_dir": str(work), "train": {"epochs": 3},
-                         "tracking": {"system_metrics_interval_s": None}}}
+                         "overrides": ["tracking.system_metrics_interval_s=null"]}}
     out = deployed.prefect("deployment", "run", "pipeline/pipeline", "--params",
                            json.dumps(params)).stdout
     flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()

@@ -101,6 +101,11 @@ class AttemptLog:
         ``exit_code``, ``started``, ``duration_s`` in seconds, ``capacity_type``)."""
         return [r for _, r in sorted(self._latest().items()) if r.get("state", "ended") == "ended"]
 
+    def count(self) -> int:
+        """Attempts of the job so far, open ones included (an attempt a dead run left open
+        counts: it was billed)."""
+        return len(self._latest())
+
     def start(self, number: int, capacity_type: str, flow_run_id: str | None = None) -> None:
         """Record attempt ``number`` as started (before it is launched)."""
         append_jsonl(self.path, {"number": number, "state": "started", "started": time.time(),

@@ -8,6 +8,7 @@ torn last line); times are Unix seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -19,8 +20,9 @@ WINDOW_STEPS = 20         # the moving average of step time covers this many rec
 
 @dataclass(frozen=True)
 class JobProgress:
-    """One view of a job. ``state``: ``starting``, ``training``, ``restarting``, ``completed``
-    or ``ended`` (the last attempt ended otherwise); ``eta_s`` is None until
+    """One view of a job. ``state``: ``starting``, ``training``, ``restarting``, ``completed``,
+    ``ended`` (the last attempt ended otherwise) or ``idle`` (no live run trains the job: what
+    ``stoker status`` shows for an unfinished one); ``eta_s`` is None until
     ``MIN_STEPS_FOR_ETA`` steps of the current attempt were seen."""
 
     state: str
@@ -47,6 +49,9 @@ class JobProgress:
                     f"{self.resume_step or 0}/{self.total_steps})")
         if self.state in ("completed", "ended"):
             return f"{where}: {self.outcome}"
+        if self.state == "idle":
+            return (f"not running: reached step {self.step}/{self.total_steps}, resumes at step "
+                    f"{self.resume_step or 0} (run the same command)")
         line = where
         if self.samples_per_s:
             line += f", {self.samples_per_s:.0f} samples/s"
@@ -157,6 +162,11 @@ def job_summary(job_dir: Path, now: float | None = None,
         state = "stopped"
     else:
         state = "unfinished"
+    if progress is not None and state in ("stopped", "unfinished") and progress.state in (
+            "starting", "training", "restarting"):  # nothing trains it: no ETA, no "restarting"
+        committed = [e["step"] for e in events if e.get("event") == "checkpoint"]
+        progress = dataclasses.replace(progress, state="idle", eta_s=None, samples_per_s=None,
+                                       resume_step=max(committed, default=0))
     cost = (done or {}).get("cost", {}).get("cost_usd") if isinstance(done, dict) else None
     owner = None
     if live:
@@ -165,7 +175,7 @@ def job_summary(job_dir: Path, now: float | None = None,
         job=job_dir.name, path=job_dir, state=state,
         step=progress.step if progress else 0,
         total_steps=progress.total_steps if progress else 0,
-        attempts=len(history),
+        attempts=AttemptLog(job_dir).count(),
         preemptions=sum(1 for a in history if a.get("outcome") == "preempted"),
         cost_usd=float(cost) if isinstance(cost, int | float) else None,
         mlflow_run_id=read_text(job_dir / "mlflow_run_id", warn=quiet),
