@@ -20,6 +20,7 @@ import typer
 
 from stoker import stopping
 from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
+from stoker.predict_cli import predict
 from stoker.server_cli import prefect_api, server_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -27,7 +28,9 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 
 
 TELEMETRY_OFF = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-                 "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1"}
+                 "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1",
+                 # and no progress bars of MLflow's artifact downloads in a terminal log
+                 "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
 def sqlite_path(tracking_uri: str) -> Path | None:
@@ -362,50 +365,7 @@ def show_config(
     typer.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
 
 
-@app.command()
-def predict(
-    images: Annotated[list[Path], typer.Argument(help="Image files (resized to the model's size)")],
-    model_uri: Annotated[str, typer.Option(help="MLflow model URI")] =
-        "models:/stoker-digits@champion",
-    tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] =
-        "sqlite:///work/mlflow.db",
-    logits: Annotated[bool, typer.Option(help="Also print the logits per class")] = False,
-) -> None:
-    """Load a registered model and print each image's class name and probability."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    from stoker.tracking.pyfunc import preprocess_images
-
-    for name, value in TELEMETRY_OFF.items():  # a read creates nothing: no PREFECT_HOME either
-        os.environ.setdefault(name, value)
-    where = f"tracking URI {tracking_uri} (from {Path.cwd()}); point --tracking-uri at your store"
-    store = sqlite_path(tracking_uri)
-    if store is not None and not store.is_file():
-        typer.echo(f"error: no MLflow store at {store}: {where}", err=True)
-        raise typer.Exit(2)
-    mlflow.set_tracking_uri(tracking_uri)
-    try:
-        model = mlflow.pyfunc.load_model(model_uri)
-    except MlflowException as e:
-        typer.echo(f"error: {model_uri}: {e.message.splitlines()[0]} ({where})", err=True)
-        raise typer.Exit(2) from None
-    meta = (model.metadata.metadata or {}).get("stoker")
-    if meta is None:
-        typer.echo(f"error: {model_uri}: not a Stoker classifier (no class list stored)", err=True)
-        raise typer.Exit(2)
-    try:
-        batch = preprocess_images(images, meta["preprocessing"])
-    except OSError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    table = model.predict(batch, params={"logits": logits})
-    for path, (_, row) in zip(images, table.iterrows(), strict=True):
-        extra = "".join(f"\t{k}={row[k]:.3f}" for k in table.columns if k.startswith("logit_"))
-        typer.echo(f"{path}\t{row['class']}\t{row['probability']:.3f}{extra}")
-
-
-
+app.command()(predict)  # `stoker predict` (stoker.predict_cli)
 app.add_typer(server_app, name="server")  # `stoker server start|status|stop`
 
 if __name__ == "__main__":

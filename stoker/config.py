@@ -9,8 +9,10 @@ This module imports no Prefect: the training runtime uses it inside the training
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -421,8 +423,27 @@ class PipelineConfig(_Frozen):
 _FIELD_MESSAGE = re.compile(r"^([a-z_][a-z0-9_.]*): (.+)$", re.S)
 
 
-def format_validation_error(error: ValidationError, prefix: str = "") -> str:
-    """Render a pydantic error as one line per field: ``train.lr: must be > 0, got -1``."""
+def _field_names(model: type[BaseModel] | None, path: tuple) -> list[str]:
+    """The field names of the model found at ``path`` inside ``model`` ([] when unknown)."""
+    for part in path:
+        field = getattr(model, "model_fields", {}).get(str(part))
+        if field is None:
+            return []
+        options = [field.annotation, *typing.get_args(field.annotation)]
+        model = next((t for t in options if isinstance(t, type) and issubclass(t, BaseModel)),
+                     None)
+    return list(getattr(model, "model_fields", {}))
+
+
+def _unknown_field(model: type[BaseModel] | None, loc: tuple) -> str:
+    close = difflib.get_close_matches(str(loc[-1]), _field_names(model, loc[:-1]), n=1)
+    return f"unknown field; did you mean {close[0]!r}?" if close else "unknown field"
+
+
+def format_validation_error(error: ValidationError, prefix: str = "",
+                            model: type[BaseModel] | None = None) -> str:
+    """Render a pydantic error as one line per field: ``train.lr: must be > 0, got -1``;
+    with ``model``, an unknown field names the closest known one (``did you mean 'epochs'?``)."""
     lines = []
     for item in error.errors():
         loc = ".".join(str(part) for part in item["loc"] if part != "__root__")
@@ -436,7 +457,11 @@ def format_validation_error(error: ValidationError, prefix: str = "") -> str:
               and "got " not in message and not isinstance(item["input"], dict | list)):
             message = f"{message}, got {item['input']!r}"
         if item["type"] == "extra_forbidden":
-            message = "unknown field"
+            message = _unknown_field(model, item["loc"])
+        elif item["type"] == "string_type" and isinstance(item.get("input"), int | float | bool):
+            kind = "boolean" if isinstance(item["input"], bool) else "number"
+            message += f" (YAML read it as a {kind}: quote it, e.g. " \
+                       f"{name}=\"'{item['input']}'\")"
         line = f"{name}: {message}"
         if line not in lines:  # a union field reports once per member
             lines.append(line)
@@ -448,7 +473,7 @@ def validate(model: type[BaseModel], values: dict[str, Any], prefix: str = ""):
     try:
         return model.model_validate(values)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, prefix)) from None
+        raise ConfigError(format_validation_error(e, prefix, model)) from None
 
 
 def load_pipeline_config(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -80,11 +81,45 @@ def _drain_and_exit() -> None:
     exit_now(0)  # what Prefect's engine exits with after a cancel it was told about
 
 
+def _stop_in_progress() -> str | None:
+    """Why this flow process is stopping (a signal to ``stoker run``, a Prefect cancel), or None."""
+    if stop_reason() is not None:
+        return f"stopped by {stop_reason()}"
+    from prefect._internal.control_listener import get_intent
+
+    return "cancelled from Prefect" if get_intent() == "cancel" else None
+
+
+class StopLogFilter(logging.Filter):
+    """Prefect's engine logs a stop as a crash ("Crash detected! ...", "Finished in state
+    Crashed(...)", then "Running()" while the state is being replaced) just before Stoker records
+    the run Cancelled: after a stop those lines say what happened instead, at INFO."""
+
+    CRASH_LINES = ("Crash detected!", "Finished in state Crashed", "Finished in state Running")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(self.CRASH_LINES) and (reason := _stop_in_progress()):
+            record.msg, record.args = f"{reason}: recorded as Cancelled", ()
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def install_stop_log_filter() -> None:
+    """Put :class:`StopLogFilter` on Prefect's flow-run and task-run loggers (once)."""
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, StopLogFilter) for f in logger.filters):
+            logger.addFilter(StopLogFilter())
+
+
 @contextlib.contextmanager
 def cancelled_promptly():
     """Wrap a flow's body: after a Prefect cancel (SIGTERM with the intent "cancel", the
     training tree already stopped), record the flow run and its task runs Cancelled and end the
     process with 0 as soon as Prefect's logs and events are sent."""
+    install_stop_log_filter()
     try:
         yield
     except TerminationSignal:

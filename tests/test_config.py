@@ -184,3 +184,17 @@ def test_one_experiment_per_registered_model_unless_configured(tmp_path):
     named = load_pipeline_config(None, ["tracking.experiment=shared"])
     assert named.experiment() == "shared"
 
+
+
+@pytest.mark.parametrize("override, line", [
+    ("train.epoch=3", "train.epoch: unknown field; did you mean 'epochs'?"),
+    ("tracking.trackng_uri=x", "tracking.trackng_uri: unknown field; did you mean 'tracking_uri'?"),
+    ("bogus=1", "bogus: unknown field"),
+    ("data.rev=2024", "data.rev: Input should be a valid string, got 2024 (YAML read it as a "
+                      "number: quote it, e.g. data.rev=\"'2024'\")"),
+])
+def test_a_typo_or_a_number_for_a_string_says_what_to_write(override, line):
+    """A new user's `train.epoch=3` said only "unknown field"; `data.rev=2024` gave no hint."""
+    with pytest.raises(ConfigError) as error:
+        load_pipeline_config(None, [override])
+    assert str(error.value) == line

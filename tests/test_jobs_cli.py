@@ -104,10 +104,20 @@ def test_predict_names_a_missing_model_in_one_line(tmp_path):
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    MlflowClient(uri).search_experiments()  # create the store
-    result = CliRunner().invoke(app, ["predict", "x.png", "--tracking-uri", uri,
+    MlflowClient(uri).create_registered_model("shapes-data")  # the store, with another model
+    image = tmp_path / "x.png"
+    image.write_bytes(b"not read: the model fails first")
+    result = CliRunner().invoke(app, ["predict", str(image), "--tracking-uri", uri,
                                       "--model-uri", "models:/nope@champion"])
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1
     assert result.output.startswith("error: models:/nope@champion: ")
     assert f"tracking URI {uri}" in result.output
+    # what the store holds, so that a user of their own data finds their model's name
+    assert "registered models there: shapes-data" in result.output
+    assert "--model-uri models:/shapes-data@champion" in result.output
+
+    missing = CliRunner().invoke(app, ["predict", str(tmp_path / "nope.png"), "--tracking-uri",
+                                       uri, "--model-uri", "models:/nope@champion"])
+    assert missing.exit_code == 2  # named before the model is looked up
+    assert missing.output.strip() == f"error: no such image file: {tmp_path / 'nope.png'}"

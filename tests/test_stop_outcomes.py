@@ -126,3 +126,28 @@ def test_stop_request_file_round_trip_and_torn_file(tmp_path):
     assert read_stop_request(tmp_path).by == "unknown"  # still a stop someone asked for
     clear_stop_request(tmp_path)
     assert read_stop_request(tmp_path) is None
+
+
+def test_prefect_crash_lines_of_a_stop_read_as_what_happened(monkeypatch):
+    """Ctrl-C: the terminal showed Prefect's ERROR "Crash detected! ..." and "Finished in state
+    Crashed(...)" although the run is recorded Cancelled; without a stop they stay as they are."""
+    import logging
+
+    import stoker.stopping
+    from tasks.stopping import StopLogFilter
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, message, (),
+                                 None)
+
+    crash = record("Crash detected! Execution was aborted by an interrupt signal.")
+    assert StopLogFilter().filter(crash) and crash.levelno == logging.ERROR  # no stop: kept
+    monkeypatch.setattr(stoker.stopping, "_received", [signal.SIGINT])
+    for message in ("Crash detected! Execution was aborted by an interrupt signal.",
+                    "Finished in state Crashed('Execution was aborted by an interrupt signal.')"):
+        line = record(message)
+        assert StopLogFilter().filter(line)
+        assert line.levelno == logging.INFO
+        assert line.getMessage() == "stopped by SIGINT (Ctrl-C): recorded as Cancelled"
+    other = record("Finished in state Failed('boom')")
+    assert StopLogFilter().filter(other) and other.levelno == logging.ERROR

@@ -121,6 +121,7 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
           f"{exited - (tree_gone or exited):.1f} s later")
     log = (tmp_path / "stoker-run.log").read_text()
     assert code == 130, log[-3000:]
+    assert "Crash detected" not in log and "state Crashed" not in log  # it was no crash
     assert wait_gone(work) == []  # no rank, no torchrun left
     assert LocalServer(work / ".prefect").running() is not None  # the server lives on
     end = [e for e in read_events(job_dir) if e["event"] == "end"][-1]

@@ -87,7 +87,10 @@ class LocalLauncher:
         Raises:
             subprocess.TimeoutExpired: the attempt ran longer than ``timeout_s``.
         """
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        # OMP_NUM_THREADS=1 is what torchrun sets for several processes per node; set here, it
+        # skips torchrun's four-line banner about it at every attempt. A user's value wins.
+        omp = {"OMP_NUM_THREADS": "1"} if self.nproc_per_node > 1 else {}
+        env = {**omp, **os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             self.command(spec_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=env, start_new_session=True, preexec_fn=die_with_parent,

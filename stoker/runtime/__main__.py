@@ -52,6 +52,8 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    for chatty in ("botocore", "aiobotocore", "s3fs"):  # "Found credentials ..." per request
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     try:
         spec = RunSpec.load(spec_path)
     except ConfigError as e:

@@ -1,0 +1,77 @@
+"""``stoker predict``: a registered model's class names and probabilities for image files.
+
+A read: it creates no store and no Prefect home. Bad input (a missing file, a model the store does
+not hold, a store that does not exist) is one line with exit code 2, found before the model loads
+where it can be.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+
+
+def predict(
+    images: Annotated[list[Path], typer.Argument(help="Image files (resized to the model's size)")],
+    model_uri: Annotated[str, typer.Option(help="MLflow model URI")] =
+        "models:/stoker-digits@champion",
+    tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] =
+        "sqlite:///work/mlflow.db",
+    logits: Annotated[bool, typer.Option(help="Also print the logits per class")] = False,
+) -> None:
+    """Load a registered model and print each image's class name and probability."""
+    from stoker.cli import TELEMETRY_OFF, sqlite_path
+
+    for name, value in TELEMETRY_OFF.items():  # a read creates nothing: no PREFECT_HOME either
+        os.environ.setdefault(name, value)
+    where = f"tracking URI {tracking_uri} (from {Path.cwd()}); point --tracking-uri at your store"
+    store = sqlite_path(tracking_uri)
+    if store is not None and not store.is_file():
+        fail(f"no MLflow store at {store}: {where}")
+    missing = [str(p) for p in images if not p.is_file()]
+    if missing:  # before the model loads (seconds)
+        fail(f"no such image file: {', '.join(missing[:5])}")
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from stoker.tracking.pyfunc import preprocess_images
+
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        model = mlflow.pyfunc.load_model(model_uri)
+    except MlflowException as e:
+        fail(f"{model_uri}: {e.message.splitlines()[0]}; {registered_models()} ({where})")
+    meta = (model.metadata.metadata or {}).get("stoker")
+    if meta is None:
+        fail(f"{model_uri}: not a Stoker classifier (no class list stored)")
+    try:
+        batch = preprocess_images(images, meta["preprocessing"])
+    except OSError as e:
+        fail(str(e))
+    table = model.predict(batch, params={"logits": logits})
+    for path, (_, row) in zip(images, table.iterrows(), strict=True):
+        extra = "".join(f"\t{k}={row[k]:.3f}" for k in table.columns if k.startswith("logit_"))
+        typer.echo(f"{path}\t{row['class']}\t{row['probability']:.3f}{extra}")
+
+
+def registered_models() -> str:
+    """The registered models of the current tracking store, as a hint for ``--model-uri``."""
+    from mlflow import MlflowClient
+
+    try:
+        names = sorted(m.name for m in MlflowClient().search_registered_models(max_results=20))
+    except Exception:  # noqa: BLE001 - only a hint: the store already failed once
+        return "the store's registered models could not be listed"
+    if not names:
+        return "the store holds no registered model"
+    return ("registered models there: " + ", ".join(names)
+            + f"; e.g. --model-uri models:/{names[0]}@champion")
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr, exit code 2 (a user error)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
