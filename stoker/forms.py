@@ -35,6 +35,21 @@ class _Form(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
+class _DeploymentForm(_Form):
+    """A deployment's whole form; subclasses' ``to_config()`` build the full validated
+    configuration (raising ConfigError naming a bad field)."""
+
+    @model_validator(mode="after")
+    def _valid_config(self):
+        # Checked when the run starts (Prefect validates parameters first): a bad combination
+        # fails the run before any data is pulled, naming the field.
+        try:
+            self.to_config()
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+
 def _pick(name: str, model: type[BaseModel], fields: list[str], doc: str,
           base: type[BaseModel] = _Form, **more: Any) -> type[BaseModel]:
     """A form group holding ``fields`` of ``model`` exactly as declared there."""
@@ -72,7 +87,7 @@ Docker = _pick("Docker", DockerLauncherConfig, ["image", "nnodes", "gpus", "shm_
                "The training containers (one per node) on this Docker host.")
 
 
-class _JobForm(_Form):
+class _JobForm(_DeploymentForm):
     """Fields every training deployment shares; subclasses add their groups."""
 
     work_dir: Path = PipelineConfig.model_fields["work_dir"]
@@ -90,16 +105,6 @@ class _JobForm(_Form):
                 ``train.lr: must be > 0, got -1``).
         """
         return _merged(PipelineConfig, self._values(), self.overrides)
-
-    @model_validator(mode="after")
-    def _valid_config(self):
-        # Checked when the run starts (Prefect validates parameters first): a bad combination
-        # fails the run before any data is pulled, naming the field.
-        try:
-            self.to_config()
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return self
 
 
 class PipelineForm(_JobForm):
@@ -139,7 +144,7 @@ Policy = _pick("Policy", GuardPolicy, list(GuardPolicy.model_fields),
                "When a GPU counts as idle or a job as stalled, and what may be stopped.")
 
 
-class CostGuardForm(_Form):
+class CostGuardForm(_DeploymentForm):
     """One cost-guard sweep of this host: what it reads, how it decides, what it may stop."""
 
     work_dir: Path = CostGuardConfig.model_fields["work_dir"]
@@ -155,14 +160,6 @@ class CostGuardForm(_Form):
         """The validated sweep configuration (ConfigError names a bad field)."""
         return _merged(CostGuardConfig, self.model_dump(mode="json", exclude={"overrides"}),
                        self.overrides)
-
-    @model_validator(mode="after")
-    def _valid_config(self):
-        try:
-            self.to_config()
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return self
 
 
 def _merged(model: type[BaseModel], values: dict[str, Any], overrides: list[str]):

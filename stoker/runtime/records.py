@@ -68,6 +68,15 @@ class JsonlAppender:
             self._fd = -1
 
 
+def _record(line: bytes) -> dict[str, Any] | None:
+    """The JSON object on ``line``, or None (torn, not JSON, or not an object)."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def read_jsonl(path: str | Path, warn: Warn = log.warning) -> list[dict[str, Any]]:
     """Every JSON object in ``path``, oldest first ([] when the file does not exist).
 
@@ -84,11 +93,8 @@ def read_jsonl(path: str | Path, warn: Warn = log.warning) -> list[dict[str, Any
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            record = None
-        if not isinstance(record, dict):
+        record = _record(line)
+        if record is None:
             where = "last line" if number >= len(lines) - 1 else f"line {number}"
             warn(f"{path}: {where} is not a whole JSON record ({len(line)} bytes, e.g. torn by a "
                  "crash); skipped")
@@ -134,11 +140,8 @@ class JsonlTail:
             self._line += 1
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                record = None
-            if not isinstance(record, dict):
+            record = _record(line)
+            if record is None:
                 self.warn(f"{self.path}: line {self._line} is not a whole JSON record "
                           f"({len(line)} bytes, e.g. torn by a crash); skipped")
                 continue
