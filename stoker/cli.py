@@ -358,11 +358,16 @@ def show_config(
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides")] = None,
     config_file: Annotated[Path | None, typer.Option("--config", "-c")] = None,
 ) -> None:
-    """Print the resolved, validated configuration as YAML."""
+    """Print the resolved, validated configuration as YAML (usable as a ``--config`` file); a
+    relative ``work_dir`` is shown with the folder it names from here as a comment."""
     import yaml
 
     config = _config(config_file, overrides)
-    typer.echo(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    work_dir = Path(config.work_dir)
+    if not work_dir.is_absolute():
+        text = f"# work_dir {work_dir} is {work_dir.resolve()} from here\n{text}"
+    typer.echo(text)
 
 
 app.command()(predict)  # `stoker predict` (stoker.predict_cli)

@@ -53,9 +53,29 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names each offending field."""
 
 
+def _takes_numbers_not_bools(annotation: Any) -> bool:
+    """Whether a field typed ``annotation`` takes an int or float but no bool."""
+    found: set[Any] = set()
+    stack = [annotation]
+    while stack:
+        kind = stack.pop()
+        found.add(kind)
+        stack.extend(typing.get_args(kind))
+    return bool(found & {int, float}) and not found & {bool, Any}
+
+
 class _Frozen(BaseModel):
     # No inf/NaN floats: `train.lr=inf` must be refused, not train to NaN.
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info) -> Any:
+        """``train.epochs=true`` is refused (pydantic would read it as 1)."""
+        if isinstance(value, bool) and _takes_numbers_not_bools(
+                cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
 
 class DataConfig(_Frozen):

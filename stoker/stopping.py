@@ -22,6 +22,7 @@ EXIT_SIGINT = 130  # 128 + SIGINT, what shells report for Ctrl-C
 EXIT_SIGTERM = 143  # 128 + SIGTERM
 
 _received: list[int] = []
+_installed: list[bool] = []  # install() was called in this process (``stoker run``)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -69,8 +70,25 @@ def _handle(signum: int, _frame) -> None:
 def install() -> None:
     """Route SIGINT and SIGTERM of this process to the stop sequence (main thread only)."""
     _received.clear()
+    _installed[:] = [True]
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _handle)
+
+
+def rearm() -> None:
+    """Inside a flow body: take SIGTERM back from Prefect's bridge if :func:`install` ran here.
+
+    Prefect's flow engine replaces the SIGTERM handler for the flow's duration (its
+    ``TerminationSignal`` ends the flow Crashed and only then passes the signal on), so a
+    SIGTERM to ``stoker run`` would otherwise not be known as a stop while the training tree
+    commits its stop checkpoint. A worker's flow process never calls :func:`install`: there
+    SIGTERM stays Prefect's cancel signal. No-op outside the main thread.
+    """
+    if not _installed:
+        return
+    with contextlib.suppress(ValueError):  # not the main thread
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _handle)
 
 
 def exit_code(error: BaseException) -> int:

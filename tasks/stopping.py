@@ -36,7 +36,7 @@ from prefect.states import Cancelled, Completed, Failed, State
 
 from stoker.launch.retry import Outcome, outcome_of
 from stoker.launch.stop_request import StopRequest, TrainingStopped
-from stoker.stopping import exit_now, stop_reason
+from stoker.stopping import exit_now, rearm, stop_reason
 
 
 def attempt_state(code: int, request: StopRequest | None) -> State:
@@ -118,8 +118,10 @@ def install_stop_log_filter() -> None:
 def cancelled_promptly():
     """Wrap a flow's body: after a Prefect cancel (SIGTERM with the intent "cancel", the
     training tree already stopped), record the flow run and its task runs Cancelled and end the
-    process with 0 as soon as Prefect's logs and events are sent."""
+    process with 0 as soon as Prefect's logs and events are sent. Under ``stoker run``, SIGTERM
+    is taken back from Prefect's bridge (:func:`stoker.stopping.rearm`): a stop like Ctrl-C."""
     install_stop_log_filter()
+    rearm()
     try:
         yield
     except TerminationSignal:

@@ -120,6 +120,33 @@ def test_show_config_refuses_an_invalid_combination_in_one_line():
     assert "tracking.tracking_uri" in result.output
 
 
+@pytest.mark.parametrize("override", ["train.epochs=true", "train.lr=false",
+                                      "train.preemption_grace_s=true", "train.profile_steps=true"])
+def test_a_boolean_for_a_number_is_refused(override):
+    """YAML reads `true` as a boolean; pydantic would have trained `train.epochs=true` 1 epoch."""
+    field, value = override.split("=")
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(None, [override])
+    assert str(info.value) == f"{field}: expected a number, got {value}"
+
+
+def test_a_number_for_a_switch_still_reads_as_one():
+    assert load_pipeline_config(None, ["train.async_checkpoint=1"]).train.async_checkpoint is True
+
+
+def test_show_config_names_the_folder_a_relative_work_dir_is(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["show-config", "work_dir=runs/w"])
+    assert result.exit_code == 0, result.output
+    first, second = result.output.splitlines()[:2]
+    assert first == f"# work_dir runs/w is {tmp_path.resolve() / 'runs/w'} from here"
+    assert second == "work_dir: runs/w"
+
+
 def test_a_dead_tracking_server_is_named_before_the_pull(tmp_path):
     import socket
     import subprocess

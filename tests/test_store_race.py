@@ -38,3 +38,34 @@ def test_first_runs_at_once_all_create_their_runs(tmp_path: Path):
     client = MlflowClient(uri)
     names = {e.name for e in client.search_experiments()}
     assert {f"experiment-{i}" for i in range(4)} <= names
+
+
+KILLED_WHILE_MIGRATING = """
+import os, sys
+import mlflow.store.db.utils as db_utils
+from stoker.runtime.tracking import ensure_store
+
+def upgrade_then_die(engine):
+    # A SIGKILL in the middle of the schema migrations: the initial tables are written, the
+    # migrations' batch table (what CI saw left behind) is half made.
+    with engine.begin() as connection:
+        connection.exec_driver_sql("CREATE TABLE _alembic_tmp_experiments (id INTEGER)")
+    os._exit(137)
+
+db_utils._upgrade_db = upgrade_then_die
+ensure_store(sys.argv[1])
+"""
+
+
+def test_a_store_whose_creation_was_killed_is_not_left_half_made(tmp_path: Path):
+    """A rank SIGKILLed while it created the embedded store (the first seconds of a job) must not
+    leave a half-migrated store that fails every later run of the work folder."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_MIGRATING, uri],
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    from stoker.runtime.tracking import RunTracker
+
+    tracker = RunTracker(uri, "after-a-kill", run_name="next")  # the next attempt
+    tracker.end("FINISHED")
+    assert MlflowClient(uri).get_run(tracker.run_id).info.status == "FINISHED"

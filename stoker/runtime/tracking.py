@@ -207,10 +207,14 @@ def ensure_store(tracking_uri: str) -> None:
 
     MLflow creates the schema on first use; two processes doing it at once on a fresh file race
     (``table _alembic_tmp_experiments already exists``). Serialised, the second one finds the
-    schema in place. Other URIs (an MLflow server) are left alone.
+    schema in place. A new store is built in ``<db>.creating`` and renamed into place when
+    complete: a process killed while migrating (a SIGKILL in the first seconds of a job) leaves
+    no half-migrated store behind, only a temporary file the next call discards. Other URIs (an
+    MLflow server) are left alone.
     """
     if not tracking_uri.startswith("sqlite:///"):
         return
+    import os
     from pathlib import Path
 
     from filelock import FileLock
@@ -219,4 +223,9 @@ def ensure_store(tracking_uri: str) -> None:
     db = Path(tracking_uri.removeprefix("sqlite:///"))
     db.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{db}.lock", timeout=300):
+        if not db.exists():
+            creating = db.with_name(f"{db.name}.creating")
+            creating.unlink(missing_ok=True)  # a creator killed midway
+            MlflowClient(f"sqlite:///{creating}").search_experiments(max_results=1)
+            os.replace(creating, db)
         MlflowClient(tracking_uri).search_experiments(max_results=1)

@@ -498,6 +498,9 @@ class Trainer(ProfilingMixin):
         with contextlib.suppress(CheckpointError):
             self.ckpt.wait()
         status = {"completed": "FINISHED", "preempted": "KILLED"}.get(outcome, "FAILED")
+        if self.progress is not None:  # on record first: closing MLflow can take seconds
+            self.progress.event("end", self.step, outcome=outcome)
+            self.progress.heartbeat(self.step, outcome=outcome, force=True)
         if self.tracker is not None:
             try:
                 self.tracker.set_tags({"stoker.last_outcome": outcome})
@@ -507,6 +510,4 @@ class Trainer(ProfilingMixin):
             except Exception as e:  # tracking must not mask the training outcome
                 log.warning("could not finish MLflow run %s: %s", self._run_id(), e)
         if self.progress is not None:
-            self.progress.event("end", self.step, outcome=outcome)
-            self.progress.heartbeat(self.step, outcome=outcome, force=True)
             self.progress.close()
