@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -202,3 +203,31 @@ def test_the_classifier_loads_without_mlflow_type_hint_warnings():
     done = subprocess.run([sys.executable, "-c", "import stoker.tracking.pyfunc"],
                           capture_output=True, text=True, timeout=120, check=True)
     assert "type hints" not in done.stderr, done.stderr
+
+
+def test_registration_skips_mlflow_scan_of_every_installed_package(tmp_path, monkeypatch,
+                                                                   caplog):
+    """MLflow's requirement check maps every installed distribution to its modules (~1.6 CPU-s
+    of a ~2 s registration); the logged requirements are the installed versions, so it is
+    skipped, and MLflow's own map is left as it was for anything else in the process. The
+    model is logged from code: no CloudPickle warning at every registration."""
+    import importlib.metadata
+
+    from mlflow.utils import requirements_utils
+
+    monkeypatch.setattr(requirements_utils, "_MODULES_TO_PACKAGES", None)
+    monkeypatch.setattr(requirements_utils, "_PACKAGES_TO_MODULES", None)
+    scans = []
+    real = importlib.metadata.packages_distributions
+    monkeypatch.setattr(requirements_utils.importlib_metadata, "packages_distributions",
+                        lambda: scans.append(1) or real())
+    registration, client = register(f"sqlite:///{tmp_path / 'mlflow.db'}", 0.9, tmp=tmp_path,
+                                    artifacts=(tmp_path / "artifacts").as_uri())
+    assert scans == []
+    assert "CloudPickle" not in caplog.text
+    assert requirements_utils._MODULES_TO_PACKAGES is None  # MLflow builds it itself if needed
+    from mlflow.pyfunc import get_model_dependencies
+
+    requirements = Path(get_model_dependencies(
+        f"models:/{MODEL}/{registration.version}")).read_text()
+    assert set(pip_requirements()) <= set(requirements.split())

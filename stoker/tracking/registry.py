@@ -92,12 +92,38 @@ def beats(new: float, old: float | None, direction: str) -> bool:
     return new > old if direction == "max" else new < old
 
 
+# Requirement name -> import name of the packages a logged model needs.
+REQUIRED_PACKAGES = {"mlflow": "mlflow", "torch": "torch", "numpy": "numpy", "pandas": "pandas",
+                     "pillow": "PIL"}
+
+
 def pip_requirements() -> list[str]:
     """Exact requirements of a logged model, without local version suffixes (``+cu121``)."""
     from importlib.metadata import version
 
-    names = ("mlflow", "torch", "numpy", "pandas", "pillow")
-    return [f"{name}=={version(name).split('+')[0]}" for name in names]
+    return [f"{name}=={version(name).split('+')[0]}" for name in REQUIRED_PACKAGES]
+
+
+@contextlib.contextmanager
+def _known_packages():
+    """While logging a model: MLflow checks its requirements against the installed packages by
+    first mapping every installed distribution to its modules (``packages_distributions``,
+    ~1.6 CPU-s on a full environment, once per process). Our requirements are the installed
+    versions by construction, so the map is seeded with just their packages for the call and
+    reset after it. Without that MLflow internal (another MLflow version), nothing changes."""
+    try:
+        from mlflow.utils import requirements_utils as reqs
+    except ImportError:
+        yield
+        return
+    if getattr(reqs, "_MODULES_TO_PACKAGES", "absent") is not None:
+        yield  # already built in this process, or an MLflow without it
+        return
+    reqs._MODULES_TO_PACKAGES = {module: [name] for name, module in REQUIRED_PACKAGES.items()}
+    try:
+        yield
+    finally:
+        reqs._MODULES_TO_PACKAGES = reqs._PACKAGES_TO_MODULES = None
 
 
 def _champion(client, name: str, metric: str):
@@ -177,6 +203,7 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example) -> str:
     from mlflow.models import infer_signature
 
     import stoker
+    from stoker.tracking import pyfunc
     from stoker.tracking.pyfunc import ImageClassifier, model_meta
 
     meta = model_meta(result)
@@ -187,9 +214,9 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example) -> str:
         classifier.load_context(type("Context", (), {"artifacts": {
             "meta": str(meta_path), "weights": result["model_path"]}})())
         output = classifier.predict(None, example)
-        with mlflow.start_run(run_id=run_id):
+        with mlflow.start_run(run_id=run_id), _known_packages():
             info = mlflow.pyfunc.log_model(
-                name="model", python_model=ImageClassifier(),
+                name="model", python_model=str(Path(pyfunc.__file__).with_name("pyfunc_code.py")),
                 artifacts={"weights": result["model_path"], "meta": str(meta_path)},
                 signature=infer_signature(example, output, params={"logits": False}),
                 input_example=example, pip_requirements=pip_requirements(),
