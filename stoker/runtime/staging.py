@@ -24,10 +24,16 @@ from typing import IO, Any
 
 import torch
 
-try:  # torch >= 2.8
-    from torch.distributed.checkpoint.staging import StateDictStager
-except ImportError:  # pragma: no cover - older torch: fresh copies, nothing reused
-    StateDictStager = None
+
+def _state_dict_stager(pin_memory: bool):
+    """DCP's ``StateDictStager``, or None on a torch without it (fresh copies, nothing reused).
+    Imported here, not at module level: it pulls in ``torch.distributed.tensor`` and sympy
+    (~0.5 CPU-s per rank at every attempt's start), needed only once checkpoints are staged."""
+    try:  # torch >= 2.8
+        from torch.distributed.checkpoint.staging import StateDictStager
+    except ImportError:  # pragma: no cover
+        return None
+    return StateDictStager(pin_memory=pin_memory, share_memory=False)
 
 
 def to_cpu(obj: Any) -> Any:
@@ -80,8 +86,7 @@ class HostStaging:
 
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available()
-        self._stager = (StateDictStager(pin_memory=self.cuda, share_memory=False)
-                        if StateDictStager is not None else None)
+        self._stager = _state_dict_stager(pin_memory=self.cuda)
         # Created here, in the training thread, so it is not the compute stream.
         self._stream = torch.cuda.Stream() if self.cuda else None
         self._copied = threading.Event()
