@@ -353,6 +353,48 @@ def cost_guard(
     stopping.exit_now(0)  # recorded and drained: Prefect's exit hooks would add seconds
 
 
+@app.command("build-image")
+def build_image(
+    overrides: Annotated[list[str] | None, typer.Argument(
+        help="ImageRequest fields, e.g. matrix_entry=cu128-py312 registry=127.0.0.1:5000")
+    ] = None,
+    config_file: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="YAML file with ImageRequest fields")] = None,
+    work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
+    debug: Annotated[bool, typer.Option("--debug", help="Tracebacks on the terminal")] = False,
+) -> None:
+    """Build the training image of a matrix entry and push it, unless the registry already holds
+    its content-hash tag; prints image, digest and whether it was built (the ``build-image``
+    flow, on the local Prefect server of ``--work-dir``).
+
+    Exit codes: 0 done, 1 failed, 2 bad input (a field, Docker, the base image or the registry,
+    named in one line), 130 Ctrl-C."""
+    from stoker.config import load_config
+    from stoker.images.spec import ImageRequest
+
+    try:
+        request = load_config(ImageRequest, config_file, overrides)
+        request.spec()  # an unknown matrix entry: named before Prefect starts
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    quiet_telemetry(work_dir)
+    code = 0
+    try:
+        with prefect_api():  # the local server (or PREFECT_API_URL), not a temporary one
+            from flows.build_image import build_image_flow
+
+            if not debug:
+                quiet_console_tracebacks()
+            typer.echo(json.dumps(build_image_flow(request), indent=2, default=str))
+    except KeyboardInterrupt:
+        typer.echo("stoker build-image: interrupted", err=True)
+        code = stopping.EXIT_SIGINT
+    except Exception as e:
+        code = _report_failure(e, debug)
+    stopping.exit_now(code)
+
+
 @app.command("show-config")
 def show_config(
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides")] = None,

@@ -7,6 +7,11 @@ registry credentials come from a Prefect Secret block and are never logged.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sqlite3
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -22,6 +27,7 @@ from image_support import (
     extra_registry,
     require_registry,
 )
+from local_servers import stop_local_servers
 
 from stoker.images.build import RegistryCredentialsMissingError, connect, registry_digest
 from stoker.images.spec import SOURCE_ROOT, ImageRequest, content_hash, image_ref
@@ -116,3 +122,47 @@ def test_registry_credentials_from_a_secret_block(harness, request_fields, tmp_p
         assert registry_digest(api, image_ref(spec, content_hash(spec)), credentials) is None
         api.close()
     assert password not in caplog.text
+
+
+def stoker(*args: str, work: Path) -> subprocess.CompletedProcess:
+    """``stoker`` in a subprocess on its own local Prefect server under ``work``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    return subprocess.run([sys.executable, "-m", "stoker.cli", *args, "--work-dir", str(work)],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_the_cli_finds_the_built_image_and_names_a_dead_registry(request_fields, tmp_path):
+    """`stoker build-image` runs the flow on the local Prefect server: the image the first test
+    built is answered from the registry; a registry that does not answer is one line, exit 2,
+    and the flow run is on the server as Failed."""
+    work = tmp_path / "work"
+    fields = [f"{k}={v}" for k, v in request_fields.items()]
+    try:
+        found = stoker("build-image", *fields, work=work)
+        assert found.returncode == 0, found.stderr[-3000:]
+        result = json.loads(found.stdout)
+        spec = ImageRequest(**request_fields).spec()
+        assert not result["built"] and result["ref"] == image_ref(spec, content_hash(spec))
+        api = connect()
+        assert result["digest"] == registry_digest(api, result["ref"], None)
+        api.close()
+        dead = stoker("build-image", *fields, "registry=127.0.0.1:1", work=work)
+        assert dead.returncode == 2, dead.stderr[-3000:]
+        errors = [line for line in dead.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "127.0.0.1:1" in errors[0], dead.stderr[-3000:]
+        assert "Traceback" not in dead.stderr
+        with sqlite3.connect(work / ".prefect" / "prefect.db") as db:
+            states = sorted(row[0] for row in db.execute(
+                "SELECT s.type FROM flow_run r JOIN flow_run_state s ON s.id = r.state_id"))
+        assert states == ["COMPLETED", "FAILED"]
+    finally:
+        stop_local_servers(tmp_path)
+
+
+def test_the_cli_names_an_unknown_matrix_entry_before_prefect_starts(tmp_path):
+    work = tmp_path / "work"
+    result = stoker("build-image", "matrix_entry=no-such-entry", work=work)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: matrix entry 'no-such-entry'")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not work.exists()  # no Prefect home, no server
