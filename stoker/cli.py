@@ -23,7 +23,7 @@ from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
 from stoker.predict_cli import predict
 from stoker.server_cli import prefect_api, server_app
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode="markdown",
                   help="Stoker: resumable GPU training pipelines on Prefect, DVC, PyTorch, MLflow.")
 
 
