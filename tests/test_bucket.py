@@ -298,8 +298,12 @@ def test_a_job_killed_on_one_node_resumes_on_another_from_the_bucket(api_env, s3
     from stoker.runtime.progress import read_events
 
     store, tracking = f"s3://{BUCKET}/nodes", f"sqlite:///{tmp_path / 'shared-mlflow.db'}"
+    # Long enough that node A is still training when the bucket holds all it waits for (2
+    # epochs could end first on a fast or lightly loaded machine: nothing left to resume).
+    sized = (f"tracking.tracking_uri={tracking}", "train.epochs=10",
+             "train.checkpoint_every_steps=20")
     node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
-    first = subprocess.Popen(command(node_a, store, f"tracking.tracking_uri={tracking}"),
+    first = subprocess.Popen(command(node_a, store, *sized),
                              env=api_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, cwd=tmp_path, start_new_session=True)
     try:
@@ -316,9 +320,11 @@ def test_a_job_killed_on_one_node_resumes_on_another_from_the_bucket(api_env, s3
             first.kill()
     name = keys_in(api_env, "nodes/")[0].split("/")[1]
     run_id = (node_a / "jobs" / name / "mlflow_run_id").read_text()
+    ended = [e for e in read_events(node_a / "jobs" / name) if e["event"] == "end"]
+    assert not ended, f"node A finished training before it was killed: {ended}"
     shutil.rmtree(node_a)  # the machine and its disk are gone
 
-    second = subprocess.run(command(node_b, store, f"tracking.tracking_uri={tracking}"),
+    second = subprocess.run(command(node_b, store, *sized),
                             env=api_env, capture_output=True, text=True, timeout=600,
                             cwd=tmp_path)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -335,7 +341,7 @@ def test_a_job_killed_on_one_node_resumes_on_another_from_the_bucket(api_env, s3
     assert f"nodes/{name}/pipeline_done.json" in stored
     assert f"nodes/{name}/lease.json" not in stored  # released when the flow ended
 
-    baseline = subprocess.run(command(tmp_path / "node-c", str(tmp_path / "store-c")),
+    baseline = subprocess.run(command(tmp_path / "node-c", str(tmp_path / "store-c"), *sized[1:]),
                               env=api_env, capture_output=True, text=True, timeout=600,
                               cwd=tmp_path)
     assert baseline.returncode == 0, baseline.stdout[-3000:] + baseline.stderr[-3000:]

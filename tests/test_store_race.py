@@ -53,15 +53,21 @@ def upgrade_then_die(engine):
     os._exit(137)
 
 db_utils._upgrade_db = upgrade_then_die
-ensure_store(sys.argv[1])
+if sys.argv[2] == "rank":  # a rank's tracking opens the store
+    ensure_store(sys.argv[1])
+else:  # the pipeline's first contact: the lineage check of the pull step
+    from stoker.tracking.registry import Lineage, check_lineage
+    check_lineage(sys.argv[1], "model", Lineage(("cat", "dog"), (3, 8, 8)))
 """
 
 
-def test_a_store_whose_creation_was_killed_is_not_left_half_made(tmp_path: Path):
-    """A rank SIGKILLed while it created the embedded store (the first seconds of a job) must not
-    leave a half-migrated store that fails every later run of the work folder."""
+@pytest.mark.parametrize("who", ["rank", "pull step"])
+def test_a_store_whose_creation_was_killed_is_not_left_half_made(tmp_path: Path, who):
+    """A process SIGKILLed while it created the embedded store (a rank in the first seconds of a
+    job, or the pipeline's pull step) must not leave a half-migrated store that fails every later
+    run of the work folder."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_MIGRATING, uri],
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_MIGRATING, uri, who],
                             capture_output=True, text=True, timeout=120)
     assert killed.returncode == 137, killed.stderr[-2000:]
     from stoker.runtime.tracking import RunTracker

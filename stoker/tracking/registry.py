@@ -168,6 +168,9 @@ def check_lineage(tracking_uri: str, name: str, lineage: Lineage) -> None:
     import mlflow
     from mlflow import MlflowClient
 
+    from stoker.runtime.tracking import ensure_store
+
+    ensure_store(tracking_uri)  # the first contact of a run: an embedded store is made whole
     mlflow.set_tracking_uri(tracking_uri)
     version, _value, incumbent = _champion(MlflowClient(tracking_uri), name, "")
     if version is not None and incumbent is not None and incumbent != lineage:
