@@ -127,7 +127,8 @@ def run(
                 typer.echo(f"error: {e}", err=True)
                 code = EXIT_BUSY
     except KeyboardInterrupt as e:
-        typer.echo(f"stoker run: {stopping.stop_reason() or 'interrupted'}: stopped", err=True)
+        typer.echo(f"stoker run: stopped by {stopping.stop_reason() or 'an interrupt'}; run the "
+                   "same command to resume", err=True)
         code = stopping.exit_code(e)
     except Exception as e:
         code = _report_failure(e, debug)

@@ -1,10 +1,11 @@
-"""How ``stoker run`` stops: Ctrl-C and SIGTERM end it with one defined outcome.
+"""How ``stoker run`` stops: Ctrl-C, SIGTERM and SIGHUP end it with one defined outcome.
 
-The first SIGINT (Ctrl-C) or SIGTERM raises :class:`Interrupted` in the main thread, where the
-flow runs: the launcher's ``finally`` passes SIGTERM to the training tree, the ranks commit a stop
-checkpoint within ``train.preemption_grace_s``, the MLflow run ends KILLED, the flow run ends
-Cancelled, and ``stoker run`` exits 130 (SIGINT) or 143 (SIGTERM). A second signal while that is
-under way kills every process ``stoker run`` started at once and exits with the same code.
+The first SIGINT (Ctrl-C), SIGTERM or SIGHUP (the terminal closed) raises :class:`Interrupted` in
+the main thread, where the flow runs: the launcher's ``finally`` passes SIGTERM to the training
+tree, the ranks commit a stop checkpoint within ``train.preemption_grace_s``, the MLflow run ends
+KILLED, the flow run ends Cancelled, and ``stoker run`` exits 130 (SIGINT), 143 (SIGTERM) or 129
+(SIGHUP). A second signal while that is under way kills every process ``stoker run`` started at
+once and exits with the same code.
 
 No Prefect here; :func:`stop_reason` tells Prefect glue why the run was stopped.
 """
@@ -20,6 +21,7 @@ import psutil
 EXIT_STOPPED = 3  # the cost guard or a user stopped the job (stop-requested.json): not retried
 EXIT_SIGINT = 130  # 128 + SIGINT, what shells report for Ctrl-C
 EXIT_SIGTERM = 143  # 128 + SIGTERM
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _received: list[int] = []
 _installed: list[bool] = []  # install() was called in this process (``stoker run``)
@@ -35,11 +37,12 @@ class Interrupted(KeyboardInterrupt):
 
 
 def stop_reason() -> str | None:
-    """Why this process is stopping (``"SIGINT (Ctrl-C)"``, ``"SIGTERM"``), or None."""
+    """Why this process is stopping (``"SIGINT (Ctrl-C)"``, ``"SIGTERM"``, ``"SIGHUP (terminal
+    closed)"``), or None."""
     if not _received:
         return None
     name = signal.Signals(_received[0]).name
-    return f"{name} (Ctrl-C)" if name == "SIGINT" else name
+    return {"SIGINT": "SIGINT (Ctrl-C)", "SIGHUP": "SIGHUP (terminal closed)"}.get(name, name)
 
 
 def kill_descendants() -> list[int]:
@@ -68,10 +71,11 @@ def _handle(signum: int, _frame) -> None:
 
 
 def install() -> None:
-    """Route SIGINT and SIGTERM of this process to the stop sequence (main thread only)."""
+    """Route SIGINT, SIGTERM and SIGHUP of this process to the stop sequence (main thread
+    only)."""
     _received.clear()
     _installed[:] = [True]
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, _handle)
 
 
@@ -87,7 +91,7 @@ def rearm() -> None:
     if not _installed:
         return
     with contextlib.suppress(ValueError):  # not the main thread
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, _handle)
 
 

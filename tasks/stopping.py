@@ -93,16 +93,24 @@ def _stop_in_progress() -> str | None:
 class StopLogFilter(logging.Filter):
     """Prefect's engine logs a stop as a crash ("Crash detected! ...", "Finished in state
     Crashed(...)", then "Running()" while the state is being replaced) just before Stoker records
-    the run Cancelled: after a stop those lines say what happened instead, at INFO."""
+    the run Cancelled: after a stop the first says what happened instead, at INFO, once per run;
+    the "Finished in state ..." lines are dropped."""
 
-    CRASH_LINES = ("Crash detected!", "Finished in state Crashed", "Finished in state Running")
+    CRASH_LINE = "Crash detected!"
+    FINISHED_LINES = ("Finished in state Crashed", "Finished in state Running")
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if message.startswith(self.CRASH_LINES) and (reason := _stop_in_progress()):
-            record.msg, record.args = f"{reason}: recorded as Cancelled", ()
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            record.exc_info = record.exc_text = None
+        if not message.startswith((self.CRASH_LINE, *self.FINISHED_LINES)):
+            return True
+        reason = _stop_in_progress()
+        if reason is None:
+            return True
+        if message.startswith(self.FINISHED_LINES):
+            return False  # said once already, by the rewritten "Crash detected!" line
+        record.msg, record.args = f"{reason}: recorded as Cancelled", ()
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.exc_info = record.exc_text = None
         return True
 
 

@@ -17,12 +17,12 @@ from prefect.runtime import flow_run
 from prefect.states import State
 from prefect.transactions import CommitMode, transaction
 
-from stoker.config import PipelineConfig
+from stoker.config import ConfigError, PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
 from stoker.launch.attempts import AttemptLog, lost_steps, total_steps_lost
 from stoker.launch.factory import make_launcher
-from stoker.launch.job import JobClaim, job_store
+from stoker.launch.job import JobClaim, check_resumable, job_store
 from stoker.launch.lease import JobBusy, held_lease
 from stoker.launch.retry import Attempt, Outcome, run_with_retries
 from stoker.launch.status import JOB_LOG
@@ -90,6 +90,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     world_size = nproc(config)
     tags = lineage_tags(config, dataset, world_size, image, flow_run.get_id(),
                         flow_run.get_flow_run_ui_url())
+    check_resumable(job_dir, config, dataset.md5)  # its own data and trajectory, or refused
     spec_path = write_spec(config, dataset, job_dir, world_size, tags, lease.token)
     logger.info("job %s: %d process(es) per node, spec %s", job_dir.name, world_size, spec_path)
     # The docker launcher runs the CUDA preflight before each GPU container, whatever the image.
@@ -110,6 +111,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     deadline = (time.monotonic() + config.train_timeout_s) if config.train_timeout_s else None
 
     codes: dict[int, int] = {}
+    rank_errors: dict[int, str | None] = {}  # attempt -> the first ERROR line of a rank
 
     @task(name="attempt", cache_policy=NO_CACHE)
     def attempt_task(number: int, capacity_type: str) -> State:
@@ -121,6 +123,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
                 codes[number] = launcher.run(spec_path, on_line=lines, timeout_s=left)
             finally:
                 lines.close()
+                rank_errors[number] = lines.first_error
         except (subprocess.TimeoutExpired, TimeoutError):
             raise TimeoutError(f"train_timeout_s={config.train_timeout_s:g} s reached: job "
                                f"{job_dir.name} stopped (process tree terminated)") from None
@@ -212,6 +215,10 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         emit_event(**training_event("failed", job_dir.name, read_text(run_file),
                                     attempts=len(history), outcome=str(attempts[-1].outcome),
                                     exit_code=attempts[-1].exit_code))
+        error = rank_errors.get(attempts[-1].number + first_number - 1)
+        if attempts[-1].exit_code == 2 and error:  # the ranks named bad input: say it
+            raise ConfigError(f"{error} (job {job_dir.name}; its output: stoker logs "
+                              f"{job_dir.name})")
         raise TrainingFailed(f"job {job_dir.name} did not complete: {summary}")
 
     result = read_json(job_dir / "result.json")

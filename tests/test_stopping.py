@@ -156,23 +156,29 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     assert wait_gone(work, timeout_s=10) == []
 
 
-def test_sigterm_to_stoker_run_exits_143(tmp_path):
+@pytest.mark.parametrize(("sig", "code", "reason"), [
+    (signal.SIGTERM, 143, "SIGTERM"),  # `kill PID`
+    (signal.SIGHUP, 129, "SIGHUP (terminal closed)"),  # the terminal window closed
+])
+def test_sigterm_or_sighup_to_stoker_run_is_the_same_stop(tmp_path, sig, code, reason):
     work = tmp_path / "work"
     process = start_run(work)
     job_dir = wait_for_training(work, process)
-    process.send_signal(signal.SIGTERM)  # to stoker run alone, as `kill PID` does
-    code = process.wait(timeout=120)
+    process.send_signal(sig)  # to stoker run alone
+    exit_code = process.wait(timeout=120)
     log = (tmp_path / "stoker-run.log").read_text()
-    assert code == 143, log[-3000:]
+    assert exit_code == code, log[-3000:]
+    assert log.rstrip().endswith(
+        f"stoker run: stopped by {reason}; run the same command to resume"), log[-3000:]
     assert wait_gone(work) == []
     ends = [e for e in read_events(job_dir) if e["event"] == "end"]
     assert ends and ends[-1]["outcome"] == "preempted", log[-3000:]
     assert mlflow_status(work, job_dir) == "KILLED"
     # Stoker's stop, not Prefect's SIGTERM bridge: a stop, not a crash or a restart.
     assert "Crash detected" not in log and "restarting" not in log, log[-3000:]
-    assert "stopping (SIGTERM): checkpoint committed" in log, log[-3000:]
+    assert f"stopping ({reason}): checkpoint committed" in log, log[-3000:]
     [(flow_state, message)] = prefect_states(work, "flow_run").values()
-    assert flow_state == "CANCELLED" and "SIGTERM" in message, (flow_state, message)
+    assert flow_state == "CANCELLED" and reason in message, (flow_state, message)
 
 
 def test_sigkill_of_stoker_run_leaves_the_server_and_the_next_command_crashes_its_run(tmp_path):

@@ -73,6 +73,41 @@ def resolve_job_dir(config: PipelineConfig, dataset_md5: str | None) -> Path:
     return jobs / f"{key}-{stamp}"
 
 
+def check_resumable(job_dir: Path, config: PipelineConfig, dataset_md5: str) -> None:
+    """Refuse to go on with a job (named by ``job_id``) on another dataset or trajectory than
+    its own ``spec.yaml`` records: resuming would train on other data (and register a model whose
+    lineage tags name only the first) or fail in the ranks. No spec yet: a new job, accepted.
+
+    Raises:
+        ConfigError: naming the job, each difference (dataset hash, ``train.<field>``), and what
+            to do.
+    """
+    from stoker.config import ConfigError
+    from stoker.runtime.spec import RunSpec
+
+    path = job_dir / "spec.yaml"
+    if not path.is_file():
+        return
+    try:
+        old = RunSpec.load(path)
+    except ConfigError:
+        return  # unreadable: the ranks' own trajectory check still stands
+    changes = []
+    old_md5 = old.tags.get("dvc.md5", "")
+    if old_md5 and old_md5.removesuffix(".dir") != dataset_md5.removesuffix(".dir"):
+        was = f"{old.tags.get('dvc.path', 'data')}@{old.tags.get('dvc.rev', '?')}"
+        changes.append(f"dataset: {was} ({old_md5.removesuffix('.dir')}) -> "
+                       f"{config.data.path}@{config.data.rev} "
+                       f"({dataset_md5.removesuffix('.dir')})")
+    old_train, now = old.train.model_dump(mode="json"), config.train.model_dump(mode="json")
+    changes += [f"train.{f}: {old_train[f]!r} -> {now[f]!r}" for f in TRAJECTORY_FIELDS
+                if old_train.get(f) != now.get(f)]
+    if changes:
+        raise ConfigError(
+            f"job {job_dir.name} cannot go on with other data or settings ({'; '.join(changes)}):"
+            f" run it with its own settings (in {path}) or leave job_id out to start a new job")
+
+
 def mark_done(job_dir: Path, summary: dict) -> None:
     """Record that the pipeline finished this job (training, registration, report)."""
     write_json(job_dir / DONE_MARKER, summary)

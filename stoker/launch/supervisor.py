@@ -7,6 +7,7 @@ parts (task runs per attempt, the progress artifact, the flow run's id and URL).
 from __future__ import annotations
 
 import collections
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -218,11 +219,17 @@ class LineLog:
     passes it on to ``forward`` (the Prefect task log). A full disk or a closed file never fails
     the attempt: the line still reaches ``forward``."""
 
+    # What a rank logs for a named user error (exit 2): ``[rank0] <time> ERROR stoker.runtime: ...``
+    RANK_ERROR = re.compile(r"^\[rank\d+\] .*? ERROR stoker\.runtime[\w.]*: (.+)$")
+
     def __init__(self, path: Path, forward: Callable[[str], None]):
         self.path, self.forward = Path(path), forward
         self._file = None
+        self.first_error: str | None = None  # the first rank's ERROR message, if any
 
     def __call__(self, line: str) -> None:
+        if self.first_error is None and (error := self.RANK_ERROR.match(line)):
+            self.first_error = error.group(1)
         try:
             if self._file is None:
                 self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()

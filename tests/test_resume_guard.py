@@ -1,0 +1,70 @@
+"""A job named by ``job_id`` goes on only with its own data and trajectory; bad input that only
+the ranks can see is still one line and exit code 2 (new-user QA findings)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from local_servers import stop_local_servers
+
+from stoker.config import ConfigError, PipelineConfig
+from stoker.launch.job import check_resumable
+from stoker.runtime.spec import RunSpec
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_job_refuses_other_data_or_another_trajectory(make_spec, dataset):
+    spec = make_spec("mine", seed=3, epochs=2)
+    job_dir = spec.parent
+    same = PipelineConfig(train=RunSpec.load(spec).train.model_dump())
+    check_resumable(job_dir, same, dataset.md5)  # its own data and settings: accepted
+    with pytest.raises(ConfigError) as other_data:
+        check_resumable(job_dir, same, "0123456789abcdef0123456789abcdef.dir")
+    assert f"job {job_dir.name} cannot go on with other data" in str(other_data.value)
+    assert f"dataset: data@? ({dataset.md5.removesuffix('.dir')}) -> " in str(other_data.value)
+    assert "(0123456789abcdef0123456789abcdef)" in str(other_data.value)
+    other_seed = PipelineConfig(train={**same.train.model_dump(), "seed": 4})
+    with pytest.raises(ConfigError, match=r"train\.seed: 3 -> 4") as info:
+        check_resumable(job_dir, other_seed, dataset.md5)
+    assert str(spec) in str(info.value) and "leave job_id out" in str(info.value)
+    check_resumable(job_dir.parent / "new-job", other_seed, dataset.md5)  # no spec: a new job
+
+
+def stoker_run(work: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    return subprocess.run([sys.executable, "-m", "stoker.cli", "run", f"work_dir={work}",
+                           "tracking.system_metrics_interval_s=null", *overrides],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def last_line(result: subprocess.CompletedProcess) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+def test_job_id_with_other_settings_and_a_rank_named_error_exit_2_in_one_line(tmp_path):
+    work = tmp_path / "work"
+    try:
+        # The ranks find it (the channels are known once the data is read): exit 2, their line.
+        bad_mean = stoker_run(work, "train.epochs=1", "train.image_mean=[0.5,0.5]")
+        assert bad_mean.returncode == 2, bad_mean.stderr[-3000:]
+        assert last_line(bad_mean).startswith(
+            "error: train.image_mean has 2 value(s) for 1 channel(s)"), bad_mean.stderr[-3000:]
+        assert "stoker logs " in last_line(bad_mean)
+        # A job left unfinished (a failure), then named by job_id with another seed: refused
+        # before any process starts, naming the field; its checkpoints stay as they were.
+        failed = stoker_run(work, "job_id=mine", "train.epochs=1", "train.fail_at_step=12")
+        assert failed.returncode == 1, failed.stderr[-3000:]
+        checkpoints = sorted(p.name for p in (work / "jobs/mine/checkpoints").iterdir())
+        other = stoker_run(work, "job_id=mine", "train.epochs=1", "train.seed=5")
+        assert other.returncode == 2, other.stderr[-3000:]
+        assert last_line(other).startswith(
+            "error: job mine cannot go on with other data or settings (train.seed: 0 -> 5)")
+        assert sorted(p.name for p in (work / "jobs/mine/checkpoints").iterdir()) == checkpoints
+        assert "attempt 2" not in other.stderr  # no torchrun started
+    finally:
+        stop_local_servers(tmp_path)
