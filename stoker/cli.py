@@ -90,10 +90,16 @@ def run(
     if resume_stalled:
         overrides = [*(overrides or []), "retry.resume_stalled=true"]
     config = _config(config_file, overrides)
-    from stoker.launch.job import check_job_early
+    from stoker.launch.job import check_job_early, new_job_notice
     from stoker.launch.lease import JobBusy
     from stoker.launch.stop_request import TrainingStopped
 
+    try:
+        if notice := new_job_notice(config):  # a shortened job_id: refused, naming the job
+            typer.echo(notice, err=True)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     try:
         done = check_job_early(config)  # a busy, done or stalled job_id: before the flow starts
     except JobBusy as e:  # one line, no traceback: another run owns the job
@@ -282,13 +288,16 @@ def status(job: Annotated[str, typer.Argument(help="Job folder name (or a unique
     if s.cost_usd is not None:
         typer.echo(f"cost       ${s.cost_usd:.4f}")
     for a in AttemptLog(folder).history():
-        typer.echo(f"attempt {a.get('number')}: {a.get('outcome')} (exit {a.get('exit_code')}) "
+        code = a.get("exit_code")  # none (-1) when the attempt's process was lost
+        typer.echo(f"attempt {a.get('number')}: {a.get('outcome')}"
+                   + (f" (exit {code})" if isinstance(code, int) and code >= 0 else "") + " "
                    f"after {float(a.get('duration_s') or 0):.1f} s on "
                    f"{a.get('capacity_type', '-')} capacity"
                    + (f", {a['steps_lost']} step(s) lost" if a.get("steps_lost") else ""))
     typer.echo(f"folder     {folder.resolve()}")
     if s.state == "unfinished":
-        typer.echo("resume it: run the same command again (or stoker run job_id=" + s.job + ")")
+        typer.echo(f"resume it: run the same command again (job_id={s.job} with the settings "
+                   f"in {folder.resolve() / 'spec.yaml'})")
 
 
 @app.command()

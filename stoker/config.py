@@ -368,8 +368,9 @@ class PipelineConfig(_Frozen):
         Path("work"), description="Where datasets, checkpoints and the embedded stores live."
     )
     job_id: str | None = Field(
-        None, description="Resume this job; empty: resume the unfinished job of the same config, "
-        "or start a new one.",
+        None, description="Name of the job (a folder under work_dir/jobs): resumed if it "
+        "exists (with its own dataset and trajectory), else a new job of that name; empty: "
+        "resume the unfinished job of the same config, or start a new one.",
     )
     checkpoint_dir: str | None = Field(
         None, description="Durable home of every job (path or fsspec URL, e.g. "
@@ -415,6 +416,14 @@ class PipelineConfig(_Frozen):
         """The MLflow experiment: the configured one, else the registered model's name (one
         experiment per model lineage, so its runs are compared side by side)."""
         return self.tracking.experiment or self.registered_model()
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_folder_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", value):
+            raise ValueError("not a folder name: use letters, digits, '.', '_' or '-' (at most "
+                             "128, starting with a letter or digit)")
+        return value
 
     @field_validator("checkpoint_dir")
     @classmethod

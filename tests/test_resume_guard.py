@@ -68,3 +68,29 @@ def test_job_id_with_other_settings_and_a_rank_named_error_exit_2_in_one_line(tm
         assert "attempt 2" not in other.stderr  # no torchrun started
     finally:
         stop_local_servers(tmp_path)
+
+
+def test_job_id_is_a_whole_folder_name(tmp_path, monkeypatch):
+    """A shortened id (what `stoker status` accepts) must not start a new job; an id that is no
+    folder name is refused at config time; a new name says a new job starts."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+    from stoker.config import load_pipeline_config
+    from stoker.launch.job import new_job_notice
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "work/jobs/2f9e48a557d2-20261201T073141196842Z").mkdir(parents=True)
+    short = CliRunner().invoke(app, ["run", "job_id=2f9e48"])
+    assert short.exit_code == 2
+    assert short.output.strip() == (
+        f"error: job_id 2f9e48: no such job under {tmp_path / 'work/jobs'}; did you mean "
+        "2f9e48a557d2-20261201T073141196842Z? (job_id takes the whole name)")
+    with pytest.raises(ConfigError, match=r"^job_id: not a folder name"):
+        load_pipeline_config(None, ["job_id=../elsewhere"])
+    fresh = load_pipeline_config(None, ["job_id=nightly-1"])
+    assert new_job_notice(fresh) == (
+        f"job_id nightly-1: no job of that name under {tmp_path / 'work/jobs'}: starting a new "
+        "job")
+    whole = load_pipeline_config(None, ["job_id=2f9e48a557d2-20261201T073141196842Z"])
+    assert new_job_notice(whole) is None

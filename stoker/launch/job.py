@@ -258,3 +258,26 @@ def check_job_early(config: PipelineConfig) -> dict | None:
 
     refuse_stalled(job_dir, config.retry.resume_stalled)
     return None
+
+
+def new_job_notice(config: PipelineConfig) -> str | None:
+    """For a ``job_id`` that names no job folder: one line saying a new job of that name starts
+    (None when the job exists, or without ``job_id``; with a ``checkpoint_dir`` the job may live
+    in the bucket, so nothing is said).
+
+    Raises:
+        ConfigError: ``job_id`` is the beginning of existing jobs' names (what ``stoker status``
+            accepts), naming them: a typo'd or shortened id must not start a new job.
+    """
+    from stoker.config import ConfigError
+
+    if not config.job_id or config.checkpoint_dir:
+        return None
+    jobs = resolve_job_dir(config, None).parent
+    if (jobs / config.job_id).exists():
+        return None
+    similar = sorted(p.name for p in jobs.glob(f"{config.job_id}*")) if jobs.is_dir() else []
+    if similar:
+        raise ConfigError(f"job_id {config.job_id}: no such job under {jobs}; did you mean "
+                          f"{' or '.join(similar[:3])}? (job_id takes the whole name)")
+    return f"job_id {config.job_id}: no job of that name under {jobs}: starting a new job"
