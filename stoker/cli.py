@@ -61,11 +61,12 @@ def _config(config_file: Path | None, overrides: list[str] | None) -> PipelineCo
 
 def _check_before_pull(config: PipelineConfig) -> None:
     """World size and a dead tracking server are named here, not after the pull inside a rank."""
+    from stoker.data.pull import DatasetError
     from stoker.launch.factory import check_before_pull
 
     try:
         check_before_pull(config)
-    except ConfigError as e:
+    except (ConfigError, DatasetError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
 

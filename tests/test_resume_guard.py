@@ -94,3 +94,27 @@ def test_job_id_is_a_whole_folder_name(tmp_path, monkeypatch):
         "job")
     whole = load_pipeline_config(None, ["job_id=2f9e48a557d2-20261201T073141196842Z"])
     assert new_job_notice(whole) is None
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.rev=no-such-rev", "error: data.rev 'no-such-rev': not found in {repo}"),
+    ("data.path=data/digitz",
+     "error: data.path data/digitz: no data/digitz.dvc at commit {commit}; is it tracked by DVC?"),
+])
+def test_a_missing_revision_or_path_of_a_local_repository_is_named_before_the_pull(
+        demo_repo, tmp_path, monkeypatch, override, message):
+    """Found in the repository itself before Prefect starts or anything is cloned (was: after
+    the pull task started, the message repeated five times and a Failed flow run)."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+    from stoker.data.git import git
+
+    monkeypatch.chdir(tmp_path)
+    repo = str(demo_repo.repo)
+    commit = git(demo_repo.repo, "rev-parse", "v1^{commit}")[:12]
+    result = CliRunner().invoke(app, ["run", f"data.repo_url={repo}", "data.rev=v1",
+                                      "data.path=data/digits", override])
+    assert result.exit_code == 2
+    assert result.output.strip() == message.format(repo=repo, commit=commit)
+    assert not (tmp_path / "work").exists()  # no Prefect home, no clone, no dataset

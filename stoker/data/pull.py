@@ -263,6 +263,24 @@ def _publish(objects: Path, link: bool, ref: DatasetRef, datasets_dir: Path) -> 
     write_json(datasets_dir / f"{final.name}.json", asdict(ref))
 
 
+def check_local_rev(repo_url: str, rev: str, path: str) -> None:
+    """Before any pull: for a repository on this machine, ``rev`` resolves to a commit and
+    ``<path>.dvc`` exists there (read from the repository itself: nothing is cloned). A remote
+    repository is left to the pull.
+
+    Raises:
+        DatasetError: naming ``data.rev`` or ``data.path``, as the pull would.
+    """
+    repo = Path(repo_url)
+    if "://" in repo_url or not (repo / ".git").exists():
+        return
+    try:
+        commit = git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except RuntimeError:
+        raise DatasetError(f"data.rev {rev!r}: not found in {repo_url}") from None
+    _dvc_out(repo, commit, path)
+
+
 def pull_dataset(
     repo_url: str, rev: str, path: str, datasets_dir: Path, remote: str | None = None
 ) -> DatasetRef:

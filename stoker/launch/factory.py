@@ -109,9 +109,11 @@ def check_before_pull(config: PipelineConfig) -> None:
     exists, the global batch splits over the processes this node will start
     (``nproc_per_node=auto``: one per GPU, or 2), a ``resnet*`` model has torchvision here (local
     launcher: training runs on this machine), an http(s) tracking server answers, and the
-    ``checkpoint_dir`` store takes a write.
+    ``checkpoint_dir`` store takes a write; in a repository on this machine, ``data.rev`` and
+    ``data.path`` exist.
 
     Raises:
+        DatasetError: naming ``data.rev`` or ``data.path`` (a local repository).
         ConfigError: naming ``data.repo_url``, ``train.global_batch_size``, ``train.model`` (and
             the ``vision`` extra) or ``tracking.tracking_uri``; ``BucketError`` (a ConfigError)
             naming ``checkpoint_dir``.
@@ -124,6 +126,10 @@ def check_before_pull(config: PipelineConfig) -> None:
     if repo and is_local(repo) and not Path(repo).is_dir():
         raise ConfigError(f"data.repo_url: {repo} is not a folder (a relative path is resolved "
                           "against the directory stoker runs in)")
+    if repo and is_local(repo):  # a revision or path that is not there: named before the pull
+        from stoker.data.pull import check_local_rev
+
+        check_local_rev(repo, config.data.rev, config.data.path)
     train = config.train
     try:
         check_batch(train.global_batch_size, train.grad_accum_steps, nproc(config))
