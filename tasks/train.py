@@ -241,4 +241,4 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
                                 step=result.get("step"), attempts=report.attempts,
                                 preemptions=report.preemptions))
     return TrainResult(str(job_dir), result["run_id"], result["metrics"], result, history,
-                       report.metrics())
+                       report.summary())

@@ -104,6 +104,11 @@ def test_cost_and_goodput():
     assert report.gpu_hours == 8.0
     assert report.cost_usd == pytest.approx(8 * 0.5 * 1.70 + 8 * 0.5 * 4.00)
     assert report.goodput == 0.75 and report.steps_lost == 10 and report.preemptions == 0
+    # The run's JSON summary keeps counts as integers (it printed "attempts": 2.0).
+    summary = report.summary()
+    assert summary["attempts"] == 2 and isinstance(summary["attempts"], int)
+    assert isinstance(summary["devices"], int) and summary["capacity_types"] == ["spot",
+                                                                                 "on_demand"]
 
 
 def test_an_attempt_shorter_than_one_interval_still_logs_system_metrics(dataset, tmp_path):

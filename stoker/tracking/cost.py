@@ -36,6 +36,11 @@ class CostReport:
         """The numeric fields, as MLflow metrics."""
         return {k: float(v) for k, v in asdict(self).items() if isinstance(v, int | float)}
 
+    def summary(self) -> dict:
+        """Every field, for a person or a JSON summary: counts stay integers (``attempts: 1``,
+        not ``1.0``), ``capacity_types`` a list."""
+        return {**asdict(self), "capacity_types": list(self.capacity_types)}
+
 
 def steps_lost(events: list[dict]) -> int:
     """Steps that had to be run again, from ``progress.jsonl`` events (``start`` then ``step``)."""
