@@ -28,7 +28,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +290,38 @@ def process_gone(tags: list[str]) -> int | None:
         started = _started_at(pid)
         return pid if started is None or abs(started - start) > 1 else None
     return None
+
+
+class ServerKeeper(threading.Thread):
+    """While a command uses the local server: if its process dies (OOM killer, ``kill -9``),
+    start it again on the same port with the same database, so the command's flow run goes on
+    (Prefect's client retries its calls meanwhile) instead of failing after training. A server
+    ended by ``stoker server stop`` (its record removed) is not restarted.
+
+    Args:
+        server: the local server the command uses.
+        on_restart: told one line per restart (or failed restart).
+        interval_s: seconds between checks (a record read and a process lookup).
+    """
+
+    def __init__(self, server: LocalServer, on_restart: Callable[[str], None],
+                 interval_s: float = 1.0):
+        super().__init__(name="prefect-server-keeper", daemon=True)
+        self.server, self.on_restart, self.interval_s = server, on_restart, interval_s
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            if not (self.server.home / RECORD).exists() or self.server.record() is not None:
+                continue  # stopped on purpose, or alive
+            try:
+                api_url, started = self.server.ensure()
+            except ServerError as e:
+                self.on_restart(f"the local Prefect server died and did not start again: {e}")
+                continue
+            if started:
+                self.on_restart(f"the local Prefect server died: started again at "
+                                f"{api_url.removesuffix('/api')}")
+
+    def stop(self) -> None:
+        self.stopped.set()

@@ -89,8 +89,9 @@ def prefect_api():
     Raises:
         ServerError: the local server did not start.
     """
+    keeper = None
     if not os.environ.get("PREFECT_API_URL"):
-        from stoker.local_server import LocalServer
+        from stoker.local_server import LocalServer, ServerKeeper
 
         started_at = time.monotonic()
         server = LocalServer(Path(os.environ["PREFECT_HOME"]),
@@ -103,6 +104,10 @@ def prefect_api():
                    f"{api_url.removesuffix('/api')} (`stoker server stop` ends it)", err=True)
         # Before Prefect is imported: its global settings (seen by every thread) read the env.
         os.environ["PREFECT_API_URL"] = api_url
+        keeper = ServerKeeper(server, on_restart=lambda line: typer.echo(
+            f"{datetime.datetime.now().strftime('%H:%M:%S.%f')[:12]} | WARNING | stoker - "
+            f"{line}", err=True))
+        keeper.start()
     from prefect import tags
 
     from stoker.local_server import process_tag
@@ -117,6 +122,8 @@ def prefect_api():
         with tags(process_tag()):
             yield
     finally:
+        if keeper is not None:
+            keeper.stop()
         drain_prefect_workers()
 
 

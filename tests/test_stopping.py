@@ -205,3 +205,27 @@ def test_sigkill_of_stoker_run_leaves_the_server_and_the_next_command_crashes_it
     assert sorted(kind for kind, _ in states.values()) == ["COMPLETED", "CRASHED"], states
     [message] = [m for kind, m in states.values() if kind == "CRASHED"]
     assert f"pid {process.pid}" in message
+
+
+def test_a_killed_local_server_is_started_again_and_the_run_finishes(tmp_path):
+    """SIGKILL of the local Prefect server mid-training (OOM killer, `kill -9`): it is started
+    again on the same port with the same database, and the run ends as if nothing happened
+    (it failed after training, with no model registered, 77 s later)."""
+    work = tmp_path / "work"
+    process = start_run(work, "train.epochs=6")
+    job_dir = wait_for_training(work, process)
+    server = LocalServer(work / ".prefect").running()
+    psutil.Process(server["pid"]).kill()
+    code = process.wait(timeout=300)
+    log = (tmp_path / "stoker-run.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "the local Prefect server died: started again at " + \
+        server["api_url"].removesuffix("/api") in log
+    again = LocalServer(work / ".prefect").running()
+    assert again is not None and again["pid"] != server["pid"]
+    assert again["port"] == server["port"]
+    [(flow_state, _)] = prefect_states(work, "flow_run").values()
+    assert flow_state == "COMPLETED"
+    assert (job_dir / "pipeline_done.json").is_file()
+    versions = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").search_model_versions()
+    assert [v.run_id for v in versions] == [(job_dir / "mlflow_run_id").read_text().strip()]

@@ -7,6 +7,7 @@ parts (task runs per attempt, the progress artifact, the flow run's id and URL).
 from __future__ import annotations
 
 import collections
+import logging
 import re
 import threading
 from collections.abc import Callable
@@ -29,6 +30,9 @@ from stoker.tracking.lineage import code_version
 
 __all__ = ["JobBusy", "ProgressWatcher", "TrainResult", "TrainingFailed", "finish_run",
            "lineage_tags", "nproc", "write_spec"]
+
+
+log = logging.getLogger(__name__)
 
 
 class TrainingFailed(RuntimeError):
@@ -201,11 +205,20 @@ class ProgressWatcher(threading.Thread):
 
     def run(self) -> None:
         while not self.stopped.wait(self.every_s):
-            self.poll()
+            self._poll_safely()
 
     def stop(self) -> None:
         self.stopped.set()
-        self.poll()
+        self._poll_safely()
+
+    def _poll_safely(self) -> None:
+        """A report that fails (the Prefect server restarting) is skipped, not the watcher's end:
+        the next poll reports the state then."""
+        try:
+            self.poll()
+        except Exception as e:  # noqa: BLE001 - progress lines never stop training
+            self._last = None  # say it again once it can be said
+            log.warning("progress not reported (%s): %s", type(e).__name__, e)
 
 
 def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
