@@ -231,3 +231,18 @@ def test_registration_skips_mlflow_scan_of_every_installed_package(tmp_path, mon
     requirements = Path(get_model_dependencies(
         f"models:/{MODEL}/{registration.version}")).read_text()
     assert set(pip_requirements()) <= set(requirements.split())
+
+
+def test_registration_prints_nothing_of_mlflow_on_the_terminal(tmp_path, capfd):
+    """MLflow's own lines ("Validating input example ...", "Successfully registered model ...",
+    "Created version ...", "Creating initial MLflow database tables...") repeated in another
+    format what Stoker says in one line; they go to the debug log now."""
+    from stoker.runtime.tracking import ensure_store
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ensure_store(uri)  # the store's creation, quiet too
+    register(uri, 0.9, tmp=tmp_path, artifacts=(tmp_path / "artifacts").as_uri())
+    out, err = capfd.readouterr()
+    for mlflow_line in ("Successfully registered", "Created version", "Validating input",
+                        "pip install -r", "Creating initial"):
+        assert mlflow_line not in out + err, (out + err)[-2000:]

@@ -7,6 +7,8 @@ an earlier attempt already logged is not logged again, so every metric stays one
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import re
@@ -202,6 +204,26 @@ class RunTracker:
         self.client.set_terminated(self.run_id, status=status)
 
 
+@contextlib.contextmanager
+def quiet_mlflow(logger: logging.Logger | None = None):
+    """While MLflow registers a model or creates a store: its INFO lines ("Validating input
+    example ...", "Creating initial MLflow database tables...") and what it prints to stderr
+    ("Successfully registered model ...") go to ``logger`` at DEBUG instead of the terminal,
+    where they repeated, in another format, what Stoker says in one line. Warnings and errors
+    stay on MLflow's logger. A closed stderr never fails the call (what it prints is kept)."""
+    mlflow_logger = logging.getLogger("mlflow")
+    level = mlflow_logger.level
+    mlflow_logger.setLevel(max(level, logging.WARNING))
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    finally:
+        mlflow_logger.setLevel(level)
+        if printed.getvalue().strip():
+            (logger or logging.getLogger(__name__)).debug("MLflow: %s", printed.getvalue().strip())
+
+
 def ensure_store(tracking_uri: str) -> None:
     """Create (migrate) an embedded ``sqlite:///`` MLflow store under a file lock next to it.
 
@@ -226,6 +248,7 @@ def ensure_store(tracking_uri: str) -> None:
         if not db.exists():
             creating = db.with_name(f"{db.name}.creating")
             creating.unlink(missing_ok=True)  # a creator killed midway
-            MlflowClient(f"sqlite:///{creating}").search_experiments(max_results=1)
+            with quiet_mlflow():
+                MlflowClient(f"sqlite:///{creating}").search_experiments(max_results=1)
             os.replace(creating, db)
         MlflowClient(tracking_uri).search_experiments(max_results=1)

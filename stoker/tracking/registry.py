@@ -206,6 +206,7 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example) -> str:
     from mlflow.models import infer_signature
 
     import stoker
+    from stoker.runtime.tracking import quiet_mlflow
     from stoker.tracking import pyfunc
     from stoker.tracking.pyfunc import ImageClassifier, model_meta
 
@@ -217,7 +218,7 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example) -> str:
         classifier.load_context(type("Context", (), {"artifacts": {
             "meta": str(meta_path), "weights": result["model_path"]}})())
         output = classifier.predict(None, example)
-        with mlflow.start_run(run_id=run_id), _known_packages():
+        with mlflow.start_run(run_id=run_id), _known_packages(), quiet_mlflow():
             info = mlflow.pyfunc.log_model(
                 name="model", python_model=str(Path(pyfunc.__file__).with_name("pyfunc_code.py")),
                 artifacts={"weights": result["model_path"], "meta": str(meta_path)},
