@@ -124,9 +124,16 @@ def run(
             if not debug:
                 quiet_console_tracebacks()
 
+            from prefect.exceptions import CancelledRun
+
             try:
                 summary = pipeline(config)
                 typer.echo(json.dumps(summary, indent=2, default=str))
+            except CancelledRun:  # the flow recorded a stop signal as its Cancelled end
+                if stopping.stop_reason() is None:
+                    raise
+                _say_stopped()
+                code = stopping.stop_exit_code()
             except TrainingStopped as e:  # the cost guard or a user stopped the job
                 typer.echo(f"stoker run: {e}", err=True)
                 code = stopping.EXIT_STOPPED
@@ -134,14 +141,18 @@ def run(
                 typer.echo(f"error: {e}", err=True)
                 code = EXIT_BUSY
     except KeyboardInterrupt as e:
-        typer.echo(f"stoker run: stopped by {stopping.stop_reason() or 'an interrupt'}; run the "
-                   "same command to resume", err=True)
+        _say_stopped()
         code = stopping.exit_code(e)
     except Exception as e:
         code = _report_failure(e, debug)
     # Everything is recorded and the training tree is gone: skip the interpreter's finalizers
     # (Prefect's exit hooks, torch), which held the exit back for seconds.
     stopping.exit_now(code)
+
+
+def _say_stopped() -> None:
+    typer.echo(f"stoker run: stopped by {stopping.stop_reason() or 'an interrupt'}; run the "
+               "same command to resume", err=True)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

@@ -95,6 +95,11 @@ def rearm() -> None:
             signal.signal(sig, _handle)
 
 
+def stop_exit_code() -> int:
+    """128 + the first stop signal received (130 when none was: a plain KeyboardInterrupt)."""
+    return 128 + _received[0] if _received else EXIT_SIGINT
+
+
 def exit_code(error: BaseException) -> int:
     """The exit code for an exception that ended ``stoker run`` by a signal."""
     if isinstance(error, Interrupted):

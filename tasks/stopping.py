@@ -5,8 +5,11 @@ Ctrl-C or SIGTERM to ``stoker run``, or a stop requested by the cost guard or a 
 flow run Cancelled with the reason.
 
 Prefect records a KeyboardInterrupt as Crashed; a stop the user asked for is not a crash. The
-flow's ``on_crashed`` hook, run once Prefect has recorded the crash, replaces it with Cancelled
-and the reason.
+flow body catches ``stoker run``'s stop (:class:`stoker.stopping.Interrupted`) once the training
+tree has committed its stop checkpoint and returns Cancelled with the reason
+(:func:`stopped_by_signal`), so the flow run never passes through Crashed. A stop that lands
+outside the body (Prefect's own bookkeeping) still ends Crashed first; the flow's ``on_crashed``
+hook then replaces it with Cancelled.
 
 A Prefect cancel of a run on a worker reaches the flow process as SIGTERM (Prefect's
 ``TerminationSignal``, with the intent "cancel"); the launcher stops the training tree (the ranks
@@ -56,7 +59,7 @@ def attempt_state(code: int, request: StopRequest | None) -> State:
     return Failed(name="UserError", data=code, message=message)
 
 
-def _cancel_runs(client, flow_run_id, message: str) -> None:
+def _cancel_runs(client, flow_run_id, message: str, flow_run_too: bool = True) -> None:
     """Set the flow run and its crashed, failed or running task runs (``train``, ``attempt-N``)
     Cancelled with ``message``; an earlier attempt's own outcome stays."""
     open_or_crashed = client.read_task_runs(
@@ -67,7 +70,21 @@ def _cancel_runs(client, flow_run_id, message: str) -> None:
         if task_run.state and task_run.state.name in ("InfrastructureFailure", "UserError"):
             continue  # an earlier attempt's own outcome
         client.set_task_run_state(task_run.id, Cancelled(message=message), force=True)
-    client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+    if flow_run_too:
+        client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
+
+
+def stopped_by_signal() -> State:
+    """Inside a flow body, after ``stoker run`` got Ctrl-C, SIGTERM or SIGHUP (the training tree
+    has committed its stop checkpoint): its task runs are set Cancelled and the Cancelled state
+    returned is the flow run's final state, so the run never passes through Crashed (which
+    Prefect automations and notifications would act on). ``stoker run`` exits 128 + the signal."""
+    from prefect.runtime import flow_run
+
+    message = f"stopped by {stop_reason()}"
+    with contextlib.suppress(Exception), get_client(sync_client=True) as client:
+        _cancel_runs(client, flow_run.get_id(), message, flow_run_too=False)
+    return Cancelled(message=message)
 
 
 def _drain_and_exit() -> None:

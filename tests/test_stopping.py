@@ -103,6 +103,13 @@ def prefect_states(work: Path, table: str) -> dict[str, tuple[str, str]]:
     return {name: (kind, message) for name, kind, message in rows}
 
 
+def state_history(work: Path) -> list[str]:
+    """Every state type the flow runs of this work folder went through, oldest first."""
+    with sqlite3.connect(work / ".prefect" / "prefect.db") as db:
+        return [row[0] for row in db.execute(
+            "SELECT type FROM flow_run_state ORDER BY timestamp")]
+
+
 def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
     work = tmp_path / "work"
     process = start_run(work)
@@ -132,6 +139,8 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
     assert last < 40 * 22  # it stopped, it did not train to the end
     [(flow_state, message)] = prefect_states(work, "flow_run").values()
     assert flow_state == "CANCELLED" and "SIGINT" in message
+    # Never Crashed on the way (automations and notifications on Crashed would fire).
+    assert "CRASHED" not in state_history(work), state_history(work)
     assert prefect_states(work, "task_run")["attempt-1"][0] == "CANCELLED"
     # The stopped attempt is on record at once (not only once a next run closes it) ...
     (attempt,) = AttemptLog(job_dir).history()
@@ -179,6 +188,7 @@ def test_sigterm_or_sighup_to_stoker_run_is_the_same_stop(tmp_path, sig, code, r
     assert f"stopping ({reason}): checkpoint committed" in log, log[-3000:]
     [(flow_state, message)] = prefect_states(work, "flow_run").values()
     assert flow_state == "CANCELLED" and reason in message, (flow_state, message)
+    assert "CRASHED" not in state_history(work), state_history(work)
 
 
 def test_sigkill_of_stoker_run_leaves_the_server_and_the_next_command_crashes_its_run(tmp_path):
