@@ -115,6 +115,11 @@ def run(
         return
     _check_before_pull(config)
     quiet_telemetry(config.work_dir)
+    from stoker.stdio import guard_stdio
+
+    # A reader that goes away (a killed worker, a closed pipe) fails nothing: the output,
+    # Prefect's log lines and the final summary included, goes on in the work folder's log.
+    guard_stdio(Path(config.work_dir) / "logs" / "output.log")
     stopping.install()
     code = 0
     try:
