@@ -14,10 +14,9 @@ from stoker.forms import DockerPipelineForm, PipelineForm
 from stoker.images.spec import ImageRequest
 from stoker.launch.job import JobClaim, mark_done
 from stoker.stdio import guard_stdio
-from stoker.stopping import Interrupted
 from tasks.registry import register
 from tasks.report import report
-from tasks.stopping import cancel_stopped_flow_run, cancelled_promptly, stopped_by_signal
+from tasks.stopping import cancel_stopped_flow_run, cancelled_promptly, stops_as_cancelled
 
 DEFAULT_CONFIG = PipelineConfig()
 DEFAULT_IMAGE = ImageRequest()
@@ -45,6 +44,7 @@ def pipeline_docker(config: DockerPipelineForm) -> dict:
     return run_pipeline(config.to_config(), DEFAULT_IMAGE)
 
 
+@stops_as_cancelled  # Ctrl-C, SIGTERM or SIGHUP to `stoker run`: a stop, not a crash
 def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
     """The pipeline's steps, inside a flow run.
 
@@ -52,18 +52,15 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
     done: with ``job_id`` before the pull, otherwise right after it. A done ``job_id`` returns
     its summary and does nothing."""
     guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
-    try:
-        with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
-            pulled = pull_and_train(config, image, job)
-            if not isinstance(pulled, tuple):
-                return pulled
-            dataset, trained = pulled
-            registration = register(config, dataset, trained)
-            report(dataset, trained, registration, config.tracking, config.tracking_uri())
-            summary = {"dataset": asdict(dataset), "run_id": trained.run_id,
-                       "metrics": trained.metrics, "cost": trained.cost,
-                       "registration": registration.to_dict()}
-            mark_done(Path(trained.job_dir), summary)
-    except Interrupted:  # Ctrl-C, SIGTERM or SIGHUP to `stoker run`: a stop, not a crash
-        return stopped_by_signal()
+    with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
+        pulled = pull_and_train(config, image, job)
+        if not isinstance(pulled, tuple):
+            return pulled
+        dataset, trained = pulled
+        registration = register(config, dataset, trained)
+        report(dataset, trained, registration, config.tracking, config.tracking_uri())
+        summary = {"dataset": asdict(dataset), "run_id": trained.run_id,
+                   "metrics": trained.metrics, "cost": trained.cost,
+                   "registration": registration.to_dict()}
+        mark_done(Path(trained.job_dir), summary)
     return summary

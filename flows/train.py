@@ -12,10 +12,9 @@ from stoker.images.spec import ImageRequest
 from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.job import JobClaim
 from stoker.launch.supervisor import TrainResult
-from stoker.stopping import Interrupted
 from tasks.data import pull
 from tasks.images import build_image
-from tasks.stopping import cancelled_promptly, stopped_by_signal
+from tasks.stopping import cancelled_promptly, stops_as_cancelled
 from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()
@@ -35,16 +34,14 @@ def train_local(config: TrainForm = TrainForm()) -> dict:  # noqa: B008 - frozen
     return run_training(config.to_config(), DEFAULT_IMAGE)
 
 
+@stops_as_cancelled  # Ctrl-C, SIGTERM or SIGHUP to the command: a stop, not a crash
 def run_training(config: PipelineConfig, image: ImageRequest) -> dict:
     """Pull and train inside a flow run; the job is leased meanwhile (see ``flows.pipeline``)."""
-    try:
-        with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
-            pulled = pull_and_train(config, image, job)
-            if not isinstance(pulled, tuple):
-                return pulled
-            _dataset, trained = pulled
-    except Interrupted:  # Ctrl-C, SIGTERM or SIGHUP to the command: a stop, not a crash
-        return stopped_by_signal()
+    with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
+        pulled = pull_and_train(config, image, job)
+        if not isinstance(pulled, tuple):
+            return pulled
+        _dataset, trained = pulled
     return {"run_id": trained.run_id, "metrics": trained.metrics, "cost": trained.cost,
             "job_dir": trained.job_dir}
 

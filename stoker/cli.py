@@ -145,9 +145,9 @@ def run(
             except JobBusy as e:  # found after the pull (no job_id): still one line
                 typer.echo(f"error: {e}", err=True)
                 code = EXIT_BUSY
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt:
         _say_stopped()
-        code = stopping.exit_code(e)
+        code = stopping.stop_exit_code()
     except Exception as e:
         code = _report_failure(e, debug)
     # Everything is recorded and the training tree is gone: skip the interpreter's finalizers

@@ -100,13 +100,6 @@ def stop_exit_code() -> int:
     return 128 + _received[0] if _received else EXIT_SIGINT
 
 
-def exit_code(error: BaseException) -> int:
-    """The exit code for an exception that ended ``stoker run`` by a signal."""
-    if isinstance(error, Interrupted):
-        return error.exit_code
-    return EXIT_SIGINT if isinstance(error, KeyboardInterrupt) else 1
-
-
 def exit_now(code: int) -> None:
     """Flush output and logs, then end the process at once with ``code`` (``os._exit``).
 

@@ -74,6 +74,23 @@ def _cancel_runs(client, flow_run_id, message: str, flow_run_too: bool = True) -
         client.set_flow_run_state(flow_run_id, Cancelled(message=message), force=True)
 
 
+def stops_as_cancelled(body):
+    """Decorate a flow's body: :class:`stoker.stopping.Interrupted` (``stoker run`` got Ctrl-C,
+    SIGTERM or SIGHUP) returns :func:`stopped_by_signal`'s Cancelled state, not a crash."""
+    import functools
+
+    from stoker.stopping import Interrupted
+
+    @functools.wraps(body)
+    def wrapper(*args, **kwargs):
+        try:
+            return body(*args, **kwargs)
+        except Interrupted:
+            return stopped_by_signal()
+
+    return wrapper
+
+
 def stopped_by_signal() -> State:
     """Inside a flow body, after ``stoker run`` got Ctrl-C, SIGTERM or SIGHUP (the training tree
     has committed its stop checkpoint): its task runs are set Cancelled and the Cancelled state

@@ -274,11 +274,19 @@ def check_local_rev(repo_url: str, rev: str, path: str) -> None:
     repo = Path(repo_url)
     if "://" in repo_url or not (repo / ".git").exists():
         return
+    _dvc_out(repo, _commit_of(repo, rev, repo_url), path)
+
+
+def _commit_of(repo: Path, rev: str, repo_url: str) -> str:
+    """The commit ``rev`` names in the git repository ``repo`` (a clone of ``repo_url``).
+
+    Raises:
+        DatasetError: naming ``data.rev`` and the repository.
+    """
     try:
-        commit = git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+        return git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}")
     except RuntimeError:
         raise DatasetError(f"data.rev {rev!r}: not found in {repo_url}") from None
-    _dvc_out(repo, commit, path)
 
 
 def pull_dataset(
@@ -320,10 +328,7 @@ def pull_dataset(
 def _pull_locked(repo_url: str, rev: str, path: str, datasets_dir: Path,
                  remote: str | None) -> DatasetRef:
     clone = _clone(repo_url, datasets_dir)
-    try:
-        commit = git(clone, "rev-parse", "--verify", f"{rev}^{{commit}}")
-    except RuntimeError:
-        raise DatasetError(f"data.rev {rev!r}: not found in {repo_url}") from None
+    commit = _commit_of(clone, rev, repo_url)
 
     out = _dvc_out(clone, commit, path)
     md5_dir = str(out["md5"])
