@@ -51,12 +51,42 @@ def quiet_telemetry(work_dir: Path) -> None:
         os.environ.setdefault(name, value)
 
 
+WORK_DIR_OPTION = typer.Option("--work-dir", "-w", help="The work folder (work_dir) of the jobs")
+RUN_WORK_DIR_OPTION = typer.Option(
+    "--work-dir", "-w", help="The work folder: the same as the override work_dir=PATH")
+
+
 def _config(config_file: Path | None, overrides: list[str] | None) -> PipelineConfig:
     try:
         return load_pipeline_config(config_file, overrides)
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+
+
+def _with_work_dir(overrides: list[str] | None, work_dir: Path | None) -> list[str]:
+    """``--work-dir X`` of ``run`` / ``show-config`` as the override ``work_dir=X`` (the jobs
+    commands take ``--work-dir``; both forms work everywhere a config is read). Exit 2 when an
+    override names another folder."""
+    overrides = list(overrides or [])
+    if work_dir is None:
+        return overrides
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("work_dir=")]
+    if any(Path(g) != work_dir for g in given):
+        typer.echo(f"error: --work-dir {work_dir} and work_dir={given[-1]} name different "
+                   "folders; give one", err=True)
+        raise typer.Exit(2)
+    return [*overrides, f"work_dir={work_dir}"]
+
+
+def _job_argument(job: str) -> str:
+    """A job name; ``work_dir=X`` in its place (the form ``stoker run`` takes) exits 2 with the
+    option these commands take."""
+    if job.startswith("work_dir="):
+        typer.echo(f"error: {job!r} is not a job name; this command takes the work folder as "
+                   f"--work-dir {job.split('=', 1)[1]}", err=True)
+        raise typer.Exit(2)
+    return job
 
 
 def _check_before_pull(config: PipelineConfig) -> None:
@@ -83,13 +113,15 @@ def run(
     resume_stalled: Annotated[bool, typer.Option(
         "--resume-stalled", help="Resume a job the cost guard stopped for a stall (same as "
         "retry.resume_stalled=true)")] = False,
+    work_dir: Annotated[Path | None, RUN_WORK_DIR_OPTION] = None,
 ) -> None:
     """Run the main job: pull the dataset, train with torchrun, register the model in MLflow.
 
     Exit codes: 0 done, 1 failed, 2 bad input, 3 stopped on request, 4 the job is owned by
     another live run, 130/143 Ctrl-C/SIGTERM (docs: reference/exit-codes.md)."""
+    overrides = _with_work_dir(overrides, work_dir)
     if resume_stalled:
-        overrides = [*(overrides or []), "retry.resume_stalled=true"]
+        overrides = [*overrides, "retry.resume_stalled=true"]
     config = _config(config_file, overrides)
     from stoker.launch.job import check_job_early, new_job_notice
     from stoker.launch.lease import JobBusy
@@ -226,7 +258,6 @@ def quiet_console_tracebacks() -> None:
 EXIT_BUSY = 4  # `stoker run`: the job is owned by another live run (nothing was changed)
 
 
-WORK_DIR_OPTION = typer.Option("--work-dir", "-w", help="The work folder (work_dir) of the jobs")
 STORE_OPTION = typer.Option(
     "--checkpoint-dir", "-s", help="The job store (checkpoint_dir, e.g. s3://bucket/jobs): show "
     "its jobs too, whichever node runs or ran them (copied into the work folder's cache)")
@@ -250,7 +281,7 @@ def _sync_store(work_dir: Path, checkpoint_dir: str | None) -> dict:
 def _job_folder(work_dir: Path, job: str) -> Path:
     from stoker.launch.status import find_job
 
-    folder = find_job(work_dir, job)
+    folder = find_job(work_dir, _job_argument(job))
     if folder is None:
         typer.echo(f"error: job {job!r}: no such job (or not one match) in "
                    f"{(work_dir / 'jobs').resolve()}; `stoker jobs` lists them", err=True)
@@ -304,17 +335,36 @@ def status(job: Annotated[str, typer.Argument(help="Job folder name (or a unique
                    "uses the newest committed step")
     if s.cost_usd is not None:
         typer.echo(f"cost       ${s.cost_usd:.4f}")
-    for a in AttemptLog(folder).history():
+    attempts = AttemptLog(folder)
+    for a in attempts.history():
         code = a.get("exit_code")  # none (-1) when the attempt's process was lost
         typer.echo(f"attempt {a.get('number')}: {a.get('outcome')}"
                    + (f" (exit {code})" if isinstance(code, int) and code >= 0 else "") + " "
                    f"after {float(a.get('duration_s') or 0):.1f} s on "
                    f"{a.get('capacity_type', '-')} capacity"
                    + (f", {a['steps_lost']} step(s) lost" if a.get("steps_lost") else ""))
+    for a in attempts.open_attempts():  # `jobs` counts these too
+        typer.echo(_open_attempt_line(a, training=s.state == "training"))
     typer.echo(f"folder     {folder.resolve()}")
     if s.state == "unfinished":
         typer.echo(f"resume it: run the same command again (job_id={s.job} with the settings "
                    f"in {folder.resolve() / 'spec.yaml'})")
+
+
+def _open_attempt_line(attempt: dict, training: bool) -> str:
+    """``attempt 2: running for 41 s on spot capacity``, or, for one a dead run left open,
+    ``attempt 1: left open by a run that died (started 300 s ago); ...``."""
+    import time
+
+    started = attempt.get("started")
+    age_s = time.time() - started if isinstance(started, int | float) else None
+    head = f"attempt {attempt.get('number')}:"
+    if training:
+        ran = f" for {age_s:.0f} s" if age_s is not None else ""
+        return f"{head} running{ran} on {attempt.get('capacity_type', '-')} capacity"
+    ago = f" (started {age_s:.0f} s ago)" if age_s is not None else ""
+    return (f"{head} left open by a run that died{ago}; it is closed and billed when the job "
+            "resumes")
 
 
 @app.command()
@@ -426,12 +476,13 @@ def build_image(
 def show_config(
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides")] = None,
     config_file: Annotated[Path | None, typer.Option("--config", "-c")] = None,
+    work_dir: Annotated[Path | None, RUN_WORK_DIR_OPTION] = None,
 ) -> None:
     """Print the resolved, validated configuration as YAML (usable as a ``--config`` file); a
     relative ``work_dir`` is shown with the folder it names from here as a comment."""
     import yaml
 
-    config = _config(config_file, overrides)
+    config = _config(config_file, _with_work_dir(overrides, work_dir))
     text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
     work_dir = Path(config.work_dir)
     if not work_dir.is_absolute():

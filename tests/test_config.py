@@ -147,6 +147,32 @@ def test_show_config_names_the_folder_a_relative_work_dir_is(tmp_path, monkeypat
     assert second == "work_dir: runs/w"
 
 
+def test_work_dir_is_an_option_and_an_override_alike(tmp_path, monkeypatch):
+    """QA: `stoker run work_dir=X` but `stoker status --work-dir X`; neither hinted at the other.
+    `run` and `show-config` take --work-dir too; a job command given work_dir=X names the
+    option (exit 2), and two different folders are refused."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    result = runner.invoke(app, ["show-config", "--work-dir", "runs/w"])
+    assert result.exit_code == 0, result.output
+    assert "work_dir: runs/w" in result.output.splitlines()
+    same = runner.invoke(app, ["show-config", "-w", "runs/w", "work_dir=runs/w"])
+    assert same.exit_code == 0, same.output
+    both = runner.invoke(app, ["show-config", "--work-dir", "a", "work_dir=b"])
+    assert both.exit_code == 2
+    assert both.output.strip() == ("error: --work-dir a and work_dir=b name different folders; "
+                                   "give one")
+    for command in (["status", "work_dir=runs/w"], ["logs", "work_dir=runs/w"]):
+        wrong = runner.invoke(app, command)
+        assert wrong.exit_code == 2, wrong.output
+        assert wrong.output.strip() == ("error: 'work_dir=runs/w' is not a job name; this "
+                                        "command takes the work folder as --work-dir runs/w")
+
+
 def test_a_dead_tracking_server_is_named_before_the_pull(tmp_path):
     import socket
     import subprocess

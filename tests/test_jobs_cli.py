@@ -78,6 +78,23 @@ def test_status_of_one_job_by_prefix(work):
     assert "resume it: run the same command again" in unfinished.output
 
 
+def test_status_shows_an_attempt_left_open_as_jobs_counts_it(work):
+    """QA: after `kill -9` of `stoker run`, `jobs` counted the open attempt and `status` listed
+    none; now both show it, as running while a live run owns the job, else as left open."""
+    torn = work / "jobs" / "dddd4444-torn"
+    AttemptLog(torn).start(2, "on_demand")
+    training = work / "jobs" / "bbbb2222-training"
+    AttemptLog(training).start(2, "spot")
+    rows = CliRunner().invoke(app, ["jobs", "--work-dir", str(work)]).output
+    assert {line.split()[0]: line.split()[3] for line in rows.splitlines()[1:]}[
+        "dddd4444-torn"] == "2"
+    left = CliRunner().invoke(app, ["status", "dddd", "--work-dir", str(work)]).output
+    assert "attempt 2: left open by a run that died (started 0 s ago); it is closed and " \
+        "billed when the job resumes" in left
+    live = CliRunner().invoke(app, ["status", "bbbb", "--work-dir", str(work)]).output
+    assert "attempt 2: running for 0 s on spot capacity" in live
+
+
 def test_logs_prints_whole_lines_and_unknown_jobs_are_one_line(work):
     result = CliRunner().invoke(app, ["logs", "bbbb2222-training", "--work-dir", str(work)])
     assert result.exit_code == 0

@@ -17,7 +17,8 @@ def test_no_eta_at_the_first_steps_of_an_attempt():
               *steps(1, MIN_STEPS_FOR_ETA - 1, 0.0, 0.5)]
     progress = job_progress(events)
     assert progress.state == "starting" and progress.eta_s is None
-    assert progress.describe() == "attempt 1 starting at step 4/100"
+    assert progress.describe() == "step 4/100 (attempt 1, from step 0)"
+    assert job_progress(events[:1]).describe() == "attempt 1 starting at step 0/100"
 
 
 def test_eta_follows_recent_step_time_not_the_start_up():
@@ -41,6 +42,9 @@ def test_a_preempted_attempt_reads_restarting_from_its_last_checkpoint():
     events += [{"event": "start", "step": 16, "time": 10.0, "total_steps": 66,
                 "resumed": True}]
     assert job_progress(events).describe() == "attempt 2 starting at step 16/66"
+    # QA: "attempt 2 starting at step 19" after "resumed from step 16" read as a second restart
+    events += steps(17, 19, 10.0, 0.2)
+    assert job_progress(events).describe() == "step 19/66 (attempt 2, from step 16)"
 
 
 def test_completed_is_100_percent_and_nothing_before_start():

@@ -101,6 +101,11 @@ class AttemptLog:
         ``exit_code``, ``started``, ``duration_s`` in seconds, ``capacity_type``)."""
         return [r for _, r in sorted(self._latest().items()) if r.get("state", "ended") == "ended"]
 
+    def open_attempts(self) -> list[dict[str, Any]]:
+        """Attempts started and not (yet) closed, oldest first: the one training now, or one a
+        dead run left open (closed as ``interrupted`` when the job resumes)."""
+        return [r for _, r in sorted(self._latest().items()) if r.get("state") == "started"]
+
     def count(self) -> int:
         """Attempts of the job so far, open ones included (an attempt a dead run left open
         counts: it was billed)."""

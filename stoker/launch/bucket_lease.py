@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from stoker.launch.lease import JobBusy, holder_alive
+from stoker.launch.lease import JobBusy, holder_alive, owner, why_free
 from stoker.launch.store import JobStore
 from stoker.runtime.lease import LeaseLost, describe
 
@@ -146,8 +146,8 @@ class BucketLease:
             raise JobBusy(f"job {self.name} is being trained by {describe(current)} "
                           "(lease in the bucket); wait for it or stop it")
         if current is not None:
-            log.warning("job %s: taking over the bucket lease of %s (expired or owner gone)",
-                        self.name, describe(current))
+            log.warning("job %s: taking over the bucket lease of %s: %s", self.name,
+                        owner(current), why_free(current))
         try:
             self.objects.put(self._record(), etag)
         except _Conflict:

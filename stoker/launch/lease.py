@@ -49,6 +49,26 @@ def holder_alive(lease: dict[str, Any], now: float | None = None) -> bool:
     return True
 
 
+def why_free(lease: dict[str, Any], now: float | None = None) -> str:
+    """Why a lease that :func:`holder_alive` rejected no longer binds, in words: ``its lease
+    expired at 07:27:33 UTC``, ``its process is gone (the lease ran until 07:27:33 UTC)`` or
+    ``it is unreadable``."""
+    now = time.time() if now is None else now
+    expires = lease.get("expires")
+    if not isinstance(expires, int | float):
+        return "it is unreadable"
+    until = time.strftime("%H:%M:%S UTC", time.gmtime(expires))
+    if now > expires:
+        return f"its lease expired at {until}"
+    return f"its process is gone (the lease ran until {until})"
+
+
+def owner(lease: dict[str, Any]) -> str:
+    """``host node-a pid 4242 (flow run 3f2c...)``: who held ``lease``, without its expiry."""
+    run = f" (flow run {lease['flow_run_id']})" if lease.get("flow_run_id") else ""
+    return f"host {lease.get('host')} pid {lease.get('pid')}{run}"
+
+
 class JobLease:
     """Exclusive, renewed ownership of one job folder.
 
@@ -92,8 +112,8 @@ class JobLease:
                 raise JobBusy(f"job {self.job_dir.name} is being trained by {describe(current)}; "
                               "wait for it, stop it, or set job_id to start another job")
             if current is not None and current["token"] != self.token:
-                log.warning("job %s: taking over the lease of %s (expired or owner gone)",
-                            self.job_dir.name, describe(current))
+                log.warning("job %s: taking over the lease of %s: %s", self.job_dir.name,
+                            owner(current), why_free(current))
                 self.previous = current
             write_json(self.path, self._record(time.time()))
         self._acquired = time.time()

@@ -33,6 +33,7 @@ class JobProgress:
     eta_s: float | None = None
     resume_step: int | None = None
     outcome: str | None = None
+    start_step: int | None = None  # the step the current attempt started (resumed) at
 
     @property
     def percent(self) -> float:
@@ -43,7 +44,10 @@ class JobProgress:
         """One line for a person, e.g. ``step 60/132 (attempt 1), 1207 samples/s, ETA 37 s``."""
         where = f"step {self.step}/{self.total_steps} (attempt {self.attempt})"
         if self.state == "starting":
-            return f"attempt {self.attempt} starting at step {self.step}/{self.total_steps}"
+            if self.start_step is None or self.step == self.start_step:
+                return f"attempt {self.attempt} starting at step {self.step}/{self.total_steps}"
+            return (f"step {self.step}/{self.total_steps} (attempt {self.attempt}, from step "
+                    f"{self.start_step})")
         if self.state == "restarting":
             return (f"restarting (attempt {self.attempt + 1}, resuming at step "
                     f"{self.resume_step or 0}/{self.total_steps})")
@@ -90,7 +94,8 @@ def job_progress(events: list[dict]) -> JobProgress | None:
         return JobProgress(state, attempt, int(ends[-1].get("step") or step), total,
                            resume_step=resume, outcome=outcome)
     if len(steps) < MIN_STEPS_FOR_ETA:
-        return JobProgress("starting", attempt, step, total)
+        return JobProgress("starting", attempt, step, total,
+                           start_step=int(start.get("step") or 0))
     window = steps[-WINDOW_STEPS:]
     done = int(window[-1]["step"]) - int(window[0]["step"])
     elapsed = float(window[-1]["time"]) - float(window[0]["time"])
