@@ -245,14 +245,47 @@ class _TracebackFree(logging.Formatter):
             record.exc_info, record.exc_text, record.stack_info = saved
 
 
+class _UserErrorOnce(logging.Filter):
+    """On the terminal, a user error (``_user_errors``) raised in a flow is said once, by the
+    command's last line (``error: ...``): Prefect's lines that repeat it (the task's exception and
+    end, the flow's exception) are dropped, the flow's end reads ``Finished in state Failed
+    (DatasetError: see the error line)``, and the lines of Stoker's own state hook go. The Prefect
+    UI's logs (the API handler) keep every line."""
+
+    HOOK = "cancel_stopped_flow_run"
+
+    def __init__(self, names: tuple[str, ...]):
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+            return True
+        message = record.getMessage()
+        if f"hook '{self.HOOK}'" in message.lower():
+            return False
+        named = next((n for n in self.names if f"{n}(" in message or f"{n}: " in message), None)
+        if named is None:
+            return True
+        if message.startswith("Finished in state Failed"):
+            if record.name.startswith("prefect.task_runs"):
+                return False
+            record.msg, record.args = f"Finished in state Failed ({named}: see the error line)", ()
+            return True
+        return record.levelno < logging.ERROR  # the exception's own lines
+
+
 def quiet_console_tracebacks() -> None:
     """Prefect's terminal lines keep their message but not the traceback: a failed task repeats
-    it several times. The Prefect UI's task log (the API handler) keeps every traceback."""
+    it several times. A user error is said once (:class:`_UserErrorOnce`). The Prefect UI's task
+    log (the API handler) keeps every traceback and line."""
+    names = tuple(cls.__name__ for cls in _user_errors())
     for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler) \
                     and not isinstance(handler.formatter, _TracebackFree):
                 handler.setFormatter(_TracebackFree(handler.formatter or logging.Formatter()))
+                handler.addFilter(_UserErrorOnce(names))
 
 
 EXIT_BUSY = 4  # `stoker run`: the job is owned by another live run (nothing was changed)

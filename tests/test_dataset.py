@@ -80,5 +80,9 @@ def test_bad_revision_and_path_are_named(demo_repo, tmp_path):
         pull_dataset(str(demo_repo.repo), "v9", "data/digits", tmp_path)
     with pytest.raises(DatasetError, match="data.path data/nope: no data/nope.dvc"):
         pull_dataset(str(demo_repo.repo), "v1", "data/nope", tmp_path)
-    with pytest.raises(DatasetError, match="cannot clone"):
+    with pytest.raises(DatasetError, match="cannot clone") as info:
         pull_dataset(str(tmp_path / "no-such-repo"), "v1", "data/digits", tmp_path)
+    # git's own reason, not the command line with a temporary clone folder
+    assert str(info.value).startswith(f"data.repo_url {tmp_path / 'no-such-repo'}: cannot "
+                                      "clone: fatal: ")
+    assert ".repos" not in str(info.value)

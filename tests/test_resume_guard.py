@@ -55,6 +55,17 @@ def test_job_id_with_other_settings_and_a_rank_named_error_exit_2_in_one_line(tm
         assert last_line(bad_mean).startswith(
             "error: train.image_mean has 2 value(s) for 1 channel(s)"), bad_mean.stderr[-3000:]
         assert "stoker logs " in last_line(bad_mean)
+        # A user error raised in a flow task is said once on the terminal (QA: five times:
+        # the task's exception and end, the flow's exception and end, then the error line).
+        unreachable = stoker_run(work, "data.repo_url=http://127.0.0.1:9/repo.git")
+        assert unreachable.returncode == 2, unreachable.stderr[-3000:]
+        said = [line for line in unreachable.stderr.splitlines() if "127.0.0.1:9" in line]
+        assert said == [last_line(unreachable)], unreachable.stderr[-3000:]
+        assert said[0].startswith("error: data.repo_url http://127.0.0.1:9/repo.git: cannot "
+                                  "clone: fatal: ")
+        assert "Finished in state Failed (DatasetError: see the error line)" in \
+            unreachable.stderr
+        assert "cancel_stopped_flow_run" not in unreachable.stderr
         # A job left unfinished (a failure), then named by job_id with another seed: refused
         # before any process starts, naming the field; its checkpoints stay as they were.
         failed = stoker_run(work, "job_id=mine", "train.epochs=1", "train.fail_at_step=12")

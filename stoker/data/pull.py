@@ -81,7 +81,7 @@ def _clone(repo_url: str, datasets_dir: Path) -> Path:
         try:
             git(clone, "fetch", "-q", "--tags", "--force", "origin")
         except RuntimeError as e:
-            raise DatasetError(f"data.repo_url {repo_url}: cannot fetch: {e}") from None
+            raise DatasetError(f"data.repo_url {repo_url}: cannot fetch: {_reason(e)}") from None
         return clone
     clone.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=clone.parent))
@@ -89,7 +89,7 @@ def _clone(repo_url: str, datasets_dir: Path) -> Path:
         git(clone.parent, "clone", "-q", "--no-checkout", repo_url, str(staging))
     except RuntimeError as e:
         shutil.rmtree(staging, ignore_errors=True)
-        raise DatasetError(f"data.repo_url {repo_url}: cannot clone: {e}") from None
+        raise DatasetError(f"data.repo_url {repo_url}: cannot clone: {_reason(e)}") from None
     staging.rename(clone)
     return clone
 
@@ -261,6 +261,11 @@ def _publish(objects: Path, link: bool, ref: DatasetRef, datasets_dir: Path) -> 
         shutil.rmtree(staging, ignore_errors=True)
     # Atomically (fsync, rename): the record marks the dataset complete; a torn one is pulled again.
     write_json(datasets_dir / f"{final.name}.json", asdict(ref))
+
+
+def _reason(error: RuntimeError) -> str:
+    """git's own message of a failed git command (not the command line and temporary folders)."""
+    return getattr(error, "reason", None) or str(error)
 
 
 def check_local_rev(repo_url: str, rev: str, path: str) -> None:
