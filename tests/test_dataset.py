@@ -51,6 +51,15 @@ def test_warm_pull_reuses_the_dataset(dataset, demo_repo, session_dir, monkeypat
     monkeypatch.setattr(dvc.repo.Repo, "pull", no_dvc)
     again = pull_dataset(str(demo_repo.repo), "v1", "data/digits", session_dir / "datasets")
     assert again == dataset
+    named = pull_dataset(str(demo_repo.repo), "v1", "data/digits", session_dir / "datasets",
+                         remote="local")
+    assert named == dataset
+    # QA: data.remote=nope passed unnoticed when the dataset was cached
+    with pytest.raises(DatasetError) as info:
+        pull_dataset(str(demo_repo.repo), "v1", "data/digits", session_dir / "datasets",
+                     remote="nope")
+    assert str(info.value) == (f"data.remote 'nope': no such DVC remote in {demo_repo.repo} "
+                               "at v1 (its remotes: local)")
 
 
 def test_missing_remote_file_is_named_before_anything_is_materialized(demo_repo, tmp_path):

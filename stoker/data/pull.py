@@ -29,7 +29,13 @@ from pathlib import Path
 import yaml
 
 from stoker.data.git import git
-from stoker.data.remote import check_reachable, is_local, original_remotes, resolve_repo_url
+from stoker.data.remote import (
+    check_reachable,
+    is_local,
+    original_remotes,
+    remote_names,
+    resolve_repo_url,
+)
 from stoker.runtime.records import read_json, write_json
 
 LOCK_TIMEOUT_S = 3600.0  # a cold pull of a large dataset holds the clone's lock this long at most
@@ -263,6 +269,22 @@ def _publish(objects: Path, link: bool, ref: DatasetRef, datasets_dir: Path) -> 
     write_json(datasets_dir / f"{final.name}.json", asdict(ref))
 
 
+def _check_remote_name(clone: Path, commit: str, remote: str, repo_url: str, rev: str) -> None:
+    """``data.remote`` names a remote of the repository's ``.dvc/config`` at ``commit``.
+
+    Raises:
+        DatasetError: naming the remote, the repository, the revision and the remotes it has.
+    """
+    try:
+        names = remote_names(git(clone, "show", f"{commit}:.dvc/config"))
+    except RuntimeError:
+        names = set()  # no .dvc/config at that commit: no remote at all
+    if remote not in names:
+        has = ", ".join(sorted(names)) or "none"
+        raise DatasetError(f"data.remote {remote!r}: no such DVC remote in {repo_url} at "
+                           f"{rev} (its remotes: {has})")
+
+
 def _reason(error: RuntimeError) -> str:
     """git's own message of a failed git command (not the command line and temporary folders)."""
     return getattr(error, "reason", None) or str(error)
@@ -343,6 +365,8 @@ def _pull_locked(repo_url: str, rev: str, path: str, datasets_dir: Path,
         nfiles=int(out.get("nfiles", 0)), size_bytes=int(out.get("size", 0)),
         local_path=str(final),
     )
+    if remote:  # named also when the data is cached: a typo must not pass unnoticed
+        _check_remote_name(clone, commit, remote, repo_url, rev)
     if final.is_dir() and read_json(datasets_dir / f"{final.name}.json") is not None:
         return ref  # content-addressed: same hash, same files
 

@@ -32,6 +32,18 @@ def relative_remotes(dvc_config: Path) -> dict[str, str]:
     return found
 
 
+def remote_names(config_text: str) -> set[str]:
+    """The remote names a ``.dvc/config`` text defines (``['remote "storage"']`` sections)."""
+    from configobj import ConfigObj, ConfigObjError
+
+    try:
+        sections = ConfigObj(config_text.splitlines()).keys()
+    except ConfigObjError:
+        return set()
+    pattern = re.compile(r"""\s*['"]?remote\s+"(.+)"['"]?\s*""")
+    return {m.group(1) for m in map(pattern.fullmatch, sections) if m}
+
+
 def original_remotes(clone: Path, repo_url: str) -> dict[str, str]:
     """Absolute URLs for the clone's relative local remotes, as the original repository resolves
     them (relative to its ``.dvc`` folder). Empty for a repository that is not local: there a
