@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from streaming_support import make_rgb_folder
 from torch.utils.data import DataLoader
 
@@ -130,9 +131,22 @@ def test_pull_step_accepts_mixed_sizes_once_image_size_is_set(rgb_folder):
 
     summary = validate_image_folder(rgb_folder)
     assert (summary.height, summary.width, summary.channels) == (None, None, 3)
-    prepared = PreparedDataset(type("Ref", (), {"local_path": str(rgb_folder)})(), summary)
-    with pytest.raises(DatasetError, match="set train.image_size"):
+    ref = type("Ref", (), {"local_path": str(rgb_folder), "path": "data/colours", "rev": "v1",
+                           "repo_url": "/home/me/colours"})()
+    prepared = PreparedDataset(ref, summary)
+    with pytest.raises(DatasetError, match="set train.image_size") as info:
         prepared.input_shape("auto")
+    # QA: the message named the md5 folder and no file; now the dataset and one file per size
+    message = str(info.value)
+    assert message.startswith("dataset data/colours@v1 of /home/me/colours: images have "
+                              "different sizes ("), message
+    examples = message.split(" (", 1)[1].split(")", 1)[0].split("; ")
+    assert len(examples) == 2 and examples[0].split(":")[0] != examples[1].split(":")[0]
+    for example in examples:
+        size, name = example.split(" px: ")
+        width, height = map(int, size.split("x"))
+        with Image.open(rgb_folder / name) as image:
+            assert image.size == (width, height)
     assert prepared.input_shape("auto", 24) == (3, 24, 24)
 
 

@@ -32,8 +32,11 @@ class PreparedDataset:
         if image_size is not None:
             return depth, image_size, image_size
         if self.summary.height is None or self.summary.width is None:
-            raise DatasetError(f"{self.ref.local_path}: images have different sizes; set "
-                               "train.image_size (square side in pixels) to resize them")
+            examples = "; ".join(self.summary.size_examples)
+            raise DatasetError(
+                f"dataset {self.ref.path}@{self.ref.rev} of {self.ref.repo_url}: images have "
+                f"different sizes" + (f" ({examples})" if examples else "") + "; set "
+                "train.image_size (square side in pixels) to resize them")
         return depth, self.summary.height, self.summary.width
 
 

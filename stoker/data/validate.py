@@ -40,6 +40,8 @@ class FolderSummary:
         height, width: image size in pixels when all images share it, else None (training then
             needs ``train.image_size``).
         channels: 1 if every image is grayscale, else 3.
+        size_examples: when sizes differ, one file of each of two sizes, as
+            ``"32x24 px: <class>/<file>"`` (width x height); empty otherwise.
     """
 
     classes: tuple[str, ...]
@@ -47,6 +49,7 @@ class FolderSummary:
     height: int | None
     width: int | None
     channels: int
+    size_examples: tuple[str, ...] = ()
 
 
 JPEG_END = b"\xff\xd9"  # EOI: cannot occur inside a JPEG's entropy-coded data (0xFF is stuffed)
@@ -78,10 +81,11 @@ def _inspect(file: Path) -> tuple[tuple[int, int], str]:
 
 @dataclass
 class _Tally:
-    """What files showed: up to two distinct sizes (one says "all share it"), whether any is
-    in colour, the first ``MAX_NAMED`` problems and how many there are."""
+    """What files showed: up to two distinct sizes (one says "all share it"), each with the
+    first file that had it, whether any is in colour, the first ``MAX_NAMED`` problems and how
+    many there are."""
 
-    sizes: set[tuple[int, int]]
+    sizes: dict[tuple[int, int], str]
     colour: bool
     problems: list[str]
     count: int = 0
@@ -92,7 +96,9 @@ class _Tally:
             self.problems.append(text)
 
     def merge(self, other: _Tally) -> None:
-        self.sizes = set(list(self.sizes | other.sizes)[:2])
+        for size, example in other.sizes.items():
+            if len(self.sizes) < 2:
+                self.sizes.setdefault(size, example)
         self.colour = self.colour or other.colour
         self.problems += other.problems[:MAX_NAMED - len(self.problems)]
         self.count += other.count
@@ -103,7 +109,7 @@ def _check(folder: Path, names: list[str]) -> _Tally:
     a million files make a few thousand tasks, not a million futures)."""
     from PIL import UnidentifiedImageError
 
-    tally = _Tally(set(), False, [])
+    tally = _Tally({}, False, [])
     for name in names:
         try:
             size, mode = _inspect(folder / name)
@@ -111,7 +117,7 @@ def _check(folder: Path, names: list[str]) -> _Tally:
             tally.problem(f"{folder.name}/{name}: not a readable image ({e})")
             continue
         if len(tally.sizes) < 2:
-            tally.sizes.add(size)
+            tally.sizes.setdefault(size, f"{folder.name}/{name}")
         tally.colour = tally.colour or mode not in GRAY_MODES
     return tally
 
@@ -132,7 +138,7 @@ def _cached(root: Path, dataset_hash: str | None) -> FolderSummary | None:
     try:
         s = verdict["summary"]
         return FolderSummary(tuple(s["classes"]), tuple(s["counts"]), s["height"], s["width"],
-                             s["channels"])
+                             s["channels"], tuple(s.get("size_examples", ())))
     except (KeyError, TypeError):
         return None
 
@@ -156,7 +162,7 @@ def validate_image_folder(root: Path, dataset_hash: str | None = None) -> Folder
     if not folders:
         raise DatasetError(f"{root}: no class folders (expected <class>/<image> files)")
     listed = [(folder, [p.name for p in image_files(folder)]) for folder in folders]
-    tally = _Tally(set(), False, [])
+    tally = _Tally({}, False, [])
     for folder, names in listed:
         if not names:
             tally.problem(f"class {folder.name!r}: empty class (no image files)")
@@ -171,8 +177,10 @@ def validate_image_folder(root: Path, dataset_hash: str | None = None) -> Folder
             f"{root}: {tally.count} problem(s) in the dataset: " + "; ".join(tally.problems)
             + (f"; ... and {more} more" if more else ""))
     height, width = next(iter(tally.sizes)) if len(tally.sizes) == 1 else (None, None)
+    examples = () if len(tally.sizes) < 2 else tuple(
+        f"{w}x{h} px: {example}" for (h, w), example in tally.sizes.items())
     summary = FolderSummary(tuple(f.name for f in folders), tuple(len(n) for _, n in listed),
-                            height, width, 3 if tally.colour else 1)
+                            height, width, 3 if tally.colour else 1, examples)
     if dataset_hash is not None:
         _save(root, dataset_hash, summary, listed, tally.colour)
     return summary
