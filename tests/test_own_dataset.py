@@ -151,7 +151,8 @@ def test_bad_classes_and_files_are_named_in_the_pull_step(tmp_path):
     with pytest.raises(DatasetError) as info:
         prepare_dataset(_config(repo, work), log=lambda _: None)
     message = str(info.value)
-    assert "3 problem(s)" in message and "class 'empty': empty class" in message
+    assert message.startswith(f"dataset data/images@v2 of {repo}: 3 problem(s)"), message
+    assert "class 'empty': empty class" in message
     assert "two/001.png: not a readable image" in message
     assert "three/notes.txt: not a readable image" in message
     assert sorted(p.name for p in work.iterdir()) == ["datasets"]  # no job folder, no run

@@ -34,10 +34,16 @@ class PreparedDataset:
         if self.summary.height is None or self.summary.width is None:
             examples = "; ".join(self.summary.size_examples)
             raise DatasetError(
-                f"dataset {self.ref.path}@{self.ref.rev} of {self.ref.repo_url}: images have "
-                f"different sizes" + (f" ({examples})" if examples else "") + "; set "
-                "train.image_size (square side in pixels) to resize them")
+                f"{dataset_name(self.ref)}: images have different sizes"
+                + (f" ({examples})" if examples else "") + "; set train.image_size (square side "
+                "in pixels) to resize them")
         return depth, self.summary.height, self.summary.width
+
+
+def dataset_name(ref) -> str:
+    """``dataset data/colours@v1 of /home/me/colours``: a dataset as its user named it (not its
+    md5 folder), for error messages."""
+    return f"dataset {ref.path}@{ref.rev} of {ref.repo_url}"
 
 
 def prepare_dataset(config: PipelineConfig, log: Callable[[str], None] = print
@@ -62,7 +68,7 @@ def prepare_dataset(config: PipelineConfig, log: Callable[[str], None] = print
         f"files -> {ref.local_path}")
     summary = None
     if config.train.dataset == "image_folder":
-        summary = validate_image_folder(Path(ref.local_path), ref.md5)
+        summary = validate_image_folder(Path(ref.local_path), ref.md5, name=dataset_name(ref))
         size = f"{summary.width}x{summary.height} px" if summary.height else "mixed sizes"
         log(f"{len(summary.classes)} classes {list(summary.classes)}, {size}, "
             f"{summary.channels} channel(s)")

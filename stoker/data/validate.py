@@ -143,13 +143,15 @@ def _cached(root: Path, dataset_hash: str | None) -> FolderSummary | None:
         return None
 
 
-def validate_image_folder(root: Path, dataset_hash: str | None = None) -> FolderSummary:
+def validate_image_folder(root: Path, dataset_hash: str | None = None,
+                          name: str | None = None) -> FolderSummary:
     """Check that ``root`` is an ImageFolder of readable images (sizes may differ).
 
     Args:
         root: the dataset folder.
         dataset_hash: the DVC hash (``<md5>.dir``) ``root`` was pulled at; with it the verdict
             is cached beside ``root`` and reused for this hash only (no file read then).
+        name: how errors name the dataset (``dataset data/x@v1 of <repo>``); default ``root``.
 
     Raises:
         DatasetError: one message naming each problem: no class folders, an empty class (holding
@@ -160,7 +162,7 @@ def validate_image_folder(root: Path, dataset_hash: str | None = None) -> Folder
         return cached
     folders = class_folders(root)
     if not folders:
-        raise DatasetError(f"{root}: no class folders (expected <class>/<image> files)")
+        raise DatasetError(f"{name or root}: no class folders (expected <class>/<image> files)")
     listed = [(folder, [p.name for p in image_files(folder)]) for folder in folders]
     tally = _Tally({}, False, [])
     for folder, names in listed:
@@ -174,7 +176,7 @@ def validate_image_folder(root: Path, dataset_hash: str | None = None) -> Folder
     if tally.count:
         more = tally.count - len(tally.problems)
         raise DatasetError(
-            f"{root}: {tally.count} problem(s) in the dataset: " + "; ".join(tally.problems)
+            f"{name or root}: {tally.count} problem(s) in the dataset: " + "; ".join(tally.problems)
             + (f"; ... and {more} more" if more else ""))
     height, width = next(iter(tally.sizes)) if len(tally.sizes) == 1 else (None, None)
     examples = () if len(tally.sizes) < 2 else tuple(
