@@ -15,7 +15,9 @@ import typer
 
 
 def predict(
-    images: Annotated[list[Path], typer.Argument(help="Image files (resized to the model's size)")],
+    images: Annotated[list[Path], typer.Argument(
+        help="Image files, or folders of them (read with their subfolders, in name order); "
+        "each is resized to the model's size")],
     model_uri: Annotated[str, typer.Option(help="MLflow model URI")] =
         "models:/stoker-digits@champion",
     tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] =
@@ -27,13 +29,12 @@ def predict(
 
     for name, value in TELEMETRY_OFF.items():  # a read creates nothing: no PREFECT_HOME either
         os.environ.setdefault(name, value)
-    where = f"tracking URI {tracking_uri} (from {Path.cwd()}); point --tracking-uri at your store"
     store = sqlite_path(tracking_uri)
+    relative = f" (from {Path.cwd()})" if store is not None and not store.is_absolute() else ""
+    where = f"tracking URI {tracking_uri}{relative}; point --tracking-uri at your store"
     if store is not None and not store.is_file():
         fail(f"no MLflow store at {store}: {where}")
-    missing = [str(p) for p in images if not p.is_file()]
-    if missing:  # before the model loads (seconds)
-        fail(f"no such image file: {', '.join(missing[:5])}")
+    images = expand_images(images)  # before the model loads (seconds)
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -55,6 +56,32 @@ def predict(
     for path, (_, row) in zip(images, table.iterrows(), strict=True):
         extra = "".join(f"\t{k}={row[k]:.3f}" for k in table.columns if k.startswith("logit_"))
         typer.echo(f"{path}\t{row['class']}\t{row['probability']:.3f}{extra}")
+
+
+def expand_images(paths: list[Path]) -> list[Path]:
+    """Each file as given; each folder as the visible files in it and its subfolders, in name
+    order (a dataset folder of class folders works as is).
+
+    Exits 2 (one line) for a path that does not exist or a folder without a file.
+    """
+    from stoker.runtime.data import visible
+
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        fail(f"no such image file or folder: {', '.join(missing[:5])}")
+    files: list[Path] = []
+    for path in paths:
+        if not path.is_dir():
+            files.append(path)
+            continue
+        found = []
+        for folder, subfolders, names in os.walk(path):  # top-down: a folder, then its subfolders
+            subfolders[:] = sorted(d for d in subfolders if visible(Path(d)))
+            found += [Path(folder) / n for n in sorted(names) if visible(Path(n))]
+        if not found:
+            fail(f"{path}: a folder with no image file in it or its subfolders")
+        files += found
+    return files
 
 
 def registered_models() -> str:

@@ -137,4 +137,14 @@ def test_predict_names_a_missing_model_in_one_line(tmp_path):
     missing = CliRunner().invoke(app, ["predict", str(tmp_path / "nope.png"), "--tracking-uri",
                                        uri, "--model-uri", "models:/nope@champion"])
     assert missing.exit_code == 2  # named before the model is looked up
-    assert missing.output.strip() == f"error: no such image file: {tmp_path / 'nope.png'}"
+    assert missing.output.strip() == (f"error: no such image file or folder: "
+                                      f"{tmp_path / 'nope.png'}")
+    # QA: an absolute store's URI was said to be "(from <cwd>)"
+    assert "(from " not in result.output
+    empty = tmp_path / "photos"
+    (empty / ".ipynb_checkpoints").mkdir(parents=True)
+    (empty / ".ipynb_checkpoints" / "x.png").write_bytes(b"hidden")
+    folder = CliRunner().invoke(app, ["predict", str(empty), "--tracking-uri", uri])
+    assert folder.exit_code == 2  # QA: a folder read "no such image file"
+    assert folder.output.strip() == (f"error: {empty}: a folder with no image file in it or its "
+                                     "subfolders")

@@ -85,3 +85,10 @@ def test_stoker_predict_prints_class_names(champion, tmp_path):
         path, label, probability, *logits = line.split("\t")
         assert path == file and label in ("daisy", "rose", "tulip")
         assert 0 < float(probability) <= 1 and len(logits) == 3
+    # A folder stands for its image files and those of its subfolders, in name order.
+    whole = subprocess.run(
+        [str(BIN / "stoker"), "predict", str(tmp_path), "--model-uri", f"models:/{name}@champion",
+         "--tracking-uri", uri], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert [line.split("\t")[0] for line in whole.stdout.strip().splitlines()] == files
