@@ -22,7 +22,7 @@ from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
 from stoker.launch.attempts import AttemptLog, lost_steps, total_steps_lost
 from stoker.launch.factory import make_launcher
-from stoker.launch.job import JobClaim, check_resumable, job_store
+from stoker.launch.job import JobClaim, check_resumable, completed_training, job_store
 from stoker.launch.lease import JobBusy, held_lease
 from stoker.launch.retry import Attempt, Outcome, run_with_retries
 from stoker.launch.status import JOB_LOG
@@ -102,6 +102,10 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     for closed in attempts_log.close_interrupted():  # a flow run that died mid-attempt left it open
         logger.warning("attempt %d of an earlier run closed as %s after %.1f s", closed["number"],
                        closed["outcome"], closed["duration_s"])
+    finished = completed_training(job_dir)  # the orchestrator died after the ranks finished
+    if finished is not None:
+        logger.info("job %s: training already completed (step %d/%d); going on to registration "
+                    "without launching", job_dir.name, finished["step"], finished["total_steps"])
     first_number = attempts_log.next_number()
     capacities: dict[int, str] = {}
     preempted = sum(a["outcome"] == Outcome.PREEMPTED for a in attempts_log.history())
@@ -191,8 +195,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     if sync is not None:  # attempts, heartbeat, MLflow run id reach the bucket while training
         sync.start()
     try:
-        attempts = run_with_retries(launch, config.retry, on_attempt=record,
-                                    stop_requested=lambda: read_stop_request(job_dir) is not None)
+        attempts = [] if finished is not None else run_with_retries(
+            launch, config.retry, on_attempt=record,
+            stop_requested=lambda: read_stop_request(job_dir) is not None)
     except BaseException:  # cancelled or timed out: the tree is already gone, close the run
         # The attempt is recorded now (billed time, what the ranks did), not by the next run.
         with contextlib.suppress(Exception):
@@ -205,9 +210,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         if sync is not None:
             sync.stop()
     history = attempts_log.history()  # every attempt of the job, whichever flow run made it
-    if attempts[-1].outcome == Outcome.STOPPED:
+    if attempts and attempts[-1].outcome == Outcome.STOPPED:
         stopped(client, run_file, read_stop_request(job_dir), job_dir.name)
-    if attempts[-1].outcome != Outcome.COMPLETED:
+    if attempts and attempts[-1].outcome != Outcome.COMPLETED:
         if read_text(run_file):
             finish_run(client, read_text(run_file), "FAILED")
         summary = ", ".join(f"#{a['number']} {a['outcome']} (exit {a['exit_code']})"

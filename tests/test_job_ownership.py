@@ -149,6 +149,40 @@ def test_a_killed_orchestrator_is_taken_over_and_its_attempt_is_billed(api_env, 
         f"its process (pid {first.pid}) died" in orphan.state.message), orphan.state.message
 
 
+def test_a_job_trained_to_the_end_whose_orchestrator_died_registers_without_a_launch(
+        api_env, tmp_path):
+    """QA: `kill -9` of `stoker run` after the ranks finished, before registration: the rerun
+    launched torchrun once more for a 0-step attempt (seconds of start-up, billed). Now it goes
+    on to registration at once; the dead run's attempt is the only one, billed once."""
+    work, job = tmp_path / "work", tmp_path / "work" / "jobs" / "trained"
+    cmd = command(work, "job_id=trained", "train.epochs=1")
+    first = start(cmd, api_env)
+    try:
+        wait_for(lambda: any(e.get("event") == "end" for e in read_events(job)), process=first)
+        os.kill(first.pid, signal.SIGKILL)  # between the ranks' end and registration
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert not (job / "pipeline_done.json").exists()  # killed before the pipeline was done
+    events = read_events(job)
+    assert [e["event"] for e in events].count("start") == 1
+    assert events[-1]["event"] == "end" and events[-1]["outcome"] == "completed"
+
+    rerun = subprocess.run(cmd, env=api_env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "training already completed (step 22/22); going on to registration without " \
+        "launching" in rerun.stdout + rerun.stderr
+    assert [e["event"] for e in read_events(job)].count("start") == 1  # no torchrun again
+    assert [a["number"] for a in attempt_history(job)] == [1]
+    summary = json.loads(rerun.stdout)
+    assert summary["registration"]["version"] == "1" and summary["cost"]["attempts"] == 1
+    run_id = (job / "mlflow_run_id").read_text()
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [v.run_id for v in client.search_model_versions("name = 'stoker-digits'")] == [run_id]
+
+
 def test_torn_records_after_a_crash_do_not_break_the_job(api_env, tmp_path):
     """Input 6: an unfinished job whose progress, attempts and heartbeat files were torn by a
     crash trains to the end; the torn lines stay skipped and new lines stay whole."""

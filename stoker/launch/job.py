@@ -108,6 +108,31 @@ def check_resumable(job_dir: Path, config: PipelineConfig, dataset_md5: str) -> 
             f" run it with its own settings (in {path}) or leave job_id out to start a new job")
 
 
+def completed_training(job_dir: Path) -> dict | None:
+    """The job's ``result.json`` when its training already ran to the end, else None.
+
+    That is the case when the orchestrator died after the ranks finished and before the
+    pipeline was done (registration, report): the next run goes on from there instead of
+    launching torchrun again for a 0-step attempt (seconds of start-up, billed). It holds when
+    ``result.json`` is whole, names an MLflow run, was written at its last step, its final
+    weights exist, and the job's last ``end`` progress event says ``completed`` at that step.
+    """
+    from stoker.runtime.progress import read_events
+
+    result = read_json(job_dir / "result.json")
+    if not isinstance(result, dict) or not result.get("run_id"):
+        return None
+    step, total = result.get("step"), result.get("total_steps")
+    if not isinstance(step, int) or step != total:
+        return None
+    if not Path(str(result.get("model_path", ""))).is_file():
+        return None
+    ends = [e for e in read_events(job_dir) if e.get("event") == "end"]
+    if not ends or ends[-1].get("outcome") != "completed" or ends[-1].get("step") != step:
+        return None
+    return result
+
+
 def mark_done(job_dir: Path, summary: dict) -> None:
     """Record that the pipeline finished this job (training, registration, report)."""
     write_json(job_dir / DONE_MARKER, summary)
