@@ -127,3 +127,30 @@ def test_launcher_choice_and_its_errors():
                                       "launcher.kubernetes.num_nodes=0"])
     with pytest.raises(ConfigError, match="launcher.kubernetes.num_nodes"):
         make_launcher(k8s, 8, image="registry.example/stoker/train@sha256:abc")
+
+
+def test_torchruns_stop_lines_stay_in_the_job_log_not_in_prefects(tmp_path):
+    """QA: a normal preemption showed torchrun's `Received 15 death signal`, `Sending process
+    ... closing signal SIGTERM` and `E... failed (exitcode: 75)` as warnings and errors in the
+    Prefect log, beside Stoker's own "attempt 1 ended: preempted (exit 75)". `stoker logs` keeps
+    them; a rank's line and any other failure of torchrun still go through."""
+    from stoker.launch.supervisor import LineLog
+
+    agent = "W1201 11:17:14.194000 5550 .venv/lib/python3.11/site-packages/torch/distributed/" \
+        "elastic/"
+    lines = [
+        agent + "agent/server/api.py:733] Received 15 death signal, shutting down workers",
+        agent + "multiprocessing/api.py:1028] Sending process 5555 closing signal SIGTERM",
+        "E" + agent[1:] + "multiprocessing/api.py:1002] failed (exitcode: 75) local_rank: 0 "
+        "(pid: 5556) of binary: /usr/bin/python",
+        "E" + agent[1:] + "multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 "
+        "(pid: 5556) of binary: /usr/bin/python",
+        "[rank0] 2026-12-01 11:17:14,374 WARNING stoker.runtime: stop requested (SIGTERM)",
+    ]
+    forwarded: list[str] = []
+    log = LineLog(tmp_path / "train.log", forwarded.append)
+    for line in lines:
+        log(line)
+    log.close()
+    assert (tmp_path / "train.log").read_text().splitlines() == lines
+    assert forwarded == lines[3:]

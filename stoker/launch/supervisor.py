@@ -229,11 +229,16 @@ def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
 
 class LineLog:
     """Appends every output line of the attempts to ``path`` (what ``stoker logs`` shows) and
-    passes it on to ``forward`` (the Prefect task log). A full disk or a closed file never fails
-    the attempt: the line still reaches ``forward``."""
+    passes it on to ``forward`` (the Prefect task log), except torchrun's own lines about a stop
+    (``AGENT_NOISE``). A full disk or a closed file never fails the attempt: the line still
+    reaches ``forward``."""
 
     # What a rank logs for a named user error (exit 2): ``[rank0] <time> ERROR stoker.runtime: ...``
     RANK_ERROR = re.compile(r"^\[rank\d+\] .*? ERROR stoker\.runtime[\w.]*: (.+)$")
+    # torchrun's own lines about a stop that Stoker reports itself ("attempt 2 ended: preempted
+    # (exit 75)"): kept in the file, not passed on (they read as warnings and errors).
+    AGENT_NOISE = re.compile(r"torch/distributed/elastic/\S+\] (Sending process \d+ closing "
+                             r"signal|Received \S+ death signal|failed \(exitcode: 75\))")
 
     def __init__(self, path: Path, forward: Callable[[str], None]):
         self.path, self.forward = Path(path), forward
@@ -249,7 +254,8 @@ class LineLog:
             self._file.write(line + "\n")
         except OSError:
             pass
-        self.forward(line)
+        if not self.AGENT_NOISE.search(line):
+            self.forward(line)
 
     def close(self) -> None:
         if self._file is not None:
