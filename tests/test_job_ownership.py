@@ -104,6 +104,34 @@ def test_a_second_run_is_refused_at_once_until_the_job_is_done(api_env, tmp_path
     assert not (job / "lease.json").exists()  # released when the flow ended
 
 
+def test_without_job_id_a_busy_job_is_refused_before_any_flow_run(api_env, tmp_path):
+    """QA: without job_id the second run of the same config and data was refused (exit 4) only
+    after its flow started and pulled (~8 s), leaving a Failed flow run. For a repository on
+    this machine the dataset hash is read without a pull: refused at once, no flow run."""
+    from prefect.client.orchestration import get_client
+
+    work = tmp_path / "work"
+    cmd = command(work, "train.epochs=3")
+    first = start(cmd, api_env)
+    try:
+        wait_for(lambda: any(stepped(job) for job in (work / "jobs").glob("*")), process=first)
+        with get_client(sync_client=True) as client:
+            runs_before = len(client.read_flow_runs())
+        started = time.monotonic()
+        second = subprocess.run(cmd, env=api_env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 4, second.stdout[-2000:] + second.stderr[-2000:]
+        assert time.monotonic() - started < 30
+        assert second.stderr.strip().count("\n") == 0, second.stderr
+        assert "is being trained by host" in second.stderr and f"pid {first.pid}" in \
+            second.stderr
+        assert "Beginning flow run" not in second.stdout + second.stderr
+        with get_client(sync_client=True) as client:
+            assert len(client.read_flow_runs()) == runs_before  # no Failed flow run left
+    finally:
+        os.kill(first.pid, signal.SIGINT)
+        first.wait(timeout=120)
+
+
 def test_a_killed_orchestrator_is_taken_over_and_its_attempt_is_billed(api_env, tmp_path):
     """Input 7 (and an orphaned lease): SIGKILL of `stoker run` mid-training; the rerun takes
     the dead owner's lease over, closes its open attempt, and numbers, preemptions, billed

@@ -290,18 +290,21 @@ def _reason(error: RuntimeError) -> str:
     return getattr(error, "reason", None) or str(error)
 
 
-def check_local_rev(repo_url: str, rev: str, path: str) -> None:
+def check_local_rev(repo_url: str, rev: str, path: str) -> str | None:
     """Before any pull: for a repository on this machine, ``rev`` resolves to a commit and
     ``<path>.dvc`` exists there (read from the repository itself: nothing is cloned). A remote
     repository is left to the pull.
+
+    Returns:
+        The dataset's DVC hash (``<md5>.dir``) for a repository on this machine, else None.
 
     Raises:
         DatasetError: naming ``data.rev`` or ``data.path``, as the pull would.
     """
     repo = Path(repo_url)
     if "://" in repo_url or not (repo / ".git").exists():
-        return
-    _dvc_out(repo, _commit_of(repo, rev, repo_url), path)
+        return None
+    return str(_dvc_out(repo, _commit_of(repo, rev, repo_url), path)["md5"])
 
 
 def _commit_of(repo: Path, rev: str, repo_url: str) -> str:

@@ -273,6 +273,7 @@ def check_job_early(config: PipelineConfig) -> dict | None:
             say ``retry.resume_stalled`` (one line naming the step).
     """
     if not config.job_id:
+        _check_unnamed_job_free(config)
         return None
     job_dir = resolve_job_dir(config, None)
     summary = done_summary(job_dir)
@@ -283,6 +284,29 @@ def check_job_early(config: PipelineConfig) -> dict | None:
 
     refuse_stalled(job_dir, config.retry.resume_stalled)
     return None
+
+
+def _check_unnamed_job_free(config: PipelineConfig) -> None:
+    """Without ``job_id``, the dataset hash picks the job; for a data repository on this
+    machine (the demo one too, once made) it is read from the repository without a pull, so a
+    job that another live run trains is refused here, before any flow run, as with ``job_id``.
+    Anything else (a remote repository, a job store in a bucket, a revision that is not there)
+    is left to the flow, which names it.
+
+    Raises:
+        JobBusy: the unfinished job of this config and dataset is owned by another live run.
+    """
+    from stoker.data.pull import DatasetError, check_local_rev
+
+    if job_store(config) is not None:
+        return
+    repo = config.data.repo_url or str(Path(config.work_dir) / "demo-data" / "repo")
+    try:
+        md5 = check_local_rev(repo, config.data.rev, config.data.path)
+    except (DatasetError, OSError):
+        return
+    if md5 is not None and (job_dir := resolve_job_dir(config, md5)).is_dir():
+        check_free(job_dir)
 
 
 def new_job_notice(config: PipelineConfig) -> str | None:
