@@ -84,6 +84,31 @@ def events(job_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def rank_of(proc) -> int | None:
+    """The rank a training process runs, from the name it gives itself (``stoker-rank<N>``,
+    both when exec'd and when forked from the launcher), else None (torchrun, data workers,
+    anything else). A process that is gone reads as None."""
+    import psutil
+
+    try:
+        name = proc.name()
+    except psutil.Error:
+        return None
+    return int(name[len("stoker-rank"):]) if name.startswith("stoker-rank") and \
+        name[len("stoker-rank"):].isdigit() else None
+
+
+def rank_processes(parent) -> dict[int, object]:
+    """rank -> psutil.Process of the training ranks below ``parent`` (any depth)."""
+    import psutil
+
+    try:
+        children = parent.children(recursive=True)
+    except psutil.Error:
+        return {}
+    return {rank: p for p in children if (rank := rank_of(p)) is not None}
+
+
 def last_step(job_dir: Path) -> int:
     return max((e["step"] for e in events(job_dir) if e["event"] == "step"), default=0)
 
@@ -92,7 +117,7 @@ class Preemptor(threading.Thread):
     """Sends ``sig`` to processes of a running launcher once the job passes ``at_step``.
 
     ``target`` picks the victims from the launcher's tree: "tree" (torchrun and every worker),
-    "agent" (torchrun only) or "rank:N" (one worker, found by its RANK variable).
+    "agent" (torchrun only) or "rank:N" (one worker, found by its process name).
     """
 
     def __init__(self, launcher, job_dir: Path, at_step: int, target: str = "tree",
@@ -104,13 +129,13 @@ class Preemptor(threading.Thread):
         self.victims: list[int] = []
 
     def _victims(self, agent) -> list:
-        workers = [p for p in agent.children() if "RANK" in p.environ()]
+        workers = rank_processes(agent)
         if self.target == "agent":
             return [agent]
         if self.target.startswith("rank:"):
-            rank = self.target.split(":")[1]
-            return [p for p in workers if p.environ().get("RANK") == rank]
-        return [agent, *workers]
+            rank = int(self.target.split(":")[1])
+            return [workers[rank]] if rank in workers else []
+        return [agent, *workers.values()]
 
     def run(self) -> None:
         import psutil

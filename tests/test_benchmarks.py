@@ -36,7 +36,7 @@ from benchmarks.stats import (  # noqa: E402
 
 OURS = ("bench_pipeline_overhead", "bench_trainer_throughput", "bench_checkpoint",
         "bench_recovery", "bench_dataset", "bench_tracking", "bench_gpu_resnet",
-        "bench_image_decision")
+        "bench_image_decision", "bench_goodput")
 
 
 def write_events(job_dir: Path, events: list[dict]) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import events
+from conftest import events, rank_processes
 from mlflow import MlflowClient
 from prefect_server import PrefectServer
 
@@ -78,7 +78,7 @@ def test_a_stop_that_does_not_commit_counts_the_steps_it_lost(server, tmp_path):
                      "train.checkpoint_every_steps=1000", "retry.max_infra_failures=0",
                      "tracking.system_metrics_interval_s=null")
     job, torchrun = training(process, work, min_step=3)
-    rank0 = next(p for p in torchrun.children(recursive=True) if p.environ().get("RANK") == "0")
+    rank0 = rank_processes(torchrun)[0]
     torchrun.send_signal(signal.SIGTERM)
     rank0.kill()
     code, output = finish(process)

@@ -10,35 +10,38 @@ import time
 
 import psutil
 import pytest
-from conftest import events
+from conftest import events, rank_processes
 
 from stoker.launch.local import LocalLauncher
 from stoker.launch.retry import Outcome, classify_exit
+from stoker.runtime.launch import WORKER_START_ENV
 
 pytestmark = pytest.mark.integration
 
 
-def ranks(launcher: LocalLauncher) -> list[psutil.Process]:
+def ranks(launcher: LocalLauncher) -> dict[int, psutil.Process]:
     proc = launcher.process
     if proc is None or proc.poll() is not None:
-        return []
+        return {}
     try:
-        return [p for p in psutil.Process(proc.pid).children(recursive=True)
-                if "RANK" in p.environ()]
+        return rank_processes(psutil.Process(proc.pid))
     except psutil.Error:
-        return []
+        return {}
 
 
-def test_sigterm_while_a_rank_imports_is_a_preemption(make_spec):
-    """SIGTERM to rank 1 about 1 s after it spawned (torch still importing) -> 75, not 143."""
+@pytest.mark.parametrize("start", ["exec", "fork"])
+def test_sigterm_while_a_rank_imports_is_a_preemption(make_spec, start):
+    """SIGTERM to rank 1 about 1 s after it started (exec: torch still importing; fork: still
+    setting up) -> 75, not 143."""
     spec = make_spec(epochs=3, tracking=False)
-    launcher = LocalLauncher(2, shutdown_grace_s=20, python=sys.executable)
+    launcher = LocalLauncher(2, shutdown_grace_s=20, python=sys.executable,
+                             env={WORKER_START_ENV: start})
     sent: list[float] = []
 
     def early_sigterm() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            victims = [p for p in ranks(launcher) if p.environ().get("RANK") == "1"]
+            victims = [p for rank, p in ranks(launcher).items() if rank == 1]
             if victims:
                 time.sleep(1.0 - (time.time() - victims[0].create_time()))
                 victims[0].send_signal(signal.SIGTERM)
@@ -67,7 +70,7 @@ def test_a_stop_that_does_not_commit_is_not_a_preemption(make_spec):
         while time.monotonic() < deadline:
             found = ranks(launcher)
             if len(found) == 2 and any(e["event"] == "step" for e in events(spec.parent)):
-                rank0 = next(p for p in found if p.environ().get("RANK") == "0")
+                rank0 = found[0]
                 psutil.Process(launcher.process.pid).send_signal(signal.SIGTERM)
                 rank0.kill()
                 return

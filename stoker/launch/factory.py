@@ -110,12 +110,13 @@ def check_before_pull(config: PipelineConfig) -> None:
     (``nproc_per_node=auto``: one per GPU, or 2), a ``resnet*`` model has torchvision here (local
     launcher: training runs on this machine), an http(s) tracking server answers, and the
     ``checkpoint_dir`` store takes a write; in a repository on this machine, ``data.rev`` and
-    ``data.path`` exist.
+    ``data.path`` exist; for the local launcher, ``STOKER_WORKER_START`` is a known value.
 
     Raises:
         DatasetError: naming ``data.rev`` or ``data.path`` (a local repository).
         ConfigError: naming ``data.repo_url``, ``train.global_batch_size``, ``train.model`` (and
-            the ``vision`` extra) or ``tracking.tracking_uri``; ``BucketError`` (a ConfigError)
+            the ``vision`` extra), ``tracking.tracking_uri`` or ``STOKER_WORKER_START``;
+            ``BucketError`` (a ConfigError)
             naming ``checkpoint_dir``.
     """
     from stoker.launch.supervisor import nproc
@@ -135,6 +136,13 @@ def check_before_pull(config: PipelineConfig) -> None:
         check_batch(train.global_batch_size, train.grad_accum_steps, nproc(config))
     except ValueError as e:
         raise ConfigError(f"train.{e}") from None
+    if config.launcher.kind == "local":  # the ranks start here, as this variable says
+        from stoker.runtime.launch import worker_start
+
+        try:
+            worker_start()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     problem = vision_problem(train.model) if config.launcher.kind == "local" else None
     if problem:  # containers: the training image must hold torchvision (not checkable here)
         raise ConfigError(problem)

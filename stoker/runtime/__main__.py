@@ -17,7 +17,12 @@ from pathlib import Path
 
 # Only light imports before the handler is installed: a SIGTERM that arrives while torch is
 # still importing (a second or more) must be a preemption, not a death by signal (exit 143).
-from stoker.runtime.preemption import StopFlag, die_with_parent, record_stop_committed
+from stoker.runtime.preemption import (
+    StopFlag,
+    die_with_parent,
+    name_process,
+    record_stop_committed,
+)
 
 # Stopped, but a peer died before the stop checkpoint committed: steps since the last commit are
 # lost, as with a SIGKILL, and the launcher classes it the same way (infrastructure).
@@ -30,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m stoker.runtime SPEC.yaml``; returns the process exit code."""
     stop = StopFlag().install()
     die_with_parent()  # torchrun SIGKILLed: stop (and checkpoint) instead of training on orphaned
+    name_process(f"stoker-rank{os.environ.get('RANK', '0')}")  # ps/pgrep find one rank
     parser = argparse.ArgumentParser(prog="python -m stoker.runtime",
                                      description="Train (or resume) the job described by SPEC.")
     parser.add_argument("spec", type=Path, help="run spec YAML written by the orchestrator")

@@ -16,10 +16,25 @@ maps how the workers ended to one exit code that container engines and scheduler
   128 + N when it died of signal N.
 
 Plain torchrun exits 1 for all of these, which would make a preemption look like a bug.
+
+How the ranks start (``STOKER_WORKER_START``):
+
+* ``fork``: this process imports the runtime (torch, ``torch._dynamo``, the trainer) once, then
+  torchrun forks every rank from it (its ``fork`` start method, with the runtime's ``main`` as
+  the entrypoint). A rank skips the imports a fresh interpreter pays: about 4 s of an attempt's
+  start-up on 2 CPU cores, and 2-5 CPU-s per rank. The default where no GPU device is present
+  (no ``/dev/nvidia*`` or ``/dev/kfd``): CUDA must never be initialised before a fork, and
+  this path has not been verified on a GPU yet.
+* ``exec``: every rank is a fresh ``python -u -m stoker.runtime SPEC`` process (plain
+  torchrun). The default on a machine with a GPU device.
+
+Either way a rank names itself ``stoker-rank<RANK>`` (the process name ``ps -o comm``, ``pgrep``
+and ``top`` show), so one rank can be found and signalled.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -37,21 +52,133 @@ def exit_code_for(exitcode: int) -> int:
     return exitcode
 
 
+WORKER_START_ENV = "STOKER_WORKER_START"
+WORKER_STARTS = ("fork", "exec")
+RUNTIME_MODULE = "stoker.runtime"
+
+
+def worker_start(environ: dict[str, str] | None = None, dev: Path = Path("/dev")) -> str:
+    """How the ranks start: ``fork`` or ``exec`` (see the module docstring).
+
+    ``STOKER_WORKER_START`` (``fork``, ``exec`` or ``auto``, the default) decides; ``auto`` is
+    ``exec`` when a GPU device file exists under ``dev`` (NVIDIA or AMD), else ``fork``. No
+    CUDA call is made to find out.
+
+    Raises:
+        ValueError: naming ``STOKER_WORKER_START`` and its allowed values.
+    """
+    value = (os.environ if environ is None else environ).get(WORKER_START_ENV, "auto")
+    value = value.strip().lower() or "auto"
+    if value in WORKER_STARTS:
+        return value
+    if value != "auto":
+        raise ValueError(f"{WORKER_START_ENV}={value!r}: use fork, exec or auto")
+    gpu = any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
+    return "exec" if gpu else "fork"
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        start = worker_start()
+    except ValueError as e:
+        print(f"stoker.runtime.launch: {e}", file=sys.stderr, flush=True)
+        return 2
     with tempfile.TemporaryDirectory(prefix="stoker-launch-") as tmp:
         marker = Path(tmp) / "stop-committed"
         os.environ[STOP_COMMITTED_ENV] = str(marker)  # the workers inherit it
-        return _run_torchrun(sys.argv[1:] if argv is None else argv, marker)
+        return _run_torchrun(sys.argv[1:] if argv is None else argv, marker, start)
 
 
-def _run_torchrun(argv: list[str], marker: Path) -> int:
+def _runs_the_runtime(args) -> bool:
+    """Whether torchrun's command line runs ``python -m stoker.runtime ...``."""
+    return (args.module and not args.no_python and not args.run_path
+            and args.training_script == RUNTIME_MODULE)
+
+
+def _launch_forked(args) -> None:
+    """torchrun's ``run(args)``, with the ranks forked from this warm process.
+
+    The same rendezvous defaults as ``torch.distributed.run.run`` (``--standalone``, a
+    single-node static rendezvous without an endpoint), then ``elastic_launch`` with the
+    runtime's entry point and the ``fork`` start method.
+    """
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+
+    single_static = (args.rdzv_backend == "static" and not args.rdzv_endpoint
+                     and args.master_port is None and parse_min_max_nnodes(args.nnodes)[1] == 1)
+    if args.standalone or single_static:
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _cmd, _cmd_args = config_from_args(args)
+    config.start_method = "fork"
+    _warm_up()
+    elastic_launch(config=config, entrypoint=forked_rank)(*args.training_script_args)
+
+
+def _warm_up() -> None:
+    """Import what every rank imports before its first step, once, before the fork. The
+    tracking client (MLflow) is left to rank 0, which imports it in the background."""
+    import torch._dynamo  # noqa: F401  (torch.optim and deterministic mode load it)
+
+    import stoker.runtime.__main__  # noqa: F401
+    import stoker.runtime.imagefolder  # noqa: F401
+    import stoker.runtime.trainer  # noqa: F401
+
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+        stream.flush()
+
+
+def forked_rank(*argv: str) -> None:
+    """One rank, forked from the warm launcher: the runtime's ``main(argv)``.
+
+    A non-zero exit code ends the process at once with that code (torchrun reads it as for an
+    exec'd rank). Exit 0 returns, so that torchrun's worker wrapper reports the return value it
+    waits for; a thread that would still hold the exit back then is cut short after
+    ``_EXIT_GRACE_S`` seconds.
+    """
+    from stoker.runtime.__main__ import exit_now
+    from stoker.runtime.__main__ import main as rank_main
+
+    for handler in logging.root.handlers[:]:  # the rank configures its own ([rankN] lines)
+        logging.root.removeHandler(handler)
+    code = rank_main(list(argv))
+    if code:
+        exit_now(code)
+    _exit_soon(0)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+
+
+_EXIT_GRACE_S = 5.0
+
+
+def _exit_soon(code: int) -> None:
+    import threading
+    import time
+
+    def _later() -> None:
+        time.sleep(_EXIT_GRACE_S)
+        os._exit(code)
+
+    threading.Thread(target=_later, name="stoker-exit", daemon=True).start()
+
+
+def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
     try:
-        run(args)
+        if start == "fork" and _runs_the_runtime(args):
+            _launch_forked(args)
+        else:
+            run(args)
     except ChildFailedError as e:
         _rank, failure = e.get_first_failure()
         return exit_code_for(failure.exitcode)

@@ -29,6 +29,15 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+def name_process(name: str) -> None:
+    """Set this process's name (``/proc/PID/comm``: what ``ps -o comm``, ``pgrep`` and ``top``
+    show; at most 15 bytes, longer is cut) with PR_SET_NAME. No-op where prctl is unavailable."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)
+
+
 def ignore_stop_signals(_worker_id: int = 0) -> None:
     """DataLoader ``worker_init_fn``: a data worker ignores SIGTERM/SIGINT.
 

@@ -1,0 +1,138 @@
+"""How the ranks start (issue 17: an attempt's start-up): forked from the warm launcher where no
+GPU device exists, or exec'd as fresh interpreters; same exit codes, same weights either way."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import rank_processes
+
+from stoker.config import ConfigError, load_pipeline_config
+from stoker.launch.factory import check_before_pull
+from stoker.launch.local import LocalLauncher
+from stoker.runtime.launch import WORKER_START_ENV, worker_start
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_worker_start_reads_the_variable_and_defaults_by_gpu_device(tmp_path):
+    assert worker_start({WORKER_START_ENV: "exec"}, tmp_path) == "exec"
+    assert worker_start({WORKER_START_ENV: " Fork "}, tmp_path) == "fork"
+    assert worker_start({}, tmp_path) == "fork"  # no GPU device file
+    (tmp_path / "nvidiactl").touch()  # the control device alone is no GPU
+    assert worker_start({WORKER_START_ENV: "auto"}, tmp_path) == "fork"
+    (tmp_path / "nvidia0").touch()
+    assert worker_start({}, tmp_path) == "exec"
+    assert worker_start({WORKER_START_ENV: "fork"}, tmp_path) == "fork"  # asked for: as said
+    (tmp_path / "nvidia0").unlink()
+    (tmp_path / "kfd").touch()  # AMD
+    assert worker_start({}, tmp_path) == "exec"
+    with pytest.raises(ValueError, match=r"STOKER_WORKER_START='spawn': use fork, exec or auto"):
+        worker_start({WORKER_START_ENV: "spawn"}, tmp_path)
+
+
+def test_a_bad_worker_start_is_refused_before_the_pull(monkeypatch):
+    monkeypatch.setenv(WORKER_START_ENV, "threads")
+    with pytest.raises(ConfigError, match="STOKER_WORKER_START='threads'"):
+        check_before_pull(load_pipeline_config(None, []))
+
+
+def test_the_launch_wrapper_names_a_bad_worker_start_and_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "stoker.runtime.launch", "--nproc-per-node=1",
+                           "-m", "stoker.runtime", str(tmp_path / "spec.yaml")],
+                          env={**os.environ, WORKER_START_ENV: "x"}, capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("stoker.runtime.launch: STOKER_WORKER_START='x': use fork, "
+                                   "exec or auto")
+
+
+def _run(spec: Path, start: str) -> tuple[int, dict[int, dict], list[str]]:
+    """One attempt with ``start``; returns its exit code, what was seen of each rank while it
+    trained (name, parent, command line) and the output."""
+    launcher = LocalLauncher(2, python=sys.executable, env={WORKER_START_ENV: start})
+    seen: dict[int, dict] = {}
+    lines: list[str] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(seen) < 2:
+            proc = launcher.process
+            if proc is not None and proc.poll() is None:
+                try:
+                    agent = psutil.Process(proc.pid)
+                    for rank, p in rank_processes(agent).items():
+                        seen.setdefault(rank, {"name": p.name(), "ppid": p.ppid(),
+                                               "agent": agent.pid, "cmdline": p.cmdline()})
+                except psutil.Error:
+                    pass
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    code = launcher.run(spec, on_line=lines.append, timeout_s=600)
+    watcher.join(5)
+    return code, seen, lines
+
+
+@pytest.mark.integration
+def test_forked_and_execd_ranks_train_the_same_weights(make_spec):
+    """Default here (no GPU device): the ranks are forked from the launch wrapper, which runs
+    `-m stoker.runtime.launch`; with exec each rank is `python -u -m stoker.runtime SPEC`. Both
+    name themselves stoker-rank<N>, end 0, log as [rankN] and give bitwise-equal weights."""
+    weights = {}
+    for start in ("fork", "exec"):
+        spec = make_spec(f"job-{start}", tracking=False, epochs=1)
+        code, seen, lines = _run(spec, start)
+        assert code == 0, "\n".join(lines[-30:])
+        assert sorted(seen) == [0, 1], seen
+        for rank, info in seen.items():
+            assert info["name"] == f"stoker-rank{rank}" and info["ppid"] == info["agent"]
+            runs_runtime = info["cmdline"][-3:-1] == ["-m", "stoker.runtime"]
+            if start == "fork":  # the launcher's own command line, inherited
+                assert "stoker.runtime.launch" in info["cmdline"], info
+            else:
+                assert runs_runtime and "stoker.runtime.launch" not in info["cmdline"], info
+        assert any(line.startswith("[rank0] ") for line in lines), lines[-20:]
+        weights[start] = torch.load(spec.parent / "final" / "model.pt")
+    assert weights["fork"].keys() == weights["exec"].keys()
+    assert all(torch.equal(weights["fork"][k], weights["exec"][k]) for k in weights["fork"])
+
+
+@pytest.mark.integration
+def test_a_forked_rank_killed_is_an_infrastructure_failure(make_spec):
+    """kill -9 of one forked rank: the launcher exits 137 (infrastructure), as for an exec'd
+    one, and no rank outlives the attempt."""
+    spec = make_spec("killed", tracking=False, epochs=20)
+    launcher = LocalLauncher(2, python=sys.executable, env={WORKER_START_ENV: "fork"})
+    killed: list[int] = []
+
+    def kill_rank1() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            proc = launcher.process
+            if proc is not None and (spec.parent / "progress.jsonl").exists():
+                ranks = rank_processes(psutil.Process(proc.pid))
+                if 1 in ranks:
+                    killed.append(ranks[1].pid)
+                    ranks[1].kill()
+                    return
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_rank1, daemon=True).start()
+    lines: list[str] = []
+    code = launcher.run(spec, on_line=lines.append, timeout_s=300)
+    assert killed, "rank 1 never appeared"
+    assert code == 137, "\n".join(lines[-30:])
+    assert not psutil.pid_exists(killed[0]) or psutil.Process(killed[0]).status() == "zombie"
+    left = [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith(
+        "stoker-rank") and str(spec) in " ".join(p.cmdline())]
+    assert not left, left
