@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU machine, one command, under 8 minutes: CUDA/NCCL sanity, NVML as the cost guard and
-# MLflow read it, ResNet-50 bf16 images/s, the checkpoint staging ratio on CUDA, and one
-# preempt-and-resume on CUDA. Writes one results file, gpu_check.json (with gpu_check.log beside
-# it), into OUT_DIR: the first argument, else $OUT (the device tool's folder), else
+# MLflow read it, ResNet-50 bf16 images/s, the checkpoint staging ratio on CUDA, and a
+# preempt-and-resume on CUDA, once with the rank exec'd and once forked from the warm launcher.
+# Writes one results file, gpu_check.json (with gpu_check.log beside it), into OUT_DIR: the first argument, else $OUT (the device tool's folder), else
 # benchmarks/out/gpu. Prints a summary table last; exits 1 if any step failed.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]
@@ -124,6 +124,9 @@ step sanity 90 "$PY" benchmarks/gpu_check.py sanity $CPU
 step nvml 60 "$PY" benchmarks/gpu_check.py nvml $CPU
 step checkpoint 90 "$PY" benchmarks/bench_checkpoint.py "${CKPT[@]}"
 step preempt 150 "$PY" benchmarks/gpu_check.py preempt $CPU
+# The same with the rank forked from the warm launcher (the default only without a GPU device):
+# CUDA must come up in a forked rank whose parent imported torch and torch._dynamo.
+step preempt_fork 120 env STOKER_WORKER_START=fork "$PY" benchmarks/gpu_check.py preempt $CPU
 step resnet 240 "$PY" benchmarks/bench_gpu_resnet.py "${RESNET[@]}"
 
 "$PY" benchmarks/gpu_check.py summarize "$STEPS" "$OUT_DIR/gpu_check.json" | tee -a "$LOG"
