@@ -47,6 +47,7 @@ from benchmarks.stats import ratio_summary  # noqa: E402
 from stoker.config import RetryConfig, TrainConfig  # noqa: E402
 from stoker.launch.local import LocalLauncher  # noqa: E402
 from stoker.launch.retry import Outcome, run_with_retries  # noqa: E402
+from stoker.runtime.launch import worker_start  # noqa: E402
 from stoker.runtime.progress import read_events  # noqa: E402
 
 TIME_TARGET = Target("<=", 5.0)  # issue 17 (was 10 s)
@@ -188,7 +189,10 @@ def main() -> None:
                                         f"{v['median']:.2f} s" for k, v in parts.items())
              + " (medians)",
              f"restarting costs about what a cold start costs ({b['median']:.2f} s here: "
-             "Python and torch imports in 3 processes, rendezvous, process group, dataset "
+             "Python and torch imports in the launcher, ranks "
+             + ("forked from it after it imported the runtime"
+                if worker_start() == "fork" else "that import torch themselves")
+             + f" (STOKER_WORKER_START={worker_start()}), rendezvous, process group, dataset "
              "load, checkpoint load)"]
     emit("recovery", metric="recovery time / cold start time (informative)", baseline=b,
          candidate=c, ratio=ratio_summary([r["cold_start_s"] for r in results],
