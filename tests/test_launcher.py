@@ -154,3 +154,40 @@ def test_torchruns_stop_lines_stay_in_the_job_log_not_in_prefects(tmp_path):
     log.close()
     assert (tmp_path / "train.log").read_text().splitlines() == lines
     assert forwarded == lines[3:]
+
+
+def test_torchruns_stop_lines_with_forked_ranks_stay_in_the_job_log(tmp_path):
+    """QA: with forked ranks torchrun words a stop differently (`Closing process N via signal`,
+    `Terminating process N via signal`) and logs the traceback of its own wait for the ranks
+    (`ProcessExitedException: process 1 terminated with exit code 75`) line by line: kept in
+    train.log, not passed on. A failure other than 75 keeps its one `failed (exitcode ...)`
+    line, and a rank's own traceback goes through."""
+    from stoker.launch.supervisor import LineLog
+
+    def agent(level: str, where: str, text: str) -> str:
+        return f"{level}1201 18:29:31.206000 24770 torch/{where}] {text}"
+
+    api = "distributed/elastic/multiprocessing/api.py"
+    trace = [agent("E", f"{api}:836", "Traceback (most recent call last):"),
+             agent("E", f"{api}:836", '  File "/x/torch/distributed/elastic/multiprocessing/'
+                   'api.py", line 791, in _poll'),
+             agent("E", f"{api}:836", "    self._pc.join(-1)"),
+             agent("E", f"{api}:836", "    raise ProcessExitedException("),
+             agent("E", f"{api}:836", "torch.multiprocessing.spawn.ProcessExitedException: "
+                   "process 1 terminated with exit code 75")]
+    noise = [agent("W", f"{api}:871", "Closing process 5555 via signal SIGTERM"),
+             agent("W", "multiprocessing/spawn.py:165", "Terminating process 5556 via signal "
+                   "SIGTERM"),
+             agent("E", f"{api}:836", "failed (exitcode: 75) local_rank: 1 (pid: 5556) of fn: "
+                   "forked_rank (start_method: fork)"), *trace]
+    kept = [agent("E", f"{api}:836", "failed (exitcode: -9) local_rank: 1 (pid: 5556) of fn: "
+                  "forked_rank (start_method: fork)"),
+            "[rank0] 2026-12-01 18:29:28,316 ERROR stoker.runtime: training failed at step 3",
+            "Traceback (most recent call last):", '  File "/x/stoker/runtime/trainer.py"']
+    forwarded: list[str] = []
+    log = LineLog(tmp_path / "train.log", forwarded.append)
+    for line in noise + kept:
+        log(line)
+    log.close()
+    assert (tmp_path / "train.log").read_text().splitlines() == noise + kept
+    assert forwarded == kept

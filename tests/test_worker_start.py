@@ -133,6 +133,48 @@ def test_a_forked_rank_killed_is_an_infrastructure_failure(make_spec):
     assert killed, "rank 1 never appeared"
     assert code == 137, "\n".join(lines[-30:])
     assert not psutil.pid_exists(killed[0]) or psutil.Process(killed[0]).status() == "zombie"
-    left = [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith(
-        "stoker-rank") and str(spec) in " ".join(p.cmdline())]
+    left = [p for p in psutil.process_iter(["name", "cmdline", "status"])
+            if (p.info["name"] or "").startswith("stoker-rank") and p.info["status"] != "zombie"
+            and str(spec) in " ".join(p.info["cmdline"] or [])]
     assert not left, left
+
+
+LAGGING_RANKS = """
+import os, sys, time
+import stoker.runtime.__main__ as runtime
+
+def fake_main(argv):  # rank 0 ends well after rank 1, as when it waits for MLflow to close
+    if os.environ["RANK"] == "0":
+        time.sleep(float(sys.argv[1]))
+        return 0
+    return int(sys.argv[2])
+
+runtime.main = fake_main  # the forked ranks inherit it
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from stoker.runtime.launch import forked_rank
+
+config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
+                      rdzv_endpoint="127.0.0.1:0", run_id="lag", start_method="fork",
+                      monitor_interval=0.1)
+try:
+    elastic_launch(config, entrypoint=forked_rank)("spec.yaml")
+    print("exit 0", flush=True)
+except ChildFailedError as e:
+    print(f"exit {e.get_first_failure()[1].exitcode}", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize(("lag_s", "rank1_code", "expected"), [(8.0, 0, "exit 0"),
+                                                                  (0.5, 75, "exit 75")])
+def test_forked_ranks_that_end_seconds_apart_end_the_attempt(lag_s, rank1_code, expected):
+    """QA: rank 0 finishing more than 5 s after rank 1 (it waits for MLflow to close the run)
+    left the launcher waiting on rank 1 forever: rank 1 had been ended while torchrun's worker
+    wrapper still waited to be told every return value was read. A rank that exits non-zero
+    still reports its code."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", LAGGING_RANKS, str(lag_s), str(rank1_code)],
+                          capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert proc.stdout.strip().splitlines()[-1:] == [expected], proc.stdout + proc.stderr[-3000:]
+    assert time.monotonic() - started < lag_s + 45

@@ -236,9 +236,14 @@ class LineLog:
     # What a rank logs for a named user error (exit 2): ``[rank0] <time> ERROR stoker.runtime: ...``
     RANK_ERROR = re.compile(r"^\[rank\d+\] .*? ERROR stoker\.runtime[\w.]*: (.+)$")
     # torchrun's own lines about a stop that Stoker reports itself ("attempt 2 ended: preempted
-    # (exit 75)"): kept in the file, not passed on (they read as warnings and errors).
-    AGENT_NOISE = re.compile(r"torch/distributed/elastic/\S+\] (Sending process \d+ closing "
-                             r"signal|Received \S+ death signal|failed \(exitcode: 75\))")
+    # (exit 75)"): kept in the file, not passed on (they read as warnings and errors). With
+    # forked ranks torchrun words them differently, and logs the traceback of its own wait for
+    # the ranks (each line prefixed) beside a rank's exit: the rank's own log says why.
+    AGENT_NOISE = re.compile(
+        r"torch/distributed/elastic/\S+\] (Sending process \d+ closing signal|Closing process "
+        r"\d+ via signal|Received \S+ death signal|failed \(exitcode: 75\)|Traceback \(most "
+        r"recent call last\)|\s|torch\.multiprocessing\.spawn\.Process\w*Exception: )"
+        r"|torch/multiprocessing/spawn\.py:\d+\] Terminating process \d+ via signal")
 
     def __init__(self, path: Path, forward: Callable[[str], None]):
         self.path, self.forward = Path(path), forward

@@ -137,10 +137,13 @@ def forked_rank(*argv: str) -> None:
     """One rank, forked from the warm launcher: the runtime's ``main(argv)``.
 
     A non-zero exit code ends the process at once with that code (torchrun reads it as for an
-    exec'd rank). Exit 0 returns, so that torchrun's worker wrapper reports the return value it
-    waits for; a thread that would still hold the exit back then is cut short after
-    ``_EXIT_GRACE_S`` seconds.
+    exec'd rank). Exit 0 returns: torchrun's worker wrapper then reports the return value and
+    waits until the launcher has read every rank's; only after that does the process end, with
+    ``os._exit(0)`` (a multiprocessing finalizer: no interpreter shutdown, no wait for a thread
+    left behind). Ending it earlier would leave the launcher waiting on the rank forever.
     """
+    from multiprocessing import util
+
     from stoker.runtime.__main__ import exit_now
     from stoker.runtime.__main__ import main as rank_main
 
@@ -149,23 +152,10 @@ def forked_rank(*argv: str) -> None:
     code = rank_main(list(argv))
     if code:
         exit_now(code)
-    _exit_soon(0)
+    # Runs when the worker wrapper returns, before the threads are joined.
+    util.Finalize(None, exit_now, args=(0,), exitpriority=100)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-
-
-_EXIT_GRACE_S = 5.0
-
-
-def _exit_soon(code: int) -> None:
-    import threading
-    import time
-
-    def _later() -> None:
-        time.sleep(_EXIT_GRACE_S)
-        os._exit(code)
-
-    threading.Thread(target=_later, name="stoker-exit", daemon=True).start()
 
 
 def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
