@@ -158,7 +158,11 @@ def explain(timed: dict[str, list], world: int, nfiles: int, args) -> dict:
                      f"{m['steps_s']:.2f}, evaluation and checkpoints "
                      f"{m['eval_and_checkpoints_s']:.2f}, end {m['end_s']:.2f} "
                      f"(steps = {m['steps_s'] / total:.0%} of {total:.1f} s)")
-    base = medians["bare torchrun"]
+    base, cand = medians["bare torchrun"], medians["stoker attempt"]
+    notes.append(f"the same steps took {cand['steps_s']:.1f} s inside the pipeline and "
+                 f"{base['steps_s']:.1f} s bare (tracking, the flow process and the machine's "
+                 "load share the cores): slower steps raise goodput, so read it beside the "
+                 "pipeline-overhead benchmark's training time and the start-up seconds above")
     floor = base["steps_s"] / (base["steps_s"] + base["start_up_s"])
     notes.append(f"the start-up of bare torchrun alone ({base['start_up_s']:.1f} s: torchrun's "
                  "agent imports torch, then every rank imports torch and torch._dynamo, which "
