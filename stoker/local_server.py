@@ -43,6 +43,7 @@ DEFAULT_PORT = 4200  # Prefect's own default: the UI address users know; another
 RECORD = "server.json"
 PREFECT_PID_FILE = "server.pid"  # prefect.cli._server_utils.SERVER_PID_FILE_NAME
 LOG = "server.log"
+START_TRIES = 3  # a port taken by another server between the check and the bind: try another
 
 # Starts the server as a grandchild and prints its pid: the command that asked is not its parent.
 _DETACH = ("import subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL,"
@@ -73,6 +74,21 @@ def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
         return httpx.get(f"{api_url}/health", timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _listens(pid: Any, port: Any) -> bool:
+    """Whether live process ``pid`` itself listens on TCP ``port`` (so the server answering
+    there is this one, not another home's that took the port first)."""
+    if not isinstance(pid, int) or not 0 < pid < 2**31 or not isinstance(port, int):
+        return False
+    try:
+        proc = psutil.Process(pid)
+        connections = (proc.net_connections if hasattr(proc, "net_connections")
+                       else proc.connections)(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+               for c in connections)
 
 
 def _started_at(pid: Any) -> float | None:
@@ -115,7 +131,8 @@ class LocalServer:
     def running(self) -> dict[str, Any] | None:
         """The recorded server when its process lives and answers, else None."""
         record = self.record()
-        return record if record is not None and healthy(record["api_url"]) else None
+        return record if record is not None and _listens(record["pid"], record.get("port")) \
+            and healthy(record["api_url"]) else None
 
     def ensure(self) -> tuple[str, bool]:
         """The API URL of a running server of this home, started now if there is none.
@@ -211,7 +228,18 @@ class LocalServer:
         return free_port()
 
     def _start(self) -> str:
-        port = self._port()
+        """Start this home's server; a start whose port another process took meanwhile (two
+        homes starting at once) exits, and is tried again on a port that is free then."""
+        for _ in range(START_TRIES - 1):
+            port = self._port()
+            try:
+                return self._start_on(port)
+            except ServerError:
+                if free_port(preferred=port) == port:
+                    raise  # the port is free: the server failed for another reason
+        return self._start_on(self._port())
+
+    def _start_on(self, port: int) -> str:
         (self.home / PORT_FILE).write_text(f"{port}\n")
         api_url = f"http://127.0.0.1:{port}/api"
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -240,9 +268,12 @@ class LocalServer:
         return api_url
 
     def _wait_healthy(self, record: dict[str, Any], timeout_s: float) -> bool:
+        """Whether the recorded server answers within ``timeout_s``: its own process listening
+        on its port, and the API there healthy. Another home's server that won a race for the
+        same port answers too, but it is not this one (its runs would be unknown here)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if healthy(record["api_url"]):
+            if _listens(record["pid"], record.get("port")) and healthy(record["api_url"]):
                 return True
             if _started_at(record["pid"]) is None or time.monotonic() > deadline:
                 return False

@@ -160,3 +160,36 @@ def test_process_tags_name_dead_commands_only():
     assert process_gone([f"{PROCESS_TAG}elsewhere-{socket.gethostname()}:{pid}:{start}"]) is None
     assert process_gone([f"{PROCESS_TAG}{host}:notapid:{start}", f"{PROCESS_TAG}"]) is None
     assert process_gone([]) is None
+
+
+def test_two_homes_racing_for_one_port_get_a_server_each(tmp_path):
+    """Benchmark finding: two work folders starting their servers at once both saw the same
+    port free; the loser's process failed to bind, but the winner answered on that port, so
+    the loser's runs went to the other home's server and ended with ObjectNotFound once it was
+    restarted on its own database. Each home now waits for a server of its own."""
+    import threading
+
+    from stoker.local_server import PORT_FILE, free_port
+
+    homes = [tmp_path / f"home-{i}" / ".prefect" for i in range(2)]
+    port = free_port()
+    for home in homes:
+        home.mkdir(parents=True)
+        (home / PORT_FILE).write_text(f"{port}\n")  # both prefer it, and it is free
+    urls: dict[int, str] = {}
+    try:
+        threads = [threading.Thread(target=lambda i=i: urls.__setitem__(
+            i, LocalServer(homes[i], startup_timeout_s=180).ensure()[0])) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(400)
+        assert len(urls) == 2 and urls[0] != urls[1], urls
+        for home in homes:
+            rec = json.loads((home / "server.json").read_text())
+            assert rec["api_url"] in urls.values()
+            listening = [c.laddr.port for c in psutil.Process(rec["pid"]).net_connections("tcp")
+                         if c.status == psutil.CONN_LISTEN]
+            assert rec["port"] in listening, (rec, listening)
+    finally:
+        stop_local_servers(tmp_path)
