@@ -76,19 +76,32 @@ def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _listens(pid: Any, port: Any) -> bool:
-    """Whether live process ``pid`` itself listens on TCP ``port`` (so the server answering
-    there is this one, not another home's that took the port first)."""
+def _listens(record: dict[str, Any]) -> bool:
+    """Whether the recorded server's process (or a process it started) listens on the recorded
+    port (``port``, else the API URL's), so the server answering there is this one, not another
+    home's that took the port first."""
+    from urllib.parse import urlsplit
+
+    pid, port = record.get("pid"), record.get("port")
+    with contextlib.suppress(ValueError, TypeError):
+        port = port if isinstance(port, int) else urlsplit(record["api_url"]).port
     if not isinstance(pid, int) or not 0 < pid < 2**31 or not isinstance(port, int):
         return False
     try:
-        proc = psutil.Process(pid)
-        connections = (proc.net_connections if hasattr(proc, "net_connections")
-                       else proc.connections)(kind="tcp")
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
     except psutil.Error:
         return False
-    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-               for c in connections)
+    for proc in procs:
+        try:
+            connections = (proc.net_connections if hasattr(proc, "net_connections")
+                           else proc.connections)(kind="tcp")
+        except psutil.Error:
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+               for c in connections):
+            return True
+    return False
 
 
 def _started_at(pid: Any) -> float | None:
@@ -131,7 +144,7 @@ class LocalServer:
     def running(self) -> dict[str, Any] | None:
         """The recorded server when its process lives and answers, else None."""
         record = self.record()
-        return record if record is not None and _listens(record["pid"], record.get("port")) \
+        return record if record is not None and _listens(record) \
             and healthy(record["api_url"]) else None
 
     def ensure(self) -> tuple[str, bool]:
@@ -273,7 +286,7 @@ class LocalServer:
         same port answers too, but it is not this one (its runs would be unknown here)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if _listens(record["pid"], record.get("port")) and healthy(record["api_url"]):
+            if _listens(record) and healthy(record["api_url"]):
                 return True
             if _started_at(record["pid"]) is None or time.monotonic() > deadline:
                 return False
