@@ -81,8 +81,10 @@ class Preemptor(threading.Thread):
                 continue
             try:
                 agent = psutil.Process(proc.pid)
-                victims = [agent, *(p for p in agent.children() if "RANK" in p.environ())]
-            except psutil.NoSuchProcess:
+                # The ranks name themselves stoker-rank<N>, exec'd or forked from the agent.
+                victims = [agent, *(p for p in agent.children()
+                                    if p.name().startswith("stoker-rank"))]
+            except psutil.Error:
                 continue
             if len(victims) < 1 + self.nproc:
                 continue
