@@ -83,7 +83,7 @@ def mlflow_goodput(tracking_uri: str, job_dir: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    args = options(__doc__, 5)
+    args = options(__doc__, 3)
     with Workdir(args.workdir, "bench-goodput") as work:
         dataset = demo_dataset(args.data_dir or work, quick=args.quick)
         stores = work / "stores"
