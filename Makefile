@@ -14,6 +14,9 @@ CPU_TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 EXTRAS ?= dev,docker,kubernetes,s3
 ARGS ?=
+# A pip constraints file of exact versions (CI sets .ci/constraints.txt: the set the suite last
+# passed with, which spares pip's resolver minutes on a clean machine). Empty: the open ranges.
+CONSTRAINTS ?=
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
@@ -22,7 +25,7 @@ export DVC_NO_ANALYTICS ?= 1
 export DO_NOT_TRACK ?= 1
 export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: install run test lint docs clean
+.PHONY: install run test lint docs clean constraints
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +33,7 @@ $(VENV)/.installed: pyproject.toml
 	  echo "no GPU driver found: installing the CPU build $(CPU_TORCH)"; \
 	  $(PIP) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(CPU_TORCH)"; \
 	fi
-	$(PIP) -e ".[$(EXTRAS)]"
+	$(PIP) $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS)) -e ".[$(EXTRAS)]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -47,6 +50,13 @@ lint: install
 # Strict: a broken link, a page missing from the nav or an unresolved API object fails the build.
 docs: install
 	$(VENV)/bin/mkdocs build --strict
+
+# Rewrite .ci/constraints.txt from this environment (after a dependency change and a green suite).
+constraints: install
+	{ sed -n '1,3p' .ci/constraints.txt; \
+	  $(PY) -m pip freeze --exclude-editable --disable-pip-version-check \
+	    | grep -viE '^(torch|stoker)([=@ ]|$$)'; } > .ci/constraints.txt.new
+	mv .ci/constraints.txt.new .ci/constraints.txt
 
 clean:
 	rm -rf work .pytest_cache site

@@ -1,0 +1,58 @@
+"""CI's constraints file (.ci/constraints.txt) agrees with pyproject.toml.
+
+CI installs with ``pip install --constraint .ci/constraints.txt``; a requirement changed in
+pyproject.toml without `make constraints` would otherwise fail there, after minutes of pip, with
+a resolver message that names neither file.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pins() -> dict[str, str]:
+    found = {}
+    for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f".ci/constraints.txt: {line!r} is not an exact pin (name==version)"
+            found[canonicalize_name(name)] = version
+    return found
+
+
+def installed_requirements() -> list[Requirement]:
+    """What `make install` asks for: the dependencies and the Makefile's default EXTRAS."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = re.search(r"^EXTRAS \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert extras, "Makefile: no `EXTRAS ?= ...` line"
+    reqs = list(project["dependencies"])
+    for extra in extras.group(1).split(","):
+        reqs += project["optional-dependencies"][extra]
+    return [Requirement(r) for r in reqs]
+
+
+def test_every_requirement_is_pinned_to_a_version_in_its_range():
+    pinned = pins()
+    for req in installed_requirements():
+        name = canonicalize_name(req.name)
+        if name == "torch":  # installed first, from the CPU build or the machine's CUDA build
+            assert name not in pinned
+            continue
+        assert name in pinned, (
+            f".ci/constraints.txt has no pin for {req.name}: run make constraints")
+        assert req.specifier.contains(pinned[name], prereleases=True), (
+            f".ci/constraints.txt pins {req.name}=={pinned[name]}, outside pyproject.toml's "
+            f"{req}: run make constraints")
+
+
+def test_ci_installs_with_the_constraints_file():
+    assert "CONSTRAINTS=${CONSTRAINTS:-.ci/constraints.txt}" in (ROOT / ".ci" / "run").read_text()
+    assert "--constraint $(CONSTRAINTS)" in (ROOT / "Makefile").read_text()
