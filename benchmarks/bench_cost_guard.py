@@ -37,12 +37,12 @@ from benchmarks.common import (  # noqa: E402
     Target,
     alternate,
     check,
+    compared,
     emit,
     env,
     log,
-    parser,
-    repeats_of,
-    stats,
+    options,
+    summary,
 )
 
 WINDOW_S, INTERVAL_S = 2.0, 1.0
@@ -201,44 +201,43 @@ def cli_run(client, image: str, root: Path, index: int, *extra: str) -> float:
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0], repeats=3).parse_args()
-    metric = "sweep overhead excluding the window (s)"
+    args = options(__doc__, 3)
+    metric = "run_sweep overhead / stoker cost-guard --plain overhead (excluding the window)"
+    target = "run_sweep and stoker cost-guard --plain overhead <= 3 s each"
     try:
         import docker
 
         client = docker.from_env()
         client.ping()
     except Exception as e:  # any failure to reach the engine: the benchmark cannot run here
-        emit("bench_cost_guard", metric=metric, baseline=None, candidate=None, ratio=None,
-             target=Target("<=", 3.0), status="skipped", reason=f"no Docker Engine: {e}",
-             quick=args.quick)
+        emit("cost_guard", metric=metric, target=target, status="skipped",
+             reason=f"no Docker Engine: {e}", quick=args.quick)
         return
     image = busybox_image(client)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-cost-guard-"))
     flow: list[float] = []
     try:
         log(f"host stand-in: {GPUS} GPUs, {CONTAINERS} containers, {JOBS} job folders")
-        plain, sweep = alternate(lambda i: cli_run(client, image, root, i, "--plain"),
-                                 lambda i: sweep_in_process(client, image, root, i),
-                                 repeats_of(args))
+        pairs = alternate(lambda i: cli_run(client, image, root, i, "--plain"),
+                          lambda i: sweep_in_process(client, image, root, i),
+                          args.repeats, args.warmups)
         if not args.quick:  # Prefect's temporary server: tens of seconds, reference only
-            flow = [cli_run(client, image, root, i) for i in range(repeats_of(args))]
+            flow = [cli_run(client, image, root, i) for i in range(args.repeats)]
     finally:
         client.images.remove(image, force=True)
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
-    cand = stats(sweep, "s", "run_sweep overhead (excl. window)")
-    base = stats(plain, "s", "stoker cost-guard --plain overhead (excl. window)")
-    details = {"flow": stats(flow, "s", "stoker cost-guard (flow) overhead")} if flow else {}
-    emit("bench_cost_guard", metric=metric, baseline=base, candidate=cand,
-         ratio=cand["median"], target=Target("<=", 3.0),
-         checks=[check("run_sweep overhead", cand["median"], "s", Target("<=", 3.0),
-                       (cand["min"], cand["max"])),
-                 check("stoker cost-guard --plain overhead", base["median"], "s",
-                       Target("<=", 3.0), (base["min"], base["max"]))],
-         notes=[f"window {WINDOW_S:g} s excluded; the CLI through the Prefect flow (temporary "
-                "server, artifact, events) is in details, for reference (not in --quick)"],
-         details=details, quick=args.quick)
+    result = compared(pairs, lambda b, c: c / b, target,
+                      "stoker cost-guard --plain overhead (new process, excl. window)",
+                      "run_sweep overhead (in process, excl. window)", "s")
+    details = {"flow": summary(flow, "s", "stoker cost-guard (flow) overhead")} if flow else {}
+    emit("cost_guard", metric=metric, quick=args.quick, **result,
+         checks=[check("run_sweep overhead", pairs.values("candidate"), "s", Target("<=", 3.0)),
+                 check("stoker cost-guard --plain overhead", pairs.values("baseline"), "s",
+                       Target("<=", 3.0))],
+         notes=[f"window {WINDOW_S:g} s excluded from both; the CLI through the Prefect flow "
+                "(its artifact and events) is in details, for reference (not in --quick)"],
+         details=details)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ MEASURES = (
      "none set (reported)"),
     ("bench_cancel", "Prefect cancel on a process worker: -> ranks stopped; -> Cancelled",
      "median <= 2 s; <= 5 s"),
+    ("bench_cost_guard", "Cost guard: one sweep's own overhead, in process and from the CLI",
+     "<= 3 s each"),
 )
 
 

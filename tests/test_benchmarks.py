@@ -36,7 +36,7 @@ from benchmarks.stats import (  # noqa: E402
 
 OURS = ("bench_pipeline_overhead", "bench_trainer_throughput", "bench_checkpoint",
         "bench_recovery", "bench_dataset", "bench_tracking", "bench_gpu_resnet",
-        "bench_image_decision", "bench_goodput")
+        "bench_image_decision", "bench_goodput", "bench_cost_guard")
 
 
 def write_events(job_dir: Path, events: list[dict]) -> None:
@@ -283,12 +283,22 @@ def test_every_benchmark_runs_at_a_tiny_size_and_reports_a_ratio(tmp_path):
         path = tmp_path / "logs" / f"{stem}.log"
         return path.read_text()[-3000:] if path.exists() else "(no log)"
 
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    for stem in scripts:  # every script runs (a stale import once broke one unnoticed)
+        result = results[stem]
+        if stem == "bench_gpu_resnet" and not torch.cuda.is_available():
+            assert result["status"] == "skipped" and "CUDA" in result["reason"], result
+            continue
+        assert result["status"] in ("ok", "skipped"), (stem, result, log(stem))
+        if result["status"] == "skipped":  # only for a missing Docker Engine or base image
+            assert "Docker" in result["reason"] or "without --quick" in result["reason"], result
     for stem in OURS:
         result = results[stem]
         if stem == "bench_gpu_resnet" and not torch.cuda.is_available():
             assert result["status"] == "skipped" and "CUDA" in result["reason"], result
             continue
-        if stem == "bench_image_decision" and result["status"] == "skipped":
+        if stem in ("bench_image_decision", "bench_cost_guard") and \
+                result["status"] == "skipped":
             # --quick runs only once a full run has made the base image and the wheelhouse
             assert "without --quick" in result["reason"] or "Docker" in result["reason"], result
             continue
