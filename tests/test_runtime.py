@@ -3,6 +3,7 @@ crash recovery, world-size changes, strict loading."""
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from pathlib import Path
@@ -155,6 +156,22 @@ def test_user_error_fails_once_with_traceback(make_spec):
     assert "Traceback" in output and "simulated failure at step 5" in output
     client = MlflowClient(RunSpec.load(spec).tracking_uri)
     assert client.get_run((spec.parent / "mlflow_run_id").read_text()).info.status == "FAILED"
+
+
+def test_a_diverged_loss_fails_before_its_step_is_checkpointed(make_spec):
+    """An inf/NaN loss fails the run with a line naming train.lr, and no committed checkpoint
+    holds the diverged step (each step's loss is checked before that step is saved)."""
+    spec = make_spec("diverged", tracking=False, epochs=1, lr=1e12, checkpoint_every_steps=1)
+    attempts, output, _ = launch(spec)
+    assert [a.outcome for a in attempts] == [Outcome.USER_ERROR], output[-3000:]
+    found = re.search(r"train loss is \S+ at step (\d+): training diverged \(check "
+                      r"train\.lr=1000000000000\.0", output)
+    assert found, output[-3000:]
+    diverged = int(found.group(1))
+    committed = [int(p.name.removeprefix("step-")) for p in
+                 (spec.parent / "checkpoints").glob("step-*") if (p / MARKER).is_file()]
+    # Every step is a checkpoint step: the one before the diverged step is the last committed.
+    assert committed and max(committed) == diverged - 1, (committed, diverged)
 
 
 def test_resume_at_other_world_sizes(make_spec):
