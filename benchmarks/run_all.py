@@ -15,6 +15,10 @@ the table. A quick run's table is marked the same way.
     python benchmarks/run_all.py                 # full size: about 25 minutes on 2 CPU cores
     python benchmarks/run_all.py --quick         # smoke run: every script once, tiny
     python benchmarks/run_all.py --only bench_checkpoint,bench_dataset
+    python benchmarks/run_all.py --only bench_cost_guard --merge   # update one row in place
+
+``--merge`` (with ``--only``) keeps every other measure's result from the existing JSON file
+beside the table; the machine table then names the commit and date of each part.
 """
 
 from __future__ import annotations
@@ -159,6 +163,33 @@ def run_one(stem: str, path: Path, args: argparse.Namespace, logs: Path,
     return result
 
 
+def merged(rows: list[tuple[str, str, str, dict]], previous: dict,
+           info: dict[str, str]) -> tuple[list[tuple[str, str, str, dict]], dict[str, str]]:
+    """The rows of this run with every other known measure's result taken from ``previous``
+    (an earlier run's JSON file), in the order of ``scripts``; and the machine table with the
+    commit and date of both parts.
+
+    Raises:
+        ValueError: ``previous`` holds no results.
+    """
+    if not previous.get("results"):
+        raise ValueError("--merge: the existing results file holds no results")
+    ran = {stem for stem, _, _, _ in rows}
+    new = {stem: (stem, title, target, result) for stem, title, target, result in rows}
+    out = [new[stem] if stem in ran else (stem, title, target, previous["results"][stem])
+           for stem, title, target, _ in scripts(None)
+           if stem in ran or stem in previous["results"]]
+    kept = [stem for stem, _, _, _ in out if stem not in ran]
+    before = previous.get("machine", {})
+    info = dict(info)
+    info["Stoker commit"] = (f"{info['Stoker commit']} for {', '.join(sorted(ran))}; "
+                             f"{before.get('Stoker commit', 'unknown')} for the other "
+                             f"{len(kept)} (merged with --merge)")
+    info["date"] = (f"{info['date']} ({', '.join(sorted(ran))}); "
+                    f"{before.get('date', '?')} (the rest)")
+    return out, info
+
+
 def machine() -> dict[str, str]:
     """What the figures were measured on."""
     import psutil
@@ -222,7 +253,12 @@ def main() -> None:
                         "exists (default benchmarks/GPU_CHECK.json)")
     p.add_argument("--allow-dirty", action="store_true",
                    help="write the published table even with uncommitted changes (marked)")
+    p.add_argument("--merge", action="store_true",
+                   help="with --only: keep the other measures' results from the existing "
+                        "results file and update only these rows")
     args = p.parse_args()
+    if args.merge and not args.only:
+        p.error("--merge needs --only (the measures to run again)")
     args.timeout_s = args.timeout_s or (600 if args.quick else 3600)
     output = args.output or (HERE / "out" / "RESULTS-quick.md" if args.quick
                              else HERE / "RESULTS.md")
@@ -230,6 +266,17 @@ def main() -> None:
     args.logs.mkdir(parents=True, exist_ok=True)
     output.parent.mkdir(parents=True, exist_ok=True)
 
+    previous = None
+    if args.merge:
+        try:
+            previous = json.loads(output.with_suffix(".json").read_text())
+        except (OSError, ValueError) as e:
+            p.error(f"--merge: cannot read {output.with_suffix('.json')}: {e}")
+        if not previous.get("results"):
+            p.error(f"--merge: {output.with_suffix('.json')} holds no results")
+        if bool(previous.get("quick")) != args.quick:
+            p.error(f"--merge: {output.with_suffix('.json')} is from a "
+                    f"{'quick' if previous.get('quick') else 'full'} run; this one is not")
     info = machine()
     state = checkout()
     if state["dirty"] and not (args.quick or args.allow_dirty):
@@ -248,6 +295,9 @@ def main() -> None:
             rows.append((stem, title, target, result))
     wall_s = time.perf_counter() - started
     info["load average (1 min) at end"] = f"{os.getloadavg()[0]:.2f}"
+    if previous is not None:
+        rows, info = merged(rows, previous, info)
+        wall_s += previous.get("wall_s") or 0.0
     gpu = json.loads(args.gpu_results.read_text()) if args.gpu_results.is_file() else None
     output.write_text(render(rows, info, args.quick, wall_s, gpu) + "\n")
     results = {"machine": info, "checkout": state, "quick": args.quick,

@@ -234,6 +234,25 @@ def test_run_all_reads_json_results_and_plain_text_ones():
     assert unstructured("no figure here")["status"] == "no result"
 
 
+def test_merge_updates_the_rows_run_again_and_keeps_the_others():
+    from benchmarks.run_all import merged
+
+    previous = {"quick": False, "machine": {"Stoker commit": "aaa", "date": "day 1"},
+                "results": {"bench_dataset": {"status": "ok", "ratio": 1.0},
+                            "bench_checkpoint": {"status": "ok", "ratio": 0.5}}}
+    rows = [("bench_dataset", "Dataset", "ratio >= 0.9", {"status": "ok", "ratio": 2.0})]
+    out, info = merged(rows, previous, {"Stoker commit": "bbb", "date": "day 2"})
+    # In the measures' order; the kept row keeps its result and gets its title back.
+    assert [(stem, result["ratio"]) for stem, _, _, result in out] == [
+        ("bench_checkpoint", 0.5), ("bench_dataset", 2.0)]
+    assert out[0][1].startswith("Checkpoint")
+    assert info["Stoker commit"] == ("bbb for bench_dataset; aaa for the other 1 (merged with "
+                                     "--merge)")
+    assert info["date"] == "day 2 (bench_dataset); day 1 (the rest)"
+    with pytest.raises(ValueError, match="holds no results"):
+        merged(rows, {"results": {}}, {"Stoker commit": "bbb", "date": "day 2"})
+
+
 def test_our_scripts_take_the_common_options(tmp_path):
     for stem in OURS:
         assert supports(ROOT / "benchmarks" / f"{stem}.py", "--quick"), stem
