@@ -44,6 +44,7 @@ from benchmarks.common import (  # noqa: E402
     options,
     summary,
 )
+from stoker.local_server import LocalServer  # noqa: E402
 
 WINDOW_S, INTERVAL_S = 2.0, 1.0
 GPUS, CONTAINERS, JOBS, RUNNING = 8, 4, 40, 2
@@ -225,6 +226,8 @@ def main() -> None:
             flow = [cli_run(client, image, root, i) for i in range(args.repeats)]
     finally:
         client.images.remove(image, force=True)
+        # The flow CLI started a local Prefect server in this home: it must not outlive us.
+        LocalServer(root / "prefect-home").stop()
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     result = compared(pairs, lambda b, c: c / b, target,
