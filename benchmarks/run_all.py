@@ -174,19 +174,16 @@ def merged(rows: list[tuple[str, str, str, dict]], previous: dict,
     """
     if not previous.get("results"):
         raise ValueError("--merge: the existing results file holds no results")
-    ran = {stem for stem, _, _, _ in rows}
-    new = {stem: (stem, title, target, result) for stem, title, target, result in rows}
-    out = [new[stem] if stem in ran else (stem, title, target, previous["results"][stem])
+    new = {row[0]: row for row in rows}
+    out = [new.get(stem) or (stem, title, target, previous["results"][stem])
            for stem, title, target, _ in scripts(None)
-           if stem in ran or stem in previous["results"]]
-    kept = [stem for stem, _, _, _ in out if stem not in ran]
-    before = previous.get("machine", {})
+           if stem in new or stem in previous["results"]]
+    ran, before = ", ".join(sorted(new)), previous.get("machine", {})
     info = dict(info)
-    info["Stoker commit"] = (f"{info['Stoker commit']} for {', '.join(sorted(ran))}; "
+    info["Stoker commit"] = (f"{info['Stoker commit']} for {ran}; "
                              f"{before.get('Stoker commit', 'unknown')} for the other "
-                             f"{len(kept)} (merged with --merge)")
-    info["date"] = (f"{info['date']} ({', '.join(sorted(ran))}); "
-                    f"{before.get('date', '?')} (the rest)")
+                             f"{len(out) - len(new)} (merged with --merge)")
+    info["date"] = f"{info['date']} ({ran}); {before.get('date', '?')} (the rest)"
     return out, info
 
 
