@@ -32,6 +32,30 @@ def test_demo_repo_build_does_not_repeat_dvc_init_message(tmp_path, caplog, capf
     assert "Initialized DVC repository" not in said  # `make run` printed it twice
 
 
+def test_demo_digits_are_scikit_learns_without_importing_it(tmp_path):
+    """The arrays are load_digits()'s (so the demo dataset and its hash are what they were);
+    building the repository does not import scikit-learn (~2.5 CPU-s on a first run)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from stoker.data.demo import load_digits_arrays
+
+    images, labels = load_digits_arrays()
+    reference = load_digits()
+    assert images.dtype == reference.images.dtype and labels.dtype == reference.target.dtype
+    assert np.array_equal(images, reference.images)
+    assert np.array_equal(labels, reference.target)
+    probe = ("import sys; from pathlib import Path; from stoker.data.demo import "
+             "ensure_demo_repo; assert ensure_demo_repo(Path(sys.argv[1])).created; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'sklearn'))")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "demo")],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_pull_records_revision_and_hash(dataset, demo_repo):
     assert dataset.commit == git(demo_repo.repo, "rev-parse", "v1")
     assert dataset.md5.endswith(".dir") and dataset.nfiles == 1797
