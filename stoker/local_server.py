@@ -245,12 +245,30 @@ class LocalServer:
         homes starting at once) exits, and is tried again on a port that is free then."""
         for _ in range(START_TRIES - 1):
             port = self._port()
+            logged = self._log_size()
             try:
                 return self._start_on(port)
             except ServerError:
-                if free_port(preferred=port) == port:
-                    raise  # the port is free: the server failed for another reason
+                # The port is free now and the server did not say it was taken: it failed for
+                # another reason. (The other process may have let the port go again already.)
+                if free_port(preferred=port) == port and not self._bind_failed(logged):
+                    raise
         return self._start_on(self._port())
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def _bind_failed(self, offset: int) -> bool:
+        """Whether the server log, after ``offset`` bytes, says its port was in use."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(offset)
+                return b"address already in use" in log.read()
+        except OSError:
+            return False
 
     def _start_on(self, port: int) -> str:
         (self.home / PORT_FILE).write_text(f"{port}\n")

@@ -176,10 +176,38 @@ def mlflow_http(tmp_path_factory):
         yield running
 
 
+# Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), tests that share an
+# expensive fixture share a worker, so it is made once:
+# * the session's training image (tests/image_fixtures.py), or the base and wheelhouse a module
+#   makes itself: one "docker" group, so the image is built once and two builds never race;
+# * a module-scoped fixture (a Prefect test server, a moto server, a trained job): the module's
+#   tests go to one worker.
+# Other tests go wherever a worker is free.
+DOCKER_FIXTURES = {"engine", "standin_base", "wheelhouse", "built", "training_image",
+                   "docker_engine"}
+DOCKER_MODULES = {"test_image_flow.py"}
+
+
+def xdist_group(item) -> str | None:
+    """The xdist group of a test (see above), or None."""
+    names = set(getattr(item, "fixturenames", ()))
+    if DOCKER_FIXTURES & names or item.path.name in DOCKER_MODULES:
+        return "docker"
+    info = getattr(item, "_fixtureinfo", None)  # pytest's record of the fixtures a test uses
+    definitions = info.name2fixturedefs.values() if info is not None else ()
+    if any(defs and defs[-1].scope == "module" for defs in definitions):
+        return item.path.name
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """``gpu``-marked tests need CUDA: skipped with a reason without it (CI has no GPU)."""
+    """xdist groups (above); ``gpu``-marked tests need CUDA: skipped with a reason without it
+    (CI has no GPU)."""
     import torch
 
+    for item in items:
+        if group := xdist_group(item):
+            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")

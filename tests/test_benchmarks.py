@@ -1,6 +1,6 @@
-"""The benchmarks: their pure helpers, and one smoke run of them all at a tiny size.
+"""The benchmarks: their pure helpers, and a smoke run of each at a tiny size.
 
-The smoke run checks that every script runs and reports a numeric ratio, not that any target is
+The smoke runs check that every script runs and reports a numeric ratio, not that any target is
 met (speed targets are the benchmarks' business, never a test's).
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -21,7 +22,15 @@ if str(ROOT) not in sys.path:  # plain `pytest` (not `python -m pytest`) leaves 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_pipeline_overhead import phases  # noqa: E402
-from benchmarks.common import Pairs, Run, alternate, compared, emit, options  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    DATA_DIR_ENV,
+    Pairs,
+    Run,
+    alternate,
+    compared,
+    emit,
+    options,
+)
 from benchmarks.jobs import steady_window  # noqa: E402
 from benchmarks.report import HOW_TO_READ, render  # noqa: E402
 from benchmarks.run_all import MEASURES, parse_result, supports, unstructured  # noqa: E402
@@ -282,57 +291,64 @@ def test_gpu_check_script_parses_and_gathers_its_steps_into_one_file(tmp_path):
     assert result["nvml"]["status"] == "unavailable"
 
 
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py"))
+
+
+def test_every_benchmark_script_is_a_measure_of_run_all():
+    """A script missing from ``MEASURES`` would never run (nor be smoke-tested below)."""
+    assert sorted(stem for stem, _, _ in MEASURES) == SCRIPTS
+
+
+@pytest.fixture(scope="session")
+def bench_data(tmp_path_factory) -> Path:
+    """The benchmarks' shared synthetic data (``--data-dir``), made once per test worker."""
+    return tmp_path_factory.mktemp("bench-data")
+
+
 @pytest.mark.integration
-@pytest.mark.timeout(960)  # under load a quick run_all takes ~9 min here
-def test_every_benchmark_runs_at_a_tiny_size_and_reports_a_ratio(tmp_path):
+@pytest.mark.timeout(660)  # the slowest (the pipeline's) takes ~3 min here under load
+@pytest.mark.parametrize("stem", SCRIPTS)
+def test_every_benchmark_runs_at_a_tiny_size_and_reports_a_ratio(stem, tmp_path, bench_data):
+    """One script through ``run_all.py --quick --only`` (a stale import once broke one
+    unnoticed): it runs, or skips for a named reason, and reports one pair."""
     import torch
 
     output = tmp_path / "RESULTS.md"
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick",
+        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick", "--only", stem,
          "--output", str(output), "--logs", str(tmp_path / "logs")],
-        capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
+        capture_output=True, text=True, cwd=ROOT, timeout=600, check=False,
+        env={**os.environ, DATA_DIR_ENV: str(bench_data)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    print(f"run_all --quick: {time.monotonic() - started:.0f} s")
+    print(f"run_all --quick --only {stem}: {time.monotonic() - started:.0f} s")
     results = json.loads(output.with_suffix(".json").read_text())["results"]
-    assert set(results) >= {stem for stem, _, _ in MEASURES}
+    assert set(results) == {stem}
+    result = results[stem]
+    log_path = tmp_path / "logs" / f"{stem}.log"
+    log = log_path.read_text()[-3000:] if log_path.exists() else "(no log)"
 
-    def log(stem: str) -> str:
-        path = tmp_path / "logs" / f"{stem}.log"
-        return path.read_text()[-3000:] if path.exists() else "(no log)"
-
-    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("bench_*.py"))
-    for stem in scripts:  # every script runs (a stale import once broke one unnoticed)
-        result = results[stem]
-        if stem == "bench_gpu_resnet" and not torch.cuda.is_available():
-            assert result["status"] == "skipped" and "CUDA" in result["reason"], result
-            continue
-        assert result["status"] in ("ok", "skipped"), (stem, result, log(stem))
-        if result["status"] == "skipped":  # only for a missing Docker Engine or base image
-            assert "Docker" in result["reason"] or "without --quick" in result["reason"], result
-    for stem in OURS:
-        result = results[stem]
-        if stem == "bench_gpu_resnet" and not torch.cuda.is_available():
-            assert result["status"] == "skipped" and "CUDA" in result["reason"], result
-            continue
-        if stem in ("bench_image_decision", "bench_cost_guard") and \
-                result["status"] == "skipped":
-            # --quick runs only once a full run has made the base image and the wheelhouse
-            assert "without --quick" in result["reason"] or "Docker" in result["reason"], result
-            continue
-        assert result["status"] == "ok", (stem, result, log(stem))
-        assert isinstance(result["ratio"], float) and math.isfinite(result["ratio"]), stem
+    if stem == "bench_gpu_resnet" and not torch.cuda.is_available():
+        assert result["status"] == "skipped" and "CUDA" in result["reason"], result
+        return
+    assert result["status"] in ("ok", "skipped"), (result, log)
+    if result["status"] == "skipped":  # only for a missing Docker Engine or base image
+        # --quick runs the image benchmarks only once a full run has made the base image and
+        # the wheelhouse
+        assert stem in ("bench_image_decision", "bench_cost_guard"), (result, log)
+        assert "Docker" in result["reason"] or "without --quick" in result["reason"], result
+        return
+    if stem in OURS:
+        assert isinstance(result["ratio"], float) and math.isfinite(result["ratio"]), result
         # one pair: no interval, so no ratio verdict can be met; a check can still miss
-        assert result["verdict"] in ("undecided", "missed"), stem
-        assert result["pairs"]["n"] == 1 and result["pairs"]["ci"] is None, stem
+        assert result["verdict"] in ("undecided", "missed"), result
+        assert result["pairs"]["n"] == 1 and result["pairs"]["ci"] is None, result
         for side in (result["baseline"], result["candidate"]):
-            assert side["n"] == 1 and side["median"] > 0 and side["unit"], (stem, side)
-        assert result["checkout"]["commit"], stem
+            assert side["n"] == 1 and side["median"] > 0 and side["unit"], side
+        assert result["checkout"]["commit"], result
         assert result["quick"] is True
 
     table = output.read_text()
     assert "## Machine" in table and "| CPU |" in table and "Quick smoke run" in table
     assert "## How to read the benchmarks" in table
-    for _, title, _ in MEASURES:
-        assert title in table
+    assert next(title for s, title, _ in MEASURES if s == stem) in table

@@ -132,11 +132,16 @@ def stoker(*args: str, work: Path) -> subprocess.CompletedProcess:
 
 
 def test_the_cli_finds_the_built_image_and_names_a_dead_registry(request_fields, tmp_path):
-    """`stoker build-image` runs the flow on the local Prefect server: the image the first test
-    built is answered from the registry; a registry that does not answer is one line, exit 2,
-    and the flow run is on the server as Failed."""
+    """`stoker build-image` runs the flow on the local Prefect server: an image already in the
+    registry is answered from it; a registry that does not answer is one line, exit 2, and the
+    flow run is on the server as Failed."""
+    from stoker.images.build import build_and_push
+
     work = tmp_path / "work"
     fields = [f"{k}={v}" for k, v in request_fields.items()]
+    # In the registry first, whichever test of this module runs first (pytest-xdist does not
+    # keep their order): the first test's build, found, or this one (cached layers).
+    build_and_push(ImageRequest(**request_fields).spec(), on_log=lambda line: None)
     try:
         found = stoker("build-image", *fields, work=work)
         assert found.returncode == 0, found.stderr[-3000:]

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -160,6 +161,50 @@ def test_process_tags_name_dead_commands_only():
     assert process_gone([f"{PROCESS_TAG}elsewhere-{socket.gethostname()}:{pid}:{start}"]) is None
     assert process_gone([f"{PROCESS_TAG}{host}:notapid:{start}", f"{PROCESS_TAG}"]) is None
     assert process_gone([]) is None
+
+
+def test_a_port_taken_at_the_bind_and_free_again_at_the_check_is_tried_again(tmp_path):
+    """Parallel-suite finding: two homes started at once on port 4200; the loser's uvicorn
+    could not bind, and by the time it looked, the winner had let the port go again (its test
+    had stopped its server). A free port was read as "failed for another reason": the run
+    failed. The log's bind error now says what happened, and the start is tried again."""
+    import socket
+    import threading
+
+    from stoker.local_server import LOG, PORT_FILE, free_port
+
+    home = tmp_path / ".prefect"
+    home.mkdir()
+    port = free_port()
+    (home / PORT_FILE).write_text(f"{port}\n")
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    released = threading.Event()
+
+    def release_once_refused() -> None:  # the other process lets the port go at once
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            log = home / LOG
+            if log.exists() and b"address already in use" in log.read_bytes():
+                holder.close()
+                released.set()
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=release_once_refused, daemon=True).start()
+    try:
+        # First start on the held port: _port() picks the sticky port only when it is free,
+        # so point the first try at it.
+        server = LocalServer(home, startup_timeout_s=180)
+        server._port = lambda: port  # the port both homes saw free
+        api_url, started = server.ensure()
+        assert released.is_set(), "the first start never met the taken port"
+        assert started and api_url == f"http://127.0.0.1:{port}/api"
+    finally:
+        holder.close()
+        stop_local_servers(tmp_path)
 
 
 def test_two_homes_racing_for_one_port_get_a_server_each(tmp_path):
