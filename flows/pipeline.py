@@ -14,6 +14,7 @@ from stoker.forms import DockerPipelineForm, PipelineForm
 from stoker.images.spec import ImageRequest
 from stoker.launch.job import JobClaim, mark_done
 from stoker.stdio import guard_stdio
+from stoker.tracking.registry import warm_up_registration
 from tasks.registry import register
 from tasks.report import report
 from tasks.stopping import cancel_stopped_flow_run, cancelled_promptly, stops_as_cancelled
@@ -53,7 +54,8 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
     its summary and does nothing."""
     guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
     with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
-        pulled = pull_and_train(config, image, job)
+        # Registration's imports load while the launcher starts (one core is idle then).
+        pulled = pull_and_train(config, image, job, on_train_start=warm_up_registration)
         if not isinstance(pulled, tuple):
             return pulled
         dataset, trained = pulled

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prefect import flow
 from prefect.runtime import flow_run
 
@@ -46,11 +48,13 @@ def run_training(config: PipelineConfig, image: ImageRequest) -> dict:
             "job_dir": trained.job_dir}
 
 
-def pull_and_train(config: PipelineConfig, image: ImageRequest, job: JobClaim
+def pull_and_train(config: PipelineConfig, image: ImageRequest, job: JobClaim,
+                   on_train_start: Callable[[], object] | None = None,
                    ) -> dict | tuple[DatasetRef, TrainResult]:
     """The steps every training flow shares, inside ``job``'s claim: pull the dataset, bind the
-    job to its hash, build the image when training runs in containers, train. Returns the done
-    job's summary when the job already finished, else ``(dataset, trained)``."""
+    job to its hash, build the image when training runs in containers, train (calling
+    ``on_train_start`` first). Returns the done job's summary when the job already finished,
+    else ``(dataset, trained)``."""
     if job.done is not None:
         return job.done
     check_before_pull(config)
@@ -59,4 +63,6 @@ def pull_and_train(config: PipelineConfig, image: ImageRequest, job: JobClaim
     if job.done is not None:
         return job.done
     training_image = build_image(image) if needs_image(config) else None
+    if on_train_start is not None:
+        on_train_start()
     return dataset, train(config, dataset, training_image, job_dir)

@@ -198,7 +198,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from stoker.images.build import ImageError
     from stoker.images.preflight import PreflightError
     from stoker.launch.docker import DockerLaunchError
-    from stoker.runtime.checkpoint import CheckpointError
+    from stoker.runtime import CheckpointError
     from stoker.tracking.registry import LineageError
 
     return (ConfigError, DatasetError, LineageError, ImageError, PreflightError,

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stoker.data.pull import DatasetError
-from stoker.runtime.data import GRAY_MODES, class_folders, image_files
+from stoker.runtime.listing import GRAY_MODES, class_folders, image_files
 from stoker.runtime.records import read_json, write_json
 
 MAX_NAMED = 20  # problems named in one message; the count says how many there are in all

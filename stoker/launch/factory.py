@@ -120,7 +120,7 @@ def check_before_pull(config: PipelineConfig) -> None:
             naming ``checkpoint_dir``.
     """
     from stoker.launch.supervisor import nproc
-    from stoker.runtime.models import vision_problem
+    from stoker.runtime.vision import vision_problem
     from stoker.tracking.server import check_tracking_server
 
     repo = config.data.repo_url

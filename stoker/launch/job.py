@@ -25,7 +25,7 @@ from stoker.launch.lease import JobLease, check_free, holder_alive
 from stoker.launch.store import JobStore, disown, own, write_through
 from stoker.runtime.lease import read_lease
 from stoker.runtime.records import read_json, write_json
-from stoker.runtime.trainer import TRAJECTORY_FIELDS
+from stoker.runtime.spec import TRAJECTORY_FIELDS
 
 log = logging.getLogger(__name__)
 

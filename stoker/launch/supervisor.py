@@ -13,8 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-from mlflow import MlflowClient
+from typing import TYPE_CHECKING
 
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
@@ -27,6 +26,9 @@ from stoker.runtime.records import JsonlTail
 from stoker.runtime.spec import RunSpec
 from stoker.stopping import stop_reason
 from stoker.tracking.lineage import code_version
+
+if TYPE_CHECKING:  # imported by the caller that has a client: MLflow costs seconds to import
+    from mlflow import MlflowClient
 
 __all__ = ["JobBusy", "ProgressWatcher", "TrainResult", "TrainingFailed", "finish_run",
            "lineage_tags", "nproc", "write_spec"]
@@ -51,10 +53,19 @@ class TrainResult:
     cost: dict
 
 
-def nproc(config: PipelineConfig) -> int:
-    """Processes per node: the configured number, or one per GPU, or 2 on a CPU machine."""
+def nproc(config: PipelineConfig, dev: Path = Path("/dev")) -> int:
+    """Processes per node: the configured number, or one per GPU, or 2 on a CPU machine.
+
+    The GPUs are counted by ``torch.cuda.device_count()`` (which honours
+    ``CUDA_VISIBLE_DEVICES``); on a machine without a GPU device file under ``dev`` there is
+    none to count and torch is not imported (about 2.5 CPU-s of every ``stoker run`` before
+    its flow starts)."""
     if config.train.nproc_per_node != "auto":
         return int(config.train.nproc_per_node)
+    from stoker.runtime.launch import gpu_device_present
+
+    if not gpu_device_present(dev):
+        return 2
     import torch
 
     return torch.cuda.device_count() or 2

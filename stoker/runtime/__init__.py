@@ -9,3 +9,8 @@ Exit codes: 0 done; 75 (EX_TEMPFAIL) preempted, resume me; anything else: an err
 
 EXIT_OK = 0
 EXIT_PREEMPTED = 75
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, verified or loaded (``stoker.runtime.checkpoint``; here,
+    so that the orchestrator can name it without importing torch)."""

@@ -45,6 +45,7 @@ import fsspec
 import torch
 from tenacity import Retrying, stop_after_attempt, wait_exponential
 
+from stoker.runtime import CheckpointError  # defined there: the orchestrator names it torch-free
 from stoker.runtime.lease import LeaseLost
 from stoker.runtime.staging import HashingWriter, HostStaging
 
@@ -53,10 +54,6 @@ log = logging.getLogger(__name__)
 MARKER = "COMMITTED"
 DIGEST_SUFFIX = ".sha256"  # rank-00001.pt.sha256: that rank's own digest of its file, for rank 0
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, verified or loaded."""
 
 
 @dataclass(frozen=True)

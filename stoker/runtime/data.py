@@ -19,6 +19,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+# The listing (no torch): also what the orchestrator's dataset check reads.
+from stoker.runtime.listing import (  # noqa: F401 - re-exported
+    GRAY_MODES,
+    IGNORED_NAMES,
+    class_folders,
+    image_files,
+    visible,
+)
+
 
 class DataError(RuntimeError):
     """The dataset folder cannot be read as the configured dataset."""
@@ -36,28 +45,6 @@ class Splits:
 
 
 MEMO_BYTES = 64 * 2**20  # decoded images kept per process for a small dataset (see image_folder)
-IGNORED_NAMES = frozenset({"__MACOSX", "Thumbs.db", "desktop.ini"})
-GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
-
-
-def visible(path: Path) -> bool:
-    """Whether a folder entry takes part in an ImageFolder: hidden names (``.ipynb_checkpoints``,
-    ``.DS_Store``, ``.keep``) and OS litter (``__MACOSX``, ``Thumbs.db``) do not."""
-    return not path.name.startswith(".") and path.name not in IGNORED_NAMES
-
-
-def class_folders(root: Path) -> list[Path]:
-    """The class folders of an ImageFolder root, sorted by name (label i is the i-th)."""
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and visible(p)), key=lambda p: p.name)
-
-
-def image_files(folder: Path) -> list[Path]:
-    """The candidate image files of one class folder, sorted by name (hidden files skipped)."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and visible(p))
-
-
 def read_image(file: Path, channels: int | None) -> np.ndarray:
     """One image as uint8 [H, W, C]: C = ``channels``, or for None 1 (gray) / 3 (colour) by mode.
 

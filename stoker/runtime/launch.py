@@ -23,8 +23,8 @@ How the ranks start (``STOKER_WORKER_START``):
   torchrun forks every rank from it (its ``fork`` start method, with the runtime's ``main`` as
   the entrypoint). A rank skips the imports a fresh interpreter pays: about 4 s of an attempt's
   start-up on 2 CPU cores, and 2-5 CPU-s per rank. The default where no GPU device is present
-  (no ``/dev/nvidia*`` or ``/dev/kfd``): CUDA must never be initialised before a fork, and
-  this path has not been verified on a GPU yet.
+  (no ``/dev/nvidia*``, ``/dev/kfd`` or ``/dev/dxg``): CUDA must never be initialised before a
+  fork, and this path has not been verified on a GPU yet.
 * ``exec``: every rank is a fresh ``python -u -m stoker.runtime SPEC`` process (plain
   torchrun). The default on a machine with a GPU device.
 
@@ -57,12 +57,19 @@ WORKER_STARTS = ("fork", "exec")
 RUNTIME_MODULE = "stoker.runtime"
 
 
+def gpu_device_present(dev: Path = Path("/dev")) -> bool:
+    """Whether a GPU device file exists under ``dev``: NVIDIA (``nvidia0``, ...), AMD
+    (``kfd``) or WSL2's GPU (``dxg``). Without one no CUDA or ROCm device can be visible, so
+    this answers "no GPU" without importing torch or initialising a driver."""
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists() or (dev / "dxg").exists()
+
+
 def worker_start(environ: dict[str, str] | None = None, dev: Path = Path("/dev")) -> str:
     """How the ranks start: ``fork`` or ``exec`` (see the module docstring).
 
     ``STOKER_WORKER_START`` (``fork``, ``exec`` or ``auto``, the default) decides; ``auto`` is
-    ``exec`` when a GPU device file exists under ``dev`` (NVIDIA or AMD), else ``fork``. No
-    CUDA call is made to find out.
+    ``exec`` when a GPU device file exists under ``dev`` (NVIDIA, AMD or WSL2's; see
+    ``gpu_device_present``), else ``fork``. No CUDA call is made to find out.
 
     Raises:
         ValueError: naming ``STOKER_WORKER_START`` and its allowed values.
@@ -73,8 +80,7 @@ def worker_start(environ: dict[str, str] | None = None, dev: Path = Path("/dev")
         return value
     if value != "auto":
         raise ValueError(f"{WORKER_START_ENV}={value!r}: use fork, exec or auto")
-    gpu = any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
-    return "exec" if gpu else "fork"
+    return "exec" if gpu_device_present(dev) else "fork"
 
 
 def main(argv: list[str] | None = None) -> int:

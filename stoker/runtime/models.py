@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from stoker.runtime.vision import VISION_MODELS, vision_problem
+
 
 class SmallCNN(nn.Module):
     """A small CNN for tiny images (e.g. 8x8 digits).
@@ -40,29 +42,6 @@ class SmallCNN(nn.Module):
         else:
             features = self.features(x)
         return self.head(features)
-
-
-VISION_MODELS = ("resnet18", "resnet34", "resnet50")  # built on torchvision: the vision extra
-
-
-def vision_problem(name: str) -> str | None:
-    """Why the built-in model ``name`` cannot be built in this environment, in one line; None
-    when it can (or needs no torchvision).
-
-    torchvision is an optional extra (``pip install 'stoker[vision]'``): a build made for
-    another torch fails at import ("operator torchvision::nms does not exist"), not only a
-    missing one, so the import itself is tried.
-    """
-    if name not in VISION_MODELS:
-        return None
-    try:
-        import torchvision  # noqa: F401
-    except (ImportError, RuntimeError, OSError) as e:  # absent, or built for another torch
-        reason = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-        return (f"train.model {name!r} needs torchvision, which cannot be imported here "
-                f"({reason}); install the vision extra: pip install 'stoker[vision]' (a "
-                f"torchvision build matching torch {torch.__version__})")
-    return None
 
 
 def _resnet(name: str, num_classes: int, in_channels: int) -> nn.Module:

@@ -9,6 +9,13 @@ from pydantic import Field
 
 from stoker.config import ConfigError, TrainConfig, _Frozen, validate
 
+# Train fields that define the run's trajectory: a checkpoint written under other values cannot
+# be continued exactly, so resuming with a change is refused (the trainer, and the orchestrator
+# before anything starts). Here, not in the trainer, so that the orchestrator reads them without
+# importing torch.
+TRAJECTORY_FIELDS = ("model", "dataset", "epochs", "global_batch_size", "grad_accum_steps", "lr",
+                     "weight_decay", "seed", "val_fraction", "precision", "image_size",
+                     "image_mean", "image_std", "random_resized_crop", "horizontal_flip")
 
 class RunSpec(_Frozen):
     """One training job. The same spec file both starts and resumes the job.

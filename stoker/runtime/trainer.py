@@ -34,16 +34,11 @@ from stoker.runtime.profiling import ProfilingMixin
 from stoker.runtime.progress import ProgressWriter
 from stoker.runtime.records import read_text
 from stoker.runtime.resume import resume_point
-from stoker.runtime.spec import RunSpec
+from stoker.runtime.spec import TRAJECTORY_FIELDS, RunSpec
 from stoker.runtime.tracking import RunTracker, flatten
 
 log = logging.getLogger("stoker.runtime")
 
-# Config fields that define the run's trajectory: a checkpoint written under other values
-# cannot be continued exactly, so resuming with a change is refused.
-TRAJECTORY_FIELDS = ("model", "dataset", "epochs", "global_batch_size", "grad_accum_steps", "lr",
-                     "weight_decay", "seed", "val_fraction", "precision", "image_size",
-                     "image_mean", "image_std", "random_resized_crop", "horizontal_flip")
 SHARED_KEYS = {"model", "optimizer", "scheduler", "scaler", "step", "config", "run_id",
                "world_size"}
 SUMMARY_EVERY_STEPS = 10  # lr and samples_per_s go to MLflow once per this many steps

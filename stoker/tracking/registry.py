@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import tempfile
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -303,6 +304,37 @@ def log_and_register(tracking_uri: str, run_id: str, registered_model: str, resu
     promoted = _champion(client, registered_model, metric)[0] == version
     return Registration(registered_model, version, metric, value, promoted, previous,
                         previous_value, f"models:/{registered_model}/{version}")
+
+
+# What registration imports that nothing before it in the orchestrator needs: torch (the model
+# is loaded to infer the signature, and MLflow loads it again to validate the serving input),
+# MLflow's pyfunc flavor and the plotting library (about 3 CPU-s in all on 2 cores).
+REGISTRATION_IMPORTS = ("torch", "stoker.runtime.data", "stoker.tracking.pyfunc",
+                        "mlflow.models", "matplotlib.pyplot")
+
+
+def warm_up_registration() -> threading.Thread:
+    """Import ``REGISTRATION_IMPORTS`` in a daemon thread and return it.
+
+    The pipeline starts it as training starts: the launcher's own start-up (its torch import)
+    runs on one core and leaves the other idle, so these imports cost the pipeline nothing
+    there instead of seconds after the last step. A failed import is left for registration
+    to raise where it happens."""
+    def run() -> None:
+        import importlib
+
+        import matplotlib
+
+        matplotlib.use("Agg")  # as plot_curves does: no display, no GUI toolkit import
+        for name in REGISTRATION_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - registration imports it again and says why
+                return
+
+    thread = threading.Thread(target=run, name="stoker-warm-up-registration", daemon=True)
+    thread.start()
+    return thread
 
 
 def load_trained_model(result: dict):
