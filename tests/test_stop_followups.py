@@ -109,7 +109,10 @@ def test_a_stalled_job_is_not_resumed_into_the_stall_without_the_override(server
     one line (exit 3) naming the step, who and the override, and changes nothing;
     ``--resume-stalled`` resumes it from the stop checkpoint to the end."""
     work = tmp_path / "work"
-    command = ["run", f"work_dir={work}", "train.epochs=3",
+    # Enough epochs that the stop lands mid-training: on a loaded machine (two test workers on
+    # two cores) 3 epochs could end before rank 0's MLflow run (opened in the background) was
+    # there for training() to see, and the job was then done, not stalled.
+    command = ["run", f"work_dir={work}", "train.epochs=15",
                "tracking.system_metrics_interval_s=null"]
     process = stoker(server, *command)
     job, torchrun = training(process, work, min_step=5)
@@ -118,6 +121,7 @@ def test_a_stalled_job_is_not_resumed_into_the_stall_without_the_override(server
     torchrun.send_signal(signal.SIGTERM)
     code, output = finish(process)
     assert code == 3, output[-3000:]
+    assert not (job / "result.json").exists(), "training ended before the stop reached it"
     assert request.step is not None and request.step >= 5
     stop_step = [e for e in events(job) if e["event"] == "end"][-1]["step"]
     records = (job / "attempts.jsonl").read_text()
