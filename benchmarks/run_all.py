@@ -163,11 +163,23 @@ def run_one(stem: str, path: Path, args: argparse.Namespace, logs: Path,
     return result
 
 
-def merged(rows: list[tuple[str, str, str, dict]], previous: dict,
-           info: dict[str, str]) -> tuple[list[tuple[str, str, str, dict]], dict[str, str]]:
+def measured_at(previous: dict) -> dict[str, dict[str, str]]:
+    """stem -> {"commit", "date"} of each result in an earlier results file: its ``measured``
+    map, or (a file written before there was one) the machine table's commit and date."""
+    if isinstance(previous.get("measured"), dict):
+        return {stem: dict(at) for stem, at in previous["measured"].items()}
+    before = previous.get("machine", {})
+    return {stem: {"commit": before.get("Stoker commit", "unknown"),
+                   "date": before.get("date", "?")} for stem in previous.get("results", {})}
+
+
+def merged(rows: list[tuple[str, str, str, dict]], previous: dict, info: dict[str, str]
+           ) -> tuple[list[tuple[str, str, str, dict]], dict[str, str], dict[str, dict]]:
     """The rows of this run with every other known measure's result taken from ``previous``
-    (an earlier run's JSON file), in the order of ``scripts``; and the machine table with the
-    commit and date of both parts.
+    (an earlier run's JSON file), in the order of ``scripts``; the machine table with the commit
+    and date of each part (this run's first; the largest other part is "the other N" and "the
+    rest"); and the ``measured`` map (stem -> commit and date) for the new file, so that a later
+    merge names every part again.
 
     Raises:
         ValueError: ``previous`` holds no results.
@@ -178,13 +190,29 @@ def merged(rows: list[tuple[str, str, str, dict]], previous: dict,
     out = [new.get(stem) or (stem, title, target, previous["results"][stem])
            for stem, title, target, _ in scripts(None)
            if stem in new or stem in previous["results"]]
-    ran, before = ", ".join(sorted(new)), previous.get("machine", {})
+    measured = measured_at(previous)
+    measured.update({stem: {"commit": info["Stoker commit"], "date": info["date"]}
+                     for stem in new})
+    measured = {row[0]: measured[row[0]] for row in out}
+    parts: dict[tuple[str, str], list[str]] = {}
+    for stem, at in measured.items():
+        parts.setdefault((at["commit"], at["date"]), []).append(stem)
+    this = (info["Stoker commit"], info["date"])
+    others = sorted((key for key in parts if key != this), key=lambda k: -len(parts[k]))
+    rest = others[0] if others else None  # the largest other part: named by count only
+    others = others[1:]
+    commits = [f"{this[0]} for {', '.join(sorted(parts[this]))}"]
+    dates = [f"{this[1]} ({', '.join(sorted(parts[this]))})"]
+    for key in others:
+        commits.append(f"{key[0]} for {', '.join(sorted(parts[key]))}")
+        dates.append(f"{key[1]} ({', '.join(sorted(parts[key]))})")
+    if rest is not None:
+        commits.append(f"{rest[0]} for the other {len(parts[rest])}")
+        dates.append(f"{rest[1]} (the rest)")
     info = dict(info)
-    info["Stoker commit"] = (f"{info['Stoker commit']} for {ran}; "
-                             f"{before.get('Stoker commit', 'unknown')} for the other "
-                             f"{len(out) - len(new)} (merged with --merge)")
-    info["date"] = f"{info['date']} ({ran}); {before.get('date', '?')} (the rest)"
-    return out, info
+    info["Stoker commit"] = "; ".join(commits) + " (merged with --merge)"
+    info["date"] = "; ".join(dates)
+    return out, info, measured
 
 
 def machine() -> dict[str, str]:
@@ -292,14 +320,16 @@ def main() -> None:
             rows.append((stem, title, target, result))
     wall_s = time.perf_counter() - started
     info["load average (1 min) at end"] = f"{os.getloadavg()[0]:.2f}"
+    measured = {stem: {"commit": info["Stoker commit"], "date": info["date"]}
+                for stem, _, _, _ in rows}
     if previous is not None:
-        rows, info = merged(rows, previous, info)
+        rows, info, measured = merged(rows, previous, info)
         wall_s += previous.get("wall_s") or 0.0
     gpu = json.loads(args.gpu_results.read_text()) if args.gpu_results.is_file() else None
     output.write_text(render(rows, info, args.quick, wall_s, gpu) + "\n")
     results = {"machine": info, "checkout": state, "quick": args.quick,
                "wall_s": round(wall_s, 1),
-               "results": {stem: result for stem, _, _, result in rows}}
+               "results": {stem: result for stem, _, _, result in rows}, "measured": measured}
     output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {output} and {output.with_suffix('.json')} ({wall_s:.0f} s)")
 

@@ -250,7 +250,7 @@ def test_merge_updates_the_rows_run_again_and_keeps_the_others():
                 "results": {"bench_dataset": {"status": "ok", "ratio": 1.0},
                             "bench_checkpoint": {"status": "ok", "ratio": 0.5}}}
     rows = [("bench_dataset", "Dataset", "ratio >= 0.9", {"status": "ok", "ratio": 2.0})]
-    out, info = merged(rows, previous, {"Stoker commit": "bbb", "date": "day 2"})
+    out, info, measured = merged(rows, previous, {"Stoker commit": "bbb", "date": "day 2"})
     # In the measures' order; the kept row keeps its result and gets its title back.
     assert [(stem, result["ratio"]) for stem, _, _, result in out] == [
         ("bench_checkpoint", 0.5), ("bench_dataset", 2.0)]
@@ -258,6 +258,21 @@ def test_merge_updates_the_rows_run_again_and_keeps_the_others():
     assert info["Stoker commit"] == ("bbb for bench_dataset; aaa for the other 1 (merged with "
                                      "--merge)")
     assert info["date"] == "day 2 (bench_dataset); day 1 (the rest)"
+    assert measured == {"bench_checkpoint": {"commit": "aaa", "date": "day 1"},
+                        "bench_dataset": {"commit": "bbb", "date": "day 2"}}
+
+    # A second merge names each part once (it used to nest the first merge's text).
+    again = {"quick": False, "machine": info, "measured": measured,
+             "results": {"bench_dataset": {"ratio": 2.0}, "bench_checkpoint": {"ratio": 0.5},
+                         "bench_loader": {"ratio": 0.9}, "bench_tracking": {"ratio": 0.01}}}
+    for stem in ("bench_loader", "bench_tracking"):
+        again["measured"][stem] = {"commit": "aaa", "date": "day 1"}
+    rows = [("bench_checkpoint", "Checkpoint", "ratio <= 0.2", {"status": "ok", "ratio": 0.1})]
+    _, info, measured = merged(rows, again, {"Stoker commit": "ccc", "date": "day 3"})
+    assert info["Stoker commit"] == ("ccc for bench_checkpoint; bbb for bench_dataset; aaa for "
+                                     "the other 2 (merged with --merge)")
+    assert info["date"] == "day 3 (bench_checkpoint); day 2 (bench_dataset); day 1 (the rest)"
+    assert measured["bench_checkpoint"] == {"commit": "ccc", "date": "day 3"}
     with pytest.raises(ValueError, match="holds no results"):
         merged(rows, {"results": {}}, {"Stoker commit": "bbb", "date": "day 2"})
 
