@@ -111,7 +111,9 @@ def test_without_job_id_a_busy_job_is_refused_before_any_flow_run(api_env, tmp_p
     from prefect.client.orchestration import get_client
 
     work = tmp_path / "work"
-    cmd = command(work, "train.epochs=3")
+    # 20 epochs: the first run is still training when the second checks, also on a loaded
+    # machine (it is interrupted at the end, so the extra epochs never train).
+    cmd = command(work, "train.epochs=20")
     first = start(cmd, api_env)
     try:
         wait_for(lambda: any(stepped(job) for job in (work / "jobs").glob("*")), process=first)

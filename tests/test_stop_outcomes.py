@@ -60,7 +60,9 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     from stoker.launch.stop_request import TrainingStopped
 
     work = tmp_path / "work"
-    config = load_pipeline_config(None, [f"work_dir={work}", "train.epochs=6",
+    # 20 epochs: both stops land mid-training also on a loaded machine (the thread waits for
+    # rank 0's background MLflow run; the job is stopped, so the extra epochs never train).
+    config = load_pipeline_config(None, [f"work_dir={work}", "train.epochs=20",
                                          "tracking.system_metrics_interval_s=null"])
     fired: list[str] = []
 
