@@ -17,7 +17,12 @@ from stoker.stdio import guard_stdio
 from stoker.tracking.registry import warm_up_registration
 from tasks.registry import register
 from tasks.report import report
-from tasks.stopping import cancel_stopped_flow_run, cancelled_promptly, stops_as_cancelled
+from tasks.stopping import (
+    cancel_stopped_flow_run,
+    cancelled_promptly,
+    stops_as_cancelled,
+    untagged_task_runs,
+)
 
 DEFAULT_CONFIG = PipelineConfig()
 DEFAULT_IMAGE = ImageRequest()
@@ -53,7 +58,7 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
     done: with ``job_id`` before the pull, otherwise right after it. A done ``job_id`` returns
     its summary and does nothing."""
     guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
-    with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
+    with cancelled_promptly(), untagged_task_runs(), JobClaim(config, flow_run.get_id()) as job:
         # Registration's imports load while the launcher starts (one core is idle then).
         pulled = pull_and_train(config, image, job, on_train_start=warm_up_registration)
         if not isinstance(pulled, tuple):

@@ -16,7 +16,7 @@ from stoker.launch.job import JobClaim
 from stoker.launch.supervisor import TrainResult
 from tasks.data import pull
 from tasks.images import build_image
-from tasks.stopping import cancelled_promptly, stops_as_cancelled
+from tasks.stopping import cancelled_promptly, stops_as_cancelled, untagged_task_runs
 from tasks.train import train
 
 DEFAULT_CONFIG = PipelineConfig()
@@ -39,7 +39,7 @@ def train_local(config: TrainForm = TrainForm()) -> dict:  # noqa: B008 - frozen
 @stops_as_cancelled  # Ctrl-C, SIGTERM or SIGHUP to the command: a stop, not a crash
 def run_training(config: PipelineConfig, image: ImageRequest) -> dict:
     """Pull and train inside a flow run; the job is leased meanwhile (see ``flows.pipeline``)."""
-    with cancelled_promptly(), JobClaim(config, flow_run.get_id()) as job:
+    with cancelled_promptly(), untagged_task_runs(), JobClaim(config, flow_run.get_id()) as job:
         pulled = pull_and_train(config, image, job)
         if not isinstance(pulled, tuple):
             return pulled

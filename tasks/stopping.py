@@ -157,6 +157,26 @@ def install_stop_log_filter() -> None:
 
 
 @contextlib.contextmanager
+def untagged_task_runs():
+    """Wrap a flow's body: its task runs do not inherit ``stoker run``'s ``stoker:process=``
+    tag, which belongs to the flow run (:func:`crash_runs_of_gone_processes` reads it there).
+
+    Prefect checks a tagged task run against the tag concurrency limits before it starts, and
+    the answer "no limit" is cached for 5 s only. After a training attempt of more than 5 s the
+    next task asked the server again; that check is a write to the server's database, and on
+    the local sqlite server it met the writes of the attempt's logs and events ("database is
+    locked", HTTP 503), which Prefect's client retries after about 2 s: 2 s of every run,
+    spent before registration. Tags given with ``prefect.tags`` or a task's own tags stay."""
+    from prefect.context import TagsContext
+
+    from stoker.local_server import PROCESS_TAG
+
+    current = TagsContext.get().current_tags
+    with TagsContext(current_tags={t for t in current if not t.startswith(PROCESS_TAG)}):
+        yield
+
+
+@contextlib.contextmanager
 def cancelled_promptly():
     """Wrap a flow's body: after a Prefect cancel (SIGTERM with the intent "cancel", the
     training tree already stopped), record the flow run and its task runs Cancelled and end the

@@ -111,6 +111,15 @@ def test_runs_start_the_server_once_and_reuse_it(work):
     assert url.startswith(f"{base}/flow-runs/flow-run/"), url
     flow_run = httpx.get(f"{server['api_url']}/flow_runs/{url.rsplit('/', 1)[1]}", timeout=10)
     assert flow_run.json()["state"]["type"] == "COMPLETED"
+    # The process tag names the flow run only: a tagged task run is checked against the tag
+    # concurrency limits by a write to the server's database (2 s lost to a retry after a
+    # "database is locked" at registration).
+    assert any(t.startswith("stoker:process=") for t in flow_run.json()["tags"])
+    task_runs = httpx.post(f"{server['api_url']}/task_runs/filter", json={
+        "flow_runs": {"id": {"any_": [flow_run.json()["id"]]}}}, timeout=10).json()
+    assert {t["name"].rsplit("-", 1)[0] for t in task_runs} >= {
+        "pull-dataset", "train", "attempt", "register-model", "report"}
+    assert [t["tags"] for t in task_runs] == [[]] * len(task_runs)
 
     guard = stoker("cost-guard", f"work_dir={work}", "policy.window_s=10",
                    "policy.sample_interval_s=5")
