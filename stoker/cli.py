@@ -153,6 +153,7 @@ def run(
     # Prefect's log lines and the final summary included, goes on in the work folder's log.
     guard_stdio(Path(config.work_dir) / "logs" / "output.log")
     stopping.install()
+    _prestart_launcher(config)
     code = 0
     try:
         with prefect_api():
@@ -182,9 +183,28 @@ def run(
         code = stopping.stop_exit_code()
     except Exception as e:
         code = _report_failure(e, debug)
+    from stoker.launch.local import discard_standby
+
+    discard_standby()  # not taken: nothing trained (a done job, a refused dataset, a failure)
     # Everything is recorded and the training tree is gone: skip the interpreter's finalizers
     # (Prefect's exit hooks, torch), which held the exit back for seconds.
     stopping.exit_now(code)
+
+
+def _prestart_launcher(config: PipelineConfig) -> None:
+    """Start the first attempt's launcher now, so that its imports (torch, torchrun, the
+    runtime: 3-4 s on 2 cores) run on another core while Prefect starts the flow and the
+    dataset is pulled (``stoker.launch.local.Standby``). Only for the local launcher, and
+    only where the world size is known without importing torch (no GPU device, or
+    ``train.nproc_per_node`` set)."""
+    if config.launcher.kind != "local":
+        return
+    from stoker.launch.local import prestart
+    from stoker.launch.supervisor import nproc
+    from stoker.runtime.launch import gpu_device_present
+
+    if config.train.nproc_per_node != "auto" or not gpu_device_present():
+        prestart(nproc(config))
 
 
 def _say_stopped() -> None:

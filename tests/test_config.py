@@ -211,17 +211,30 @@ def test_a_missing_data_repository_is_named_before_anything_runs(tmp_path):
 def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_path):
     """A folder that is not a git repository fails in the pull task: no traceback in the
     terminal (the Prefect task log keeps it), the last line names it, exit 2."""
+    import contextlib
     import os
     import subprocess
     import sys
 
+    import psutil
+
     (tmp_path / "not-a-repo").mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    mark = {"STOKER_TEST_MARK": str(tmp_path)}  # inherited by every process the command starts
     result = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
          f"data.repo_url={tmp_path / 'not-a-repo'}"], capture_output=True, text=True,
-        timeout=300, env={**env, "PREFECT_HOME": str(tmp_path / "prefect")})
+        timeout=300, env={**env, "PREFECT_HOME": str(tmp_path / "prefect"), **mark})
     assert result.returncode == 2, result.stderr[-3000:]
+    # The launcher started ahead of the flow (the standby) is ended with the command: nothing
+    # trained, nothing left running but the long-lived local Prefect server.
+    left = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("STOKER_TEST_MARK") == str(tmp_path) and \
+                    "uvicorn" not in " ".join(proc.info["cmdline"] or []):
+                left.append(proc.info["cmdline"])
+    assert left == []
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: data.repo_url {tmp_path / 'not-a-repo'}"), last

@@ -51,12 +51,12 @@ def test_snapshot_outside_the_context_or_without_a_binding_is_unknown():
     assert "'json' is not an NVML binding" in snapshot.error and not snapshot.gpus
 
 
-def _job(tmp_path: Path, name: str, pid: int, world_size: int, outcome=None) -> Path:
+def _job(tmp_path: Path, name: str, pid, world_size: int, outcome=None, **beat) -> Path:
     job_dir = tmp_path / "jobs" / name
     job_dir.mkdir(parents=True)
     (job_dir / "heartbeat.json").write_text(json.dumps(
         {"time": time.time(), "step": 1, "epoch": 0, "pid": pid, "world_size": world_size,
-         "outcome": outcome}))
+         "outcome": outcome, **beat}))
     return job_dir
 
 
@@ -99,6 +99,23 @@ def test_heartbeat_pid_of_another_process_is_not_the_job(tmp_path):
     ended = read_job(_job(tmp_path, "ended", 1, 1, outcome="completed"), read_mlflow=False)
     assert not ended.running
     assert [j.name for j in read_jobs(tmp_path, read_mlflow=False)] == ["elsewhere", "ended"]
+
+
+def test_a_heartbeat_names_its_process_by_pid_and_start_time(tmp_path):
+    """A rank forked from a standby launcher has the standby's command line (no spec path):
+    the heartbeat's start time names it. A pid whose process started at another time (reused,
+    or from a container's namespace) is not the job; nor is a pid that is no pid at all."""
+    me = psutil.Process()
+    mine = read_job(_job(tmp_path, "forked", me.pid, 1, pid_started=me.create_time()),
+                    read_mlflow=False)
+    assert job_pids(mine) == frozenset([me.pid, *(c.pid for c in me.children(recursive=True))])
+    reused = read_job(_job(tmp_path, "reused", me.pid, 1, pid_started=me.create_time() - 3),
+                      read_mlflow=False)
+    assert job_pids(reused) is None
+    for n, bad in enumerate((2**31, -5, "4242", True)):
+        odd = read_job(_job(tmp_path, f"odd-{n}", bad, 1, pid_started="yesterday"),
+                       read_mlflow=False)
+        assert job_pids(odd) is None and discover_jobs([odd], set()) == []
 
 
 def test_mlflow_last_metric_time_counts_as_progress(tmp_path):

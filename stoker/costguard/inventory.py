@@ -181,25 +181,33 @@ def process_name(pid: int) -> str | None:
 
 # --- Local jobs --------------------------------------------------------------------------------
 
+START_TOLERANCE_S = 0.05  # create_time is in clock ticks (10 ms); the same reading both sides
+
+
 def job_pids(job: JobSignals) -> frozenset[int] | None:
     """Host PIDs of a job's training processes, or None when it does not run on this host.
 
-    The heartbeat names rank 0's PID; it counts only if that process's command line names this
-    job's spec (a PID from a container's namespace or a reused PID names something else). Under
-    torchrun (world size > 1) the job is the agent and all its descendants, else rank 0 and its
-    descendants (DataLoader workers).
+    The heartbeat names rank 0's PID and start time; the PID counts only if that process
+    started then (a PID from a container's namespace or a reused PID names another process).
+    A heartbeat without the start time (an older runtime) counts only if the process's command
+    line names this job's spec (a rank forked from a standby launcher has the standby's command
+    line: ``stoker.launch.local.Standby``). Under torchrun (world size > 1) the job is the agent
+    and all its descendants, else rank 0 and its descendants (DataLoader workers).
     """
     beat = job.heartbeat
     if beat is None or beat.pid is None:
         return None
     try:
         proc = psutil.Process(beat.pid)
-        if not any(arg.endswith(f"{job.name}/spec.yaml") for arg in proc.cmdline()):
+        if beat.pid_started is not None:
+            if abs(proc.create_time() - beat.pid_started) > START_TOLERANCE_S:
+                return None
+        elif not any(arg.endswith(f"{job.name}/spec.yaml") for arg in proc.cmdline()):
             return None
         root = proc.parent() if (beat.world_size or 1) > 1 else proc
         root = root or proc
         return frozenset([root.pid, *(p.pid for p in root.children(recursive=True))])
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+    except (psutil.Error, OverflowError, ValueError, TypeError):  # gone, or not a pid
         return None
 
 

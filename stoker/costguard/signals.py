@@ -32,6 +32,7 @@ class Heartbeat:
     pid: int | None
     world_size: int | None
     outcome: str | None
+    pid_started: float | None = None  # rank 0's start time (Unix s); older heartbeats: None
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,9 @@ def read_heartbeat(job_dir: Path) -> Heartbeat | None:
         raise ValueError(f"{path}: no numeric 'time' field")
     return Heartbeat(time=float(data["time"]), step=data.get("step"), epoch=data.get("epoch"),
                      pid=data.get("pid"), world_size=data.get("world_size"),
-                     outcome=data.get("outcome"))
+                     outcome=data.get("outcome"),
+                     pid_started=started if isinstance(started := data.get("pid_started"),
+                                                       int | float) else None)
 
 
 def tail_events(job_dir: Path, max_bytes: int = _TAIL_BYTES) -> list[dict]:

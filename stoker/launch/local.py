@@ -6,6 +6,7 @@ No Prefect here. ``LocalLauncher.run`` has the launcher interface of :mod:`stoke
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -44,6 +45,102 @@ def terminate_tree(pid: int, grace_s: float) -> list[int]:
     return [p.pid for p in procs]
 
 
+# Environment variables read when torch, its OpenMP/BLAS, CUDA, NCCL or gloo runtimes or the
+# interpreter start: a standby launcher started with other values than an attempt's is not used
+# for it (the attempt starts cold). Others (Prefect's, MLflow's, Stoker's) are handed over.
+IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "BLIS_", "CUDA_", "NCCL_",
+                   "NVIDIA_", "HIP_", "ROCM_", "HSA_", "GLOO_", "TORCH", "PYTORCH_", "LD_",
+                   "PYTHON", "MALLOC_", "STOKER_WORKER_START")
+
+
+def _import_time(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+
+
+class Standby:
+    """A launcher process started ahead of its attempt: ``python -m stoker.runtime.launch
+    --standby`` imports torch, torchrun and (for forked ranks) the runtime while the
+    orchestrator still pulls data and checks lineage, then waits for its command line.
+
+    ``stoker run`` starts one before its flow (:func:`prestart`); the first local attempt of
+    the same interpreter, working directory and import-time environment (``IMPORT_TIME_ENV``)
+    takes it (:meth:`LocalLauncher.run`), any other starts cold. Until then it has done nothing
+    but import: no rendezvous, no file written. It lives in its own session, like an
+    attempt's launcher, and ends when its input closes: when it is discarded, when the
+    orchestrator exits or dies (its pipe closes; ``PR_SET_PDEATHSIG`` as well).
+    """
+
+    def __init__(self, python: str, env: dict[str, str]):
+        self.python, self.env, self.cwd = python, dict(env), os.getcwd()
+        self.process = subprocess.Popen(
+            [python, "-m", "stoker.runtime.launch", "--standby"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
+            start_new_session=True, preexec_fn=die_with_parent)
+
+    def fits(self, python: str, env: dict[str, str]) -> bool:
+        """Whether an attempt of ``python`` with ``env`` may take this standby: it is alive
+        and was started the same way (interpreter, directory, import-time variables)."""
+        return (self.process.poll() is None and python == self.python
+                and os.getcwd() == self.cwd and _import_time(env) == _import_time(self.env))
+
+    def hand_over(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        """Send the attempt (torchrun's options and the whole environment); returns the
+        process, now that attempt's launcher.
+
+        Raises:
+            OSError: the standby died in the meantime (a closed pipe).
+        """
+        self.process.stdin.write(json.dumps({"argv": argv, "env": env}) + "\n")
+        self.process.stdin.close()
+        return self.process
+
+    def discard(self) -> None:
+        """End it now (SIGKILL: it has only imported, nothing is lost) and reap it."""
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        self.process.wait()
+        with contextlib.suppress(OSError):
+            self.process.stdout.close()
+
+
+_standby: Standby | None = None
+_standby_lock = threading.Lock()
+
+
+def prestart(nproc_per_node: int, python: str = sys.executable) -> Standby:
+    """Start the standby launcher for this process's next local attempt (see
+    :class:`Standby`), replacing an unused one. Returns it."""
+    global _standby
+    with _standby_lock:
+        if _standby is not None:
+            _standby.discard()
+        _standby = Standby(python, LocalLauncher(nproc_per_node, python=python).environment())
+        return _standby
+
+
+def take_standby(python: str, env: dict[str, str]) -> Standby | None:
+    """The standby started by :func:`prestart`, if it fits an attempt of ``python`` with
+    ``env``; one that does not fit is discarded. Either way none is left behind."""
+    global _standby
+    with _standby_lock:
+        standby, _standby = _standby, None
+    if standby is not None and not standby.fits(python, env):
+        standby.discard()
+        return None
+    return standby
+
+
+def discard_standby() -> None:
+    """End an unused standby (nothing to train: a done job, a refused dataset)."""
+    global _standby
+    with _standby_lock:
+        standby, _standby = _standby, None
+    if standby is not None:
+        standby.discard()
+
+
 class LocalLauncher:
     """torchrun as a child process in its own session, rendezvous on 127.0.0.1.
 
@@ -64,6 +161,13 @@ class LocalLauncher:
         self.env = env or {}
         self.rdzv_host = rdzv_host
         self.process: subprocess.Popen | None = None
+
+    def environment(self) -> dict[str, str]:
+        """The launcher's environment: this process's, ``env``, ``PYTHONUNBUFFERED=1``."""
+        # OMP_NUM_THREADS=1 is what torchrun sets for several processes per node; set here, it
+        # skips torchrun's four-line banner about it at every attempt. A user's value wins.
+        omp = {"OMP_NUM_THREADS": "1"} if self.nproc_per_node > 1 else {}
+        return {**omp, **os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
 
     def command(self, spec_path: Path) -> list[str]:
         """The command line: torchrun (with the exit-code contract) running the runtime."""
@@ -87,14 +191,18 @@ class LocalLauncher:
         Raises:
             subprocess.TimeoutExpired: the attempt ran longer than ``timeout_s``.
         """
-        # OMP_NUM_THREADS=1 is what torchrun sets for several processes per node; set here, it
-        # skips torchrun's four-line banner about it at every attempt. A user's value wins.
-        omp = {"OMP_NUM_THREADS": "1"} if self.nproc_per_node > 1 else {}
-        env = {**omp, **os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(
-            self.command(spec_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=env, start_new_session=True, preexec_fn=die_with_parent,
-        )
+        env = self.environment()
+        command = self.command(spec_path)
+        standby = take_standby(self.python, env)
+        self.process = None
+        if standby is not None:
+            with contextlib.suppress(OSError):  # died since: start cold
+                self.process = standby.hand_over(command[3:], env)
+        if self.process is None:
+            self.process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=env, start_new_session=True, preexec_fn=die_with_parent,
+            )
         reader = threading.Thread(target=_pump, args=(self.process.stdout, on_line), daemon=True)
         reader.start()
         try:

@@ -34,6 +34,7 @@ and ``top`` show), so one rank can be found and signalled.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -81,6 +82,33 @@ def worker_start(environ: dict[str, str] | None = None, dev: Path = Path("/dev")
     if value != "auto":
         raise ValueError(f"{WORKER_START_ENV}={value!r}: use fork, exec or auto")
     return "exec" if gpu_device_present(dev) else "fork"
+
+
+STANDBY_FLAG = "--standby"
+
+
+def standby(stdin=None) -> int:
+    """``python -m stoker.runtime.launch --standby``: import what an attempt imports before its
+    ranks start (torch, torchrun, and for the ``fork`` start the runtime), then wait for the
+    attempt on stdin: one JSON line ``{"argv": [torchrun options ...], "env": {...}}``. The
+    environment replaces this process's (the ranks inherit it) and ``main(argv)`` runs.
+
+    End of input before that line (the orchestrator discarded the standby, or died) ends the
+    process with 0 and nothing run. See :class:`stoker.launch.local.Standby`."""
+    import json
+
+    import torch.distributed.run  # noqa: F401  (what _run_torchrun imports)
+
+    with contextlib.suppress(ValueError):  # main() reports a bad value once the attempt arrives
+        if worker_start() == "fork":
+            _warm_up()
+    line = (stdin or sys.stdin).readline()
+    if not line.strip():
+        return 0
+    request = json.loads(line)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    return main(list(request["argv"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +219,7 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    code = standby() if sys.argv[1:] == [STANDBY_FLAG] else main()
     # The workers are gone; torch's finalizers would hold the exit code back for seconds.
     sys.stdout.flush()
     sys.stderr.flush()

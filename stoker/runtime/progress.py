@@ -13,8 +13,10 @@ else to de-duplicate. Lines are appended whole; a torn last line (a crash mid-wr
 by readers with a warning and ended by the next writer.
 
 ``<job_dir>/heartbeat.json``: rewritten atomically at most once per second with
-``{"time", "step", "epoch", "pid", "world_size", "outcome"}``; its ``time`` going stale while the
-GPU holds memory is what the cost guard calls a stalled job.
+``{"time", "step", "epoch", "pid", "pid_started", "world_size", "outcome"}`` (``pid_started``:
+rank 0's process start time, Unix seconds, as ``psutil`` reads it: with the pid it names the
+process, whatever its command line); its ``time`` going stale while the GPU holds memory is what
+the cost guard calls a stalled job.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ProgressWriter:
                                    and isinstance(e.get("step"), int)), default=0)
         self._events = JsonlAppender(self.dir / "progress.jsonl")  # closed in close()
         self._last_beat = 0.0
+        self._started = _process_started()
 
     def event(self, event: str, step: int, **fields: Any) -> None:
         record = {"event": event, "time": round(time.time(), 3), "step": step,
@@ -59,13 +62,23 @@ class ProgressWriter:
             return
         self._last_beat = now
         beat = {"time": round(now, 3), "step": step, "epoch": epoch, "pid": os.getpid(),
-                "world_size": self.world_size, "outcome": outcome}
+                "pid_started": self._started, "world_size": self.world_size, "outcome": outcome}
         tmp = self.dir / "heartbeat.json.tmp"
         tmp.write_text(json.dumps(beat))
         tmp.replace(self.dir / "heartbeat.json")
 
     def close(self) -> None:
         self._events.close()
+
+
+def _process_started() -> float | None:
+    """This process's start time (Unix s, ``psutil.Process.create_time``), None if unreadable."""
+    import psutil
+
+    try:
+        return psutil.Process().create_time()
+    except psutil.Error:
+        return None
 
 
 def read_events(job_dir: str | Path) -> list[dict[str, Any]]:
