@@ -6,6 +6,7 @@ import contextlib
 import uuid
 from pathlib import Path
 
+import mlflow
 import numpy as np
 import pytest
 import torch
@@ -15,6 +16,8 @@ from stoker.runtime.models import build_model
 from stoker.tracking.registry import (
     CHALLENGER,
     CHAMPION,
+    CLASSES_TAG,
+    SHAPE_TAG,
     LineageError,
     beats,
     log_and_register,
@@ -86,6 +89,38 @@ def test_champion_moves_only_when_better(store):
     assert version.tags["dvc.rev"] == "v1" and version.tags["val_accuracy"] == "0.85"
     # The run that produced a version keeps its final status.
     assert client.get_run(version.run_id).info.status == "FINISHED"
+
+
+def test_a_new_version_is_created_with_its_tags(tmp_path, monkeypatch):
+    """One write with the version, not one per tag (about 20 round trips to a server): a new
+    version never exists untagged. Finishing an interrupted registration still tags it."""
+    from mlflow import MlflowClient as Client
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    calls = []
+    real = Client.set_model_version_tag
+    monkeypatch.setattr(Client, "set_model_version_tag",
+                        lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    done, client = register(uri, 0.9, artifacts=(tmp_path / "artifacts").as_uri(), tmp=tmp_path)
+    assert calls == []
+    tags = client.get_model_version(MODEL, done.version).tags
+    assert tags["dvc.rev"] == "v1" and tags["val_accuracy"] == "0.9"
+    assert {CLASSES_TAG, SHAPE_TAG} <= set(tags)
+    # A registration killed after the version was made (and before its aliases): the next one
+    # for the same run finishes that version instead of making another.
+    from stoker.tracking.registry import _log_pyfunc
+
+    run = client.create_run(client.get_experiment_by_name("gate").experiment_id)
+    client.log_metric(run.info.run_id, "val_accuracy", 0.95)
+    result = trained_result(tmp_path / run.info.run_id)
+    example = np.zeros((2, 1, 8, 8), dtype=np.float32)
+    mlflow.set_tracking_uri(uri)
+    half = _log_pyfunc(run.info.run_id, MODEL, result, example)  # no tags: interrupted there
+    finished = log_and_register(uri, run.info.run_id, MODEL, result, example, {"dvc.rev": "v2"},
+                                "val_accuracy", 0.95)
+    assert finished.version == half and finished.promoted
+    tags = client.get_model_version(MODEL, half).tags
+    assert tags["dvc.rev"] == "v2" and tags["val_accuracy"] == "0.95" and CLASSES_TAG in tags
 
 
 def test_another_lineage_is_never_compared_with_the_champion(tmp_path):

@@ -60,9 +60,10 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     from stoker.launch.stop_request import TrainingStopped
 
     work = tmp_path / "work"
-    # 20 epochs: both stops land mid-training also on a loaded machine (the thread waits for
-    # rank 0's background MLflow run; the job is stopped, so the extra epochs never train).
-    config = load_pipeline_config(None, [f"work_dir={work}", "train.epochs=20",
+    # 200 epochs: both stops land mid-training also on a loaded machine (the thread waits for
+    # rank 0's background MLflow run, which took 12 s to open under a parallel CI run while 20
+    # epochs trained; the job is stopped, so the extra epochs never train).
+    config = load_pipeline_config(None, [f"work_dir={work}", "train.epochs=200",
                                          "tracking.system_metrics_interval_s=null"])
     fired: list[str] = []
 

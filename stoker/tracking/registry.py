@@ -201,8 +201,10 @@ def promotion_lock(tracking_uri: str, name: str):
     return FileLock(str(where / f".promote-{key}.lock"), timeout=600)
 
 
-def _log_pyfunc(run_id: str, name: str, result: dict, example) -> str:
-    """Log the pyfunc to ``run_id`` and register it; returns the new version."""
+def _log_pyfunc(run_id: str, name: str, result: dict, example,
+                tags: dict[str, str] | None = None) -> str:
+    """Log the pyfunc to ``run_id`` and register it as a new version of ``name`` carrying
+    ``tags`` (one write with the version, not one per tag); returns the new version."""
     import mlflow
     from mlflow.models import infer_signature
 
@@ -225,10 +227,10 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example) -> str:
                 artifacts={"weights": result["model_path"], "meta": str(meta_path)},
                 signature=infer_signature(example, output, params={"logits": False}),
                 input_example=example, pip_requirements=pip_requirements(),
-                code_paths=[str(Path(stoker.__file__).parent)],
-                registered_model_name=name, metadata={"stoker": meta},
+                code_paths=[str(Path(stoker.__file__).parent)], metadata={"stoker": meta},
             )
-    return str(info.registered_model_version)
+            version = mlflow.register_model(info.model_uri, name, tags=tags or {})
+    return str(version.version)
 
 
 def _versions(client, name: str) -> list:
@@ -283,16 +285,17 @@ def log_and_register(tracking_uri: str, run_id: str, registered_model: str, resu
     client = MlflowClient(tracking_uri)
     lineage = Lineage(tuple(result["classes"]), tuple(int(v) for v in result["input_shape"]))
     check_lineage(tracking_uri, registered_model, lineage)
+    version_tags = {**tags, **lineage.tags(), metric: str(value)}
     existing = [v for v in _versions(client, registered_model) if v.run_id == run_id]
     if existing:  # an earlier, interrupted registration of this run: finish that version
         version = str(max(int(v.version) for v in existing))
+        for key, tag in version_tags.items():
+            client.set_model_version_tag(registered_model, version, key, tag)
     else:
-        version = _log_pyfunc(run_id, registered_model, result, input_example)
+        version = _log_pyfunc(run_id, registered_model, result, input_example, version_tags)
     # Only completed training is registered: reopening the run must leave it FINISHED, also
     # when an earlier interrupted registration left it FAILED.
     client.set_terminated(run_id, status="FINISHED")
-    for key, tag in {**tags, **lineage.tags(), metric: str(value)}.items():
-        client.set_model_version_tag(registered_model, version, key, tag)
     client.set_registered_model_alias(registered_model, CHALLENGER, version)
 
     with promotion_lock(tracking_uri, registered_model):
