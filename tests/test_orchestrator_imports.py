@@ -10,6 +10,7 @@ Registration still needs torch: it is imported in the background while training 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,10 +74,21 @@ def test_with_a_device_file_the_world_size_is_torchs_gpu_count(tmp_path):
     assert nproc(PipelineConfig(train={"nproc_per_node": 3, "global_batch_size": 48}), dev) == 3
 
 
-def test_registration_imports_load_in_the_background():
-    probe = ("import sys; from stoker.tracking.registry import REGISTRATION_IMPORTS, "
-             "warm_up_registration; t = warm_up_registration(); t.join(120); "
-             "print(all(m in sys.modules for m in REGISTRATION_IMPORTS), t.name)")
+def test_registration_imports_load_in_the_background_at_the_lowest_priority():
+    """The imports run while the ranks train: at nice 19 (that thread only) they take what CPU
+    the ranks leave, not the ranks' own; the rest of the process keeps its priority."""
+    probe = ("import importlib, os, sys, threading\n"
+             "from stoker.tracking import registry\n"
+             "seen = []\n"
+             "real = importlib.import_module\n"
+             "def spy(name, *a, **k):\n"
+             "    seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))\n"
+             "    return real(name, *a, **k)\n"
+             "importlib.import_module = spy\n"
+             "t = registry.warm_up_registration(); t.join(120)\n"
+             "print(all(m in sys.modules for m in registry.REGISTRATION_IMPORTS), t.name,\n"
+             "      sorted(set(seen)), os.getpriority(os.PRIO_PROCESS, 0))\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).parent).stdout.split()
-    assert out == ["True", "stoker-warm-up-registration"]
+    assert out == ["True", "stoker-warm-up-registration", "[19]", str(os.getpriority(
+        os.PRIO_PROCESS, 0))]

@@ -196,8 +196,10 @@ class LocalLauncher:
         standby = take_standby(self.python, env)
         self.process = None
         if standby is not None:
-            with contextlib.suppress(OSError):  # died since: start cold
+            try:
                 self.process = standby.hand_over(command[3:], env)
+            except OSError:  # it died since it was checked: start cold
+                standby.discard()
         if self.process is None:
             self.process = subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

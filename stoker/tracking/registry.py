@@ -319,13 +319,18 @@ REGISTRATION_IMPORTS = ("torch", "stoker.runtime.data", "stoker.tracking.pyfunc"
 def warm_up_registration() -> threading.Thread:
     """Import ``REGISTRATION_IMPORTS`` in a daemon thread and return it.
 
-    The pipeline starts it as training starts: the launcher's own start-up (its torch import)
-    runs on one core and leaves the other idle, so these imports cost the pipeline nothing
-    there instead of seconds after the last step. A failed import is left for registration
-    to raise where it happens."""
+    The pipeline starts it as training starts, so that these imports are not paid after the
+    last step. The thread runs at the lowest CPU priority (nice 19, this thread only: Linux
+    gives each thread its own): it takes what CPU the ranks leave (waits in all-reduce, data
+    loading) instead of slowing their steps, and once training ends, whatever is left runs at
+    once (nothing competes then). A failed import is left for registration to raise where it
+    happens."""
     def run() -> None:
         import importlib
+        import os
 
+        with contextlib.suppress(OSError, AttributeError):  # not Linux: normal priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         import matplotlib
 
         matplotlib.use("Agg")  # as plot_curves does: no display, no GUI toolkit import
