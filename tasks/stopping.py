@@ -221,7 +221,6 @@ def crash_orphaned_flow_run(flow_run_id: str | None, job: str, current: str | No
     from uuid import UUID
 
     from prefect.exceptions import ObjectNotFound
-    from prefect.states import Crashed
 
     with get_client(sync_client=True) as client:
         try:
@@ -230,9 +229,8 @@ def crash_orphaned_flow_run(flow_run_id: str | None, job: str, current: str | No
             return
         if run.state is None or run.state.type not in (StateType.RUNNING, StateType.PENDING):
             return
-        client.set_flow_run_state(run.id, Crashed(
-            message=f"its process died; job {job} was taken over by flow run {current}"),
-            force=True)
+        _crash_run(client, run.id, f"its process died; job {job} was taken over by flow run "
+                   f"{current}")
 
 
 
@@ -241,7 +239,6 @@ def crash_runs_of_gone_processes() -> list[str]:
     is gone (its ``stoker:process=`` tag names a dead pid on this host): a SIGKILLed
     ``stoker run`` leaves its run so on the long-lived local server. Returns their ids."""
     from prefect.client.schemas.filters import FlowRunFilterState, FlowRunFilterStateType
-    from prefect.states import Crashed
 
     from stoker.local_server import process_gone
 
@@ -254,7 +251,21 @@ def crash_runs_of_gone_processes() -> list[str]:
             pid = process_gone(list(run.tags or []))
             if pid is None:
                 continue
-            client.set_flow_run_state(run.id, Crashed(
-                message=f"its process (pid {pid}) died; marked by the next command"), force=True)
+            _crash_run(client, run.id, f"its process (pid {pid}) died; marked by the next "
+                       "command")
             crashed.append(str(run.id))
     return crashed
+
+
+def _crash_run(client, flow_run_id, message: str) -> None:
+    """Set a flow run whose process is gone Crashed with ``message``, and its task runs left
+    Running or Pending (``train``, ``attempt-N``: the UI would show them training forever)."""
+    from prefect.states import Crashed
+
+    client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+    left = client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+        task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(
+            any_=[StateType.RUNNING, StateType.PENDING]))))
+    for task_run in left:
+        client.set_task_run_state(task_run.id, Crashed(message=message), force=True)

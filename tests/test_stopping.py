@@ -215,6 +215,11 @@ def test_sigkill_of_stoker_run_leaves_the_server_and_the_next_command_crashes_it
     assert sorted(kind for kind, _ in states.values()) == ["COMPLETED", "CRASHED"], states
     [message] = [m for kind, m in states.values() if kind == "CRASHED"]
     assert f"pid {process.pid}" in message
+    # Its task runs too: the Prefect UI showed `train` and `attempt-1` Running forever (QA).
+    tasks = prefect_states(work, "task_run")
+    assert {name.rsplit("-", 1)[0] for name, (kind, _) in tasks.items()
+            if kind == "CRASHED"} >= {"train", "attempt"}, tasks
+    assert [name for name, (kind, _) in tasks.items() if kind in ("RUNNING", "PENDING")] == []
 
 
 def test_a_killed_local_server_is_started_again_and_the_run_finishes(tmp_path):
