@@ -6,6 +6,7 @@ from prefect import flow
 
 from stoker.images.spec import ImageRequest
 from tasks.images import build_image
+from tasks.stopping import untagged_task_runs
 
 DEFAULT_REQUEST = ImageRequest()
 
@@ -13,5 +14,6 @@ DEFAULT_REQUEST = ImageRequest()
 @flow(name="build-image", log_prints=True)
 def build_image_flow(request: ImageRequest = DEFAULT_REQUEST) -> dict:
     """Content-addressed build: returns image, digest and whether anything was built."""
-    image = build_image(request)
+    with untagged_task_runs():
+        image = build_image(request)
     return image.to_dict()

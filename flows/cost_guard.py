@@ -12,6 +12,7 @@ from prefect import flow
 from stoker.costguard.config import CostGuardConfig
 from stoker.forms import CostGuardForm
 from tasks.cost_guard import report, sweep
+from tasks.stopping import untagged_task_runs
 
 DEFAULT_CONFIG = CostGuardConfig()
 
@@ -30,8 +31,9 @@ def cost_guard_form(config: CostGuardForm = CostGuardForm()) -> dict:  # noqa: B
 
 def run_sweep(config: CostGuardConfig) -> dict:
     """Sweep, report, and summarize inside a flow run."""
-    result = sweep(config)
-    report(result)
+    with untagged_task_runs():  # the sweep samples for a minute: see untagged_task_runs
+        result = sweep(config)
+        report(result)
     return {
         "dry_run": result.dry_run,
         "idle_gpu_hours": result.idle_gpu_hours,
