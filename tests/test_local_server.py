@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import pytest
 from local_servers import stop_local_servers
 from mlflow import MlflowClient
 
-from stoker.local_server import LocalServer, server_pids
+from stoker.local_server import PORT_FILE, LocalServer, server_pids
 
 pytestmark = pytest.mark.integration
 
@@ -42,11 +43,25 @@ def work(tmp_path):
     assert server_pids(work / ".prefect") == []
 
 
+def own_port(work: Path) -> int:
+    """Give the work folder's server a free port of its own instead of the default 4200 (the
+    port a home's server had before is kept: ``PORT_FILE``): the tests on the other xdist
+    worker start servers on 4200, and one that takes it between a stop and a restart here
+    would move this server (correctly) to another port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (work / ".prefect").mkdir(parents=True, exist_ok=True)
+    (work / ".prefect" / PORT_FILE).write_text(str(port))
+    return port
+
+
 def record(work: Path) -> dict:
     return json.loads((work / ".prefect" / "server.json").read_text())
 
 
 def test_server_start_status_stop(work):
+    own_port(work)
     first = stoker("server", "start", "-w", str(work))
     assert first.returncode == 0 and first.stdout.startswith("started: http://127.0.0.1:"), \
         first.stdout + first.stderr
@@ -70,6 +85,7 @@ def test_server_start_status_stop(work):
 
 
 def test_a_killed_server_is_replaced(work):
+    own_port(work)
     assert stoker("server", "start", "-w", str(work)).returncode == 0
     dead, port = record(work)["pid"], record(work)["port"]
     psutil.Process(dead).kill()  # kill -9: its record and Prefect's pid file stay behind
