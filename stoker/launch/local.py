@@ -120,12 +120,17 @@ def prestart(nproc_per_node: int, python: str = sys.executable) -> Standby:
         return _standby
 
 
-def take_standby(python: str, env: dict[str, str]) -> Standby | None:
-    """The standby started by :func:`prestart`, if it fits an attempt of ``python`` with
-    ``env``; one that does not fit is discarded. Either way none is left behind."""
+def _pop_standby() -> Standby | None:
     global _standby
     with _standby_lock:
         standby, _standby = _standby, None
+    return standby
+
+
+def take_standby(python: str, env: dict[str, str]) -> Standby | None:
+    """The standby started by :func:`prestart`, if it fits an attempt of ``python`` with
+    ``env``; one that does not fit is discarded. Either way none is left behind."""
+    standby = _pop_standby()
     if standby is not None and not standby.fits(python, env):
         standby.discard()
         return None
@@ -134,9 +139,7 @@ def take_standby(python: str, env: dict[str, str]) -> Standby | None:
 
 def discard_standby() -> None:
     """End an unused standby (nothing to train: a done job, a refused dataset)."""
-    global _standby
-    with _standby_lock:
-        standby, _standby = _standby, None
+    standby = _pop_standby()
     if standby is not None:
         standby.discard()
 
@@ -171,8 +174,11 @@ class LocalLauncher:
 
     def command(self, spec_path: Path) -> list[str]:
         """The command line: torchrun (with the exit-code contract) running the runtime."""
+        return [self.python, "-m", "stoker.runtime.launch", *self.torchrun_args(spec_path)]
+
+    def torchrun_args(self, spec_path: Path) -> list[str]:
+        """torchrun's options and the runtime's module and spec (what a standby is handed)."""
         return [
-            self.python, "-m", "stoker.runtime.launch",
             "--nnodes=1", f"--nproc-per-node={self.nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_host}:0",
             f"--rdzv-id={uuid.uuid4().hex[:12]}", f"--local-addr={self.rdzv_host}",
@@ -192,18 +198,17 @@ class LocalLauncher:
             subprocess.TimeoutExpired: the attempt ran longer than ``timeout_s``.
         """
         env = self.environment()
-        command = self.command(spec_path)
         standby = take_standby(self.python, env)
         self.process = None
         if standby is not None:
             try:
-                self.process = standby.hand_over(command[3:], env)
+                self.process = standby.hand_over(self.torchrun_args(spec_path), env)
             except OSError:  # it died since it was checked: start cold
                 standby.discard()
         if self.process is None:
             self.process = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                env=env, start_new_session=True, preexec_fn=die_with_parent,
+                self.command(spec_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True, env=env, start_new_session=True, preexec_fn=die_with_parent,
             )
         reader = threading.Thread(target=_pump, args=(self.process.stdout, on_line), daemon=True)
         reader.start()
