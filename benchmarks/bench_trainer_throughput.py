@@ -8,9 +8,9 @@ and AdamW with the same one-cycle schedule.
   no checkpoint, no logging); it times its own steps.
 * Candidate: ``torchrun -m stoker.runtime SPEC`` with Stoker's defaults: tracking off (no
   tracking URI), a committed checkpoint every 50 steps (synchronous, as by default: part of
-  Stoker's cost), deterministic kernels, one small all-reduce per step (loss, stop flag),
-  progress events every step. Timed from its progress events; the per-epoch evaluation, which
-  the baseline does not do, is taken out and reported separately.
+  Stoker's cost), deterministic kernels, one small all-reduce per step (loss, stop flag; read
+  a step later), progress events every step. Timed from its progress events; the per-epoch
+  evaluation, which the baseline does not do, is taken out and reported separately.
 
 Both are timed from the end of the first epoch to the end of training (start-up excluded).
 Ratio = Stoker samples/s / baseline samples/s; target >= 0.98.

@@ -117,7 +117,8 @@ class ProfilingMixin:
     def profile(self, wall_s: float, steps_run: int) -> dict[str, float]:
         """Where this attempt's time went (seconds, rank 0's view), peak memory and throughput.
 
-        ``sync_s`` is the per-step collective (it absorbs waiting for slower ranks); gradient
+        ``sync_s`` is the wait for the per-step collective, read one step after it started (it
+        absorbs waiting for slower ranks); gradient
         all-reduce overlaps backward in DDP and is counted inside ``forward_backward_s``.
         """
         out: dict[str, float] = {f"{k}_s": round(v, 4) for k, v in self.timings.items()}

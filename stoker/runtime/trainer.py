@@ -13,11 +13,13 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
@@ -46,6 +48,18 @@ RUN_OPEN_TIMEOUT_S = 300.0  # the result names the run: wait this long for MLflo
 # A stopping attempt waits this long for MLflow, no longer: what it has not confirmed is in the
 # stop checkpoint (tracking_backlog) and is sent by the attempt that resumes from it.
 STOP_TRACKING_WAIT_S = 2.0
+
+
+@dataclass
+class _Agreement:
+    """One step's collective in flight: ``flags`` = [summed loss, stop votes, time-due]."""
+
+    step: int
+    epoch: int
+    lr: float
+    flags: torch.Tensor
+    work: Any  # torch.distributed Work, None on one process
+    step_s: float = 0.0
 
 
 class Trainer(ProfilingMixin):
@@ -259,6 +273,7 @@ class Trainer(ProfilingMixin):
         started, self._cpu_started = time.perf_counter(), time.process_time()
         start_step = self.step
         profiler = self._profiler()
+        pending: _Agreement | None = None
         while self.step < self.total_steps:
             epoch, first = divmod(self.step, self.steps_per_epoch)
             epoch_started = time.perf_counter()
@@ -273,19 +288,36 @@ class Trainer(ProfilingMixin):
                 if self.cfg.fail_at_step == self.step:
                     raise RuntimeError(f"simulated failure at step {self.step} "
                                        "(train.fail_at_step)")
-                stop, due, mean_loss = self._agree(loss)
+                # The step's agreement (mean loss, stop, time-due) runs in the background; it
+                # is read after the next step, or now where this step may checkpoint or end.
+                pending, agreed = self._agree(loss, epoch, lr), pending
                 step_s = time.perf_counter() - t0
                 self.train_time_s += step_s
+                pending.step_s = step_s
                 if profiler is not None:
                     profiler = self._profiler_step(profiler)
                 if self._step_flops is None and self.env.is_main:
                     # Once per attempt, on rank 0 alone (the only rank that reports it).
                     self._step_flops = 0.0
                     self._measure_flops(micro)
-                self._log_step(epoch, mean_loss, lr, step_s)
-                if self.step % self.steps_per_epoch == 0:
+                stop = due = False
+                if agreed is not None:
+                    stop, due = self._settle(agreed)
+                end_of_epoch = self.step % self.steps_per_epoch == 0
+                every = self.cfg.checkpoint_every_steps
+                saving = (stop or due or self.step == self.total_steps
+                          or (every is not None and self.step % every == 0))
+                if (saving or end_of_epoch or self.step == start_step + 1
+                        or pending.work is None):
+                    # Before a checkpoint (never of a diverged step), an evaluation, and after
+                    # the attempt's first step (a stop sent during start-up): this step's
+                    # agreement, which may add a stop or a time-based save.
+                    now_stop, now_due = self._settle(pending)
+                    pending = None
+                    stop, saving = stop or now_stop, saving or now_stop or now_due
+                if end_of_epoch:
                     self.evaluate(epoch, time.perf_counter() - epoch_started)
-                if stop or due or self.step == self.total_steps:
+                if saving:
                     self.save()
                 if stop:
                     self._finish_attempt()
@@ -338,24 +370,37 @@ class Trainer(ProfilingMixin):
         dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
         return torch.autocast(self.env.device.type, dtype=dtype)
 
-    def _agree(self, loss: torch.Tensor) -> tuple[bool, bool, float]:
-        """One collective per step: mean loss, whether any rank wants to stop, whether rank 0's
-        time-based checkpoint is due, plus whether the step-based one is."""
-        t0 = time.perf_counter()
+    def _agree(self, loss: torch.Tensor, epoch: int, lr: float) -> _Agreement:
+        """Start this step's one collective, in the background: the summed loss, whether any
+        rank wants to stop, whether rank 0's time-based checkpoint is due. Read it with
+        :meth:`_settle` (every rank settles every agreement, in order)."""
         time_due = (self.env.is_main and self.cfg.checkpoint_every_s is not None
                     and time.monotonic() - self._last_save >= self.cfg.checkpoint_every_s)
         flags = torch.tensor([float(loss), float(self.stop.requested), float(time_due)],
                              dtype=torch.float64, device=self.env.device)
-        all_reduce_sum(flags, self.env)
+        work = None
+        if self.env.distributed:  # (one process has nothing to wait for: settled at once)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
+        return _Agreement(self.step, epoch, lr, flags, work)
+
+    def _settle(self, agreed: _Agreement) -> tuple[bool, bool]:
+        """Wait for ``agreed``, check its loss, report its step; returns (stop, time-due).
+
+        Raises:
+            FloatingPointError: the mean loss over the ranks is not finite (diverged).
+        """
+        t0 = time.perf_counter()
+        if agreed.work is not None:
+            agreed.work.wait()
         self.timings["sync"] += time.perf_counter() - t0
-        every = self.cfg.checkpoint_every_steps
-        due = bool(flags[2] > 0) or (every is not None and self.step % every == 0)
-        mean_loss = float(flags[0]) / self.env.world_size
+        flags = agreed.flags.tolist()
+        mean_loss = flags[0] / self.env.world_size
         if not math.isfinite(mean_loss):
             raise FloatingPointError(
-                f"train loss is {mean_loss} at step {self.step}: training diverged (check "
+                f"train loss is {mean_loss} at step {agreed.step}: training diverged (check "
                 f"train.lr={self.cfg.lr}, train.precision={self.cfg.precision})")
-        return bool(flags[1] > 0), due, mean_loss
+        self._log_step(agreed.step, agreed.epoch, mean_loss, agreed.lr, agreed.step_s)
+        return flags[1] > 0, flags[2] > 0
 
     def evaluate(self, epoch: int, epoch_time_s: float) -> dict[str, float]:
         """Validation over all ranks (each takes every world_size-th sample); logs and returns
@@ -437,30 +482,31 @@ class Trainer(ProfilingMixin):
         barrier(self.env)
 
     # -- reporting ----------------------------------------------------------------------------
-    def _log_step(self, epoch: int, loss: float, lr: float, step_s: float) -> None:
+    def _log_step(self, step: int, epoch: int, loss: float, lr: float, step_s: float) -> None:
         self._window_steps += 1
         self._window_s += step_s
-        if self.step % self.cfg.log_every_steps and self.step != self.total_steps:
+        if step % self.cfg.log_every_steps and step != self.total_steps:
             return
         samples_per_s = self.cfg.global_batch_size / max(step_s, 1e-9)
-        self._event("step", epoch=epoch, loss=loss, lr=lr, samples_per_s=samples_per_s)
+        self._event("step", epoch=epoch, loss=loss, lr=lr, samples_per_s=samples_per_s,
+                    at_step=step)
         metrics = {"train_loss": loss}
         # Each MLflow value costs ~0.1 ms of rank-0 CPU (the store's insert): the loss goes in at
         # every step, lr and throughput (averaged over the steps since) every few steps.
-        if self._window_steps >= SUMMARY_EVERY_STEPS or self.step == self.total_steps:
+        if self._window_steps >= SUMMARY_EVERY_STEPS or step == self.total_steps:
             metrics["lr"] = lr
             metrics["samples_per_s"] = (self._window_steps * self.cfg.global_batch_size
                                         / max(self._window_s, 1e-9))
             self._window_steps, self._window_s = 0, 0.0
-        self._log(metrics)
+        self._log(metrics, step)
 
-    def _event(self, event: str, **fields: Any) -> None:
+    def _event(self, event: str, at_step: int | None = None, **fields: Any) -> None:
         if self.progress is not None:
-            self.progress.event(event, self.step, **fields)
+            self.progress.event(event, self.step if at_step is None else at_step, **fields)
 
-    def _log(self, metrics: dict[str, float]) -> None:
+    def _log(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self.tracker is not None:
-            self.tracker.log_metrics(self.step, metrics)
+            self.tracker.log_metrics(self.step if step is None else step, metrics)
 
     def _write_result(self, wall_s: float, steps_run: int) -> None:
         if not self.env.is_main:
