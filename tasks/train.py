@@ -24,6 +24,7 @@ from stoker.launch.attempts import AttemptLog, lost_steps, total_steps_lost
 from stoker.launch.factory import make_launcher
 from stoker.launch.job import JobClaim, check_resumable, completed_training, job_store
 from stoker.launch.lease import JobBusy, held_lease
+from stoker.launch.local import discard_standby
 from stoker.launch.retry import Attempt, Outcome, run_with_retries
 from stoker.launch.status import JOB_LOG
 from stoker.launch.stop_request import (
@@ -206,6 +207,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             finish_run(client, read_text(run_file), "KILLED")
         raise
     finally:
+        discard_standby()  # a launcher parked for a retry that did not come
         watcher.stop()
         if sync is not None:
             sync.stop()

@@ -5,17 +5,22 @@ parent killed with SIGKILL."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
 import pytest
 import torch
+from conftest import events, rank_processes
 
 from stoker.launch import local
 from stoker.launch.local import LocalLauncher, discard_standby, prestart, take_standby
+from stoker.runtime.launch import PARKED_MARKER
 
 
 @pytest.fixture(autouse=True)
@@ -105,3 +110,103 @@ def test_end_of_input_before_an_attempt_runs_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert standby(io.StringIO("")) == 0
     assert list(tmp_path.iterdir()) == []
+
+
+def _sigterm_rank1_at(spec, launcher: LocalLauncher, at_step: int) -> threading.Thread:
+    """SIGTERM rank 1 once rank 0 reports ``at_step`` (a preemption of one rank)."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if any(e["event"] == "step" and e["step"] >= at_step for e in events(spec.parent)):
+                proc = launcher.process
+                with contextlib.suppress(psutil.Error):
+                    ranks = rank_processes(psutil.Process(proc.pid))
+                    if 1 in ranks:
+                        ranks[1].send_signal(signal.SIGTERM)
+                        return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.integration
+def test_a_preempted_attempt_parks_its_launcher_and_the_retry_resumes_in_it(make_spec):
+    """Exit 75 leaves the launcher alive (no rank, no other process of its session) as the
+    standby; the retry runs in that same process, resumes, and trains the weights of a run
+    never interrupted. A completed attempt's launcher ends."""
+    straight = make_spec("straight", tracking=False, epochs=1)
+    assert LocalLauncher(2).run(straight, on_line=lambda _line: None, timeout_s=600) == 0
+    assert local._standby is None  # exit 0: nothing parked
+    spec = make_spec("parked", tracking=False, epochs=1)
+    launcher = LocalLauncher(2)
+    lines: list[str] = []
+    _sigterm_rank1_at(spec, launcher, 5)
+    assert launcher.run(spec, on_line=lines.append, timeout_s=600) == 75, "\n".join(lines[-30:])
+    first = launcher.process
+    parked = local._standby
+    assert parked is not None and parked.process is first and first.poll() is None
+    assert not any(line.startswith(PARKED_MARKER) for line in lines)
+    session = [p for p in psutil.process_iter() if p.pid != first.pid
+               and _sid(p.pid) == first.pid]
+    assert session == [], "the preempted attempt left processes behind"
+
+    lines.clear()
+    assert launcher.run(spec, on_line=lines.append, timeout_s=600) == 0, "\n".join(lines[-30:])
+    assert launcher.process is first  # the retry took the parked launcher
+    assert any("resumed from" in line for line in lines), lines[-20:]
+    assert _gone(first.pid, 10) and local._standby is None
+    before = torch.load(straight.parent / "final" / "model.pt")
+    after = torch.load(spec.parent / "final" / "model.pt")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+@pytest.mark.integration
+def test_a_parked_launcher_that_dies_or_is_discarded_leaves_nothing(make_spec):
+    """Signalled while parked it ends (the retry starts cold and still completes); discarded
+    (no retry came: the train task's end), it is reaped."""
+    spec = make_spec("dies", tracking=False, epochs=1)
+    launcher = LocalLauncher(2)
+    _sigterm_rank1_at(spec, launcher, 3)
+    assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 75
+    first = launcher.process
+    first.send_signal(signal.SIGTERM)
+    assert _gone(first.pid, 10)
+    assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 0
+    assert launcher.process is not first
+
+    spec = make_spec("discarded", tracking=False, epochs=1)
+    _sigterm_rank1_at(spec, launcher, 3)
+    assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 75
+    pid = launcher.process.pid
+    discard_standby()
+    assert _gone(pid, 5) and local._standby is None
+
+
+@pytest.mark.integration
+def test_a_launcher_stopped_from_outside_is_not_parked(make_spec):
+    """SIGTERM to the launcher (a cancel, ``kill``): the ranks commit, exit 75, and the
+    launcher ends: stop means stop, nothing waits for a retry."""
+    spec = make_spec("stopped", tracking=False, epochs=3)
+    launcher = LocalLauncher(2)
+
+    def stop_launcher() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if any(e["event"] == "step" and e["step"] >= 3 for e in events(spec.parent)):
+                launcher.process.send_signal(signal.SIGTERM)
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=stop_launcher, daemon=True).start()
+    assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 75
+    assert launcher.process.poll() is not None and local._standby is None

@@ -12,12 +12,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
+from stoker.runtime.launch import PARKED_MARKER
 from stoker.runtime.preemption import die_with_parent
 
 
@@ -68,6 +70,12 @@ class Standby:
     but import: no rendezvous, no file written. It lives in its own session, like an
     attempt's launcher, and ends when its input closes: when it is discarded, when the
     orchestrator exits or dies (its pipe closes; ``PR_SET_PDEATHSIG`` as well).
+
+    Every local attempt's launcher is one (a cold start hands its attempt over at once). One
+    whose attempt exits 75 or 137 parks: its ranks are gone and it waits, warm, as the standby
+    for the retry, which then skips the launcher's imports (about 3 s on 2 cores); one that
+    was itself signalled (a cancel, Ctrl-C, ``kill``) ends as before. The
+    ``train`` task discards a parked one that no retry takes.
     """
 
     def __init__(self, python: str, env: dict[str, str]):
@@ -83,15 +91,21 @@ class Standby:
         return (self.process.poll() is None and python == self.python
                 and os.getcwd() == self.cwd and _import_time(env) == _import_time(self.env))
 
-    def hand_over(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    def hand_over(self, argv: list[str], env: dict[str, str], park: str | None = None
+                  ) -> subprocess.Popen:
         """Send the attempt (torchrun's options and the whole environment); returns the
-        process, now that attempt's launcher.
+        process, now that attempt's launcher. With ``park`` (a token), a launcher whose attempt
+        exits 75 or 137 stays for the next attempt (see ``stoker.runtime.launch.standby``)
+        and its input stays open; without it, its input is closed.
 
         Raises:
             OSError: the standby died in the meantime (a closed pipe).
         """
-        self.process.stdin.write(json.dumps({"argv": argv, "env": env}) + "\n")
-        self.process.stdin.close()
+        request = {"argv": argv, "env": env, **({"park": park} if park else {})}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        if not park:
+            self.process.stdin.close()
         return self.process
 
     def discard(self) -> None:
@@ -127,6 +141,15 @@ def _pop_standby() -> Standby | None:
     return standby
 
 
+def _park(standby: Standby) -> None:
+    """Keep ``standby`` (a launcher whose attempt just ended, parked) for the next attempt."""
+    global _standby
+    with _standby_lock:
+        previous, _standby = _standby, standby
+    if previous is not None:
+        previous.discard()
+
+
 def take_standby(python: str, env: dict[str, str]) -> Standby | None:
     """The standby started by :func:`prestart`, if it fits an attempt of ``python`` with
     ``env``; one that does not fit is discarded. Either way none is left behind."""
@@ -138,7 +161,8 @@ def take_standby(python: str, env: dict[str, str]) -> Standby | None:
 
 
 def discard_standby() -> None:
-    """End an unused standby (nothing to train: a done job, a refused dataset)."""
+    """End an unused standby (nothing to train: a done job, a refused dataset, the end of a
+    job's attempts, parked or not)."""
     standby = _pop_standby()
     if standby is not None:
         standby.discard()
@@ -198,24 +222,28 @@ class LocalLauncher:
             subprocess.TimeoutExpired: the attempt ran longer than ``timeout_s``.
         """
         env = self.environment()
+        argv, token = self.torchrun_args(spec_path), uuid.uuid4().hex
         standby = take_standby(self.python, env)
         self.process = None
         if standby is not None:
             try:
-                self.process = standby.hand_over(self.torchrun_args(spec_path), env)
+                self.process = standby.hand_over(argv, env, park=token)
             except OSError:  # it died since it was checked: start cold
                 standby.discard()
-        if self.process is None:
-            self.process = subprocess.Popen(
-                self.command(spec_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True, env=env, start_new_session=True, preexec_fn=die_with_parent,
-            )
-        reader = threading.Thread(target=_pump, args=(self.process.stdout, on_line), daemon=True)
+        if self.process is None:  # cold: a standby that imports and then runs it at once
+            standby = Standby(self.python, env)
+            self.process = standby.hand_over(argv, env, park=token)
+        parked: list[int] = []
+        reader = threading.Thread(target=_pump, daemon=True, args=(
+            self.process.stdout, on_line, f"{PARKED_MARKER}{token} exit ", parked))
         reader.start()
         try:
-            code = self.process.wait(timeout=timeout_s)
+            code = self._wait(reader, parked, timeout_s)
         finally:
-            if self.process.poll() is None:
+            if parked and self.process.poll() is None:  # warm, for the next attempt
+                _end_session_but(self.process.pid)
+                _park(standby)
+            elif self.process.poll() is None:
                 terminate_tree(self.process.pid, self.shutdown_grace_s + 5)
                 self.process.wait()
             else:  # torchrun is gone; make sure nothing it started is left either
@@ -224,7 +252,38 @@ class LocalLauncher:
             reader.join(timeout=5)
         return code
 
+    def _wait(self, reader: threading.Thread, parked: list[int],
+              timeout_s: float | None) -> int:
+        """The attempt's exit code: the launcher's, or the one it parked with."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            reader.join(timeout=0.05)
+            if parked:
+                return parked[0]
+            code = self.process.poll()
+            if code is not None:
+                return code
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.process.args, timeout_s)
 
-def _pump(stream, on_line: Callable[[str], None]) -> None:
+
+def _end_session_but(pid: int) -> None:
+    """SIGKILL every process of the session ``pid`` leads except ``pid`` (what an attempt's
+    ranks left behind: a DataLoader worker re-parented away)."""
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.pid != pid and os.getsid(proc.pid) == pid:
+                proc.kill()
+
+
+def _pump(stream, on_line: Callable[[str], None], marker: str = "",
+          parked: list[int] | None = None) -> None:
+    """Pass ``stream``'s lines to ``on_line`` until its end, or until the line ``marker`` +
+    exit code (a parked launcher: the code goes to ``parked``; the stream stays open)."""
     for line in stream:
-        on_line(line.rstrip("\n"))
+        line = line.rstrip("\n")
+        if marker and line.startswith(marker) and parked is not None:
+            with contextlib.suppress(ValueError):
+                parked.append(int(line[len(marker):]))
+                return
+        on_line(line)

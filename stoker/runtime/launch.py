@@ -85,15 +85,27 @@ def worker_start(environ: dict[str, str] | None = None, dev: Path = Path("/dev")
 
 
 STANDBY_FLAG = "--standby"
+# An attempt that ended this way is usually retried at once: the launcher stays, warm, for it.
+PARKABLE_EXITS = (EXIT_PREEMPTED, 137)
+PARKED_MARKER = "stoker.runtime.launch: parked "  # + the request's token + " exit " + code
+_signalled: list[int] = []  # signals this launcher itself received (a stop from outside)
 
 
-def standby(stdin=None) -> int:
+def standby(stdin=None, stdout=None) -> int:
     """``python -m stoker.runtime.launch --standby``: import what an attempt imports before its
     ranks start (torch, torchrun, and for the ``fork`` start the runtime), then wait for the
-    attempt on stdin: one JSON line ``{"argv": [torchrun options ...], "env": {...}}``. The
-    environment replaces this process's (the ranks inherit it) and ``main(argv)`` runs.
+    attempt on stdin: one JSON line ``{"argv": [torchrun options ...], "env": {...}}``, with an
+    optional ``"park": TOKEN``. The environment replaces this process's (the ranks inherit it)
+    and ``main(argv)`` runs.
 
-    End of input before that line (the orchestrator discarded the standby, or died) ends the
+    With ``park``, an attempt whose ranks ended it with a code of ``PARKABLE_EXITS`` (75:
+    preempted, 137: infrastructure), which is retried at once, does not end the process (unless
+    the launcher itself was signalled: a stop from outside ends it): its ranks are gone,
+    it writes ``PARKED_MARKER + TOKEN + " exit " + CODE`` as its last line on stdout and waits
+    for the next attempt's line, warm (a signal ends it while it waits). Any other exit code
+    ends it with that code.
+
+    End of input before a line (the orchestrator discarded the standby, or died) ends the
     process with 0 and nothing run. See :class:`stoker.launch.local.Standby`."""
     import json
 
@@ -102,13 +114,24 @@ def standby(stdin=None) -> int:
     with contextlib.suppress(ValueError):  # main() reports a bad value once the attempt arrives
         if worker_start() == "fork":
             _warm_up()
-    line = (stdin or sys.stdin).readline()
-    if not line.strip():
-        return 0
-    request = json.loads(line)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    return main(list(request["argv"]))
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    while True:
+        line = stdin.readline()
+        if not line.strip():
+            return 0
+        request = json.loads(line)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        _signalled.clear()
+        code = main(list(request["argv"]))
+        token = request.get("park")
+        if not token or code not in PARKABLE_EXITS or _signalled:
+            return code  # (stopped from outside, this launcher is not kept: stop means stop)
+        # torchrun's handlers raise into its agent, which is done: a signal now just ends us.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        sys.stderr.flush()  # the same pipe: everything the attempt wrote comes first
+        print(f"{PARKED_MARKER}{token} exit {code}", file=stdout, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,6 +230,7 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
         _rank, failure = e.get_first_failure()
         return exit_code_for(failure.exitcode)
     except SignalException as e:
+        _signalled.append(int(e.sigval))
         if e.sigval not in (signal.SIGTERM, signal.SIGINT):
             return 128 + int(e.sigval)
         if marker.exists():
