@@ -370,6 +370,7 @@ def status(job: Annotated[str, typer.Argument(help="Job folder name (or a unique
            checkpoint_dir: Annotated[str | None, STORE_OPTION] = None) -> None:
     """Show one job: state, progress and ETA, attempts, owner, MLflow run, where its files are."""
     from stoker.launch.attempts import AttemptLog
+    from stoker.launch.retry import describe_exit
     from stoker.launch.status import age, job_summary
 
     leases = _sync_store(work_dir, checkpoint_dir)
@@ -392,7 +393,8 @@ def status(job: Annotated[str, typer.Argument(help="Job folder name (or a unique
     for a in attempts.history():
         code = a.get("exit_code")  # none (-1) when the attempt's process was lost
         typer.echo(f"attempt {a.get('number')}: {a.get('outcome')}"
-                   + (f" (exit {code})" if isinstance(code, int) and code >= 0 else "") + " "
+                   + (f" (exit {describe_exit(code)})" if isinstance(code, int) and code >= 0
+                      else "") + " "
                    f"after {float(a.get('duration_s') or 0):.1f} s on "
                    f"{a.get('capacity_type', '-')} capacity"
                    + (f", {a['steps_lost']} step(s) lost" if a.get("steps_lost") else ""))

@@ -37,7 +37,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Completed, Failed, State
 
-from stoker.launch.retry import Outcome, outcome_of
+from stoker.launch.retry import Outcome, describe_exit, outcome_of
 from stoker.launch.stop_request import StopRequest, TrainingStopped
 from stoker.stopping import exit_now, rearm, stop_reason
 
@@ -45,7 +45,7 @@ from stoker.stopping import exit_now, rearm, stop_reason
 def attempt_state(code: int, request: StopRequest | None) -> State:
     """The attempt task run's final state, named after its outcome; ``data`` is the exit code."""
     outcome = outcome_of(code, request is not None)
-    message = f"exit {code}: {outcome}"
+    message = f"exit {describe_exit(code)}: {outcome}"
     if outcome == Outcome.COMPLETED:
         return Completed(data=code, message=message)
     if outcome == Outcome.PREEMPTED:

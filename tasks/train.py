@@ -25,7 +25,7 @@ from stoker.launch.factory import make_launcher
 from stoker.launch.job import JobClaim, check_resumable, completed_training, job_store
 from stoker.launch.lease import JobBusy, held_lease
 from stoker.launch.local import discard_standby
-from stoker.launch.retry import Attempt, Outcome, run_with_retries
+from stoker.launch.retry import Attempt, Outcome, describe_exit, run_with_retries
 from stoker.launch.status import JOB_LOG
 from stoker.launch.stop_request import (
     clear_stop_request,
@@ -177,8 +177,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             emit_event(**training_event("preempted", job_dir.name, read_text(run_file),
                                         attempt=number, exit_code=attempt.exit_code))
         level = logger.info if attempt.outcome == Outcome.COMPLETED else logger.warning
-        level("attempt %d ended: %s (exit %d) after %.1f s", number, attempt.outcome,
-              attempt.exit_code, attempt.duration_s)
+        level("attempt %d ended: %s (exit %s) after %.1f s", number, attempt.outcome,
+              describe_exit(attempt.exit_code), attempt.duration_s)
         if attempt.outcome == Outcome.INFRASTRUCTURE and read_text(run_file):
             finish_run(client, read_text(run_file), "KILLED")
 
@@ -217,7 +217,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     if attempts and attempts[-1].outcome != Outcome.COMPLETED:
         if read_text(run_file):
             finish_run(client, read_text(run_file), "FAILED")
-        summary = ", ".join(f"#{a['number']} {a['outcome']} (exit {a['exit_code']})"
+        summary = ", ".join(f"#{a['number']} {a['outcome']} (exit {describe_exit(a['exit_code'])})"
                             for a in history[-len(attempts):])
         emit_event(**training_event("failed", job_dir.name, read_text(run_file),
                                     attempts=len(history), outcome=str(attempts[-1].outcome),

@@ -8,7 +8,7 @@ import pytest
 
 from stoker.config import RetryConfig
 from stoker.launch.local import LocalLauncher, terminate_tree
-from stoker.launch.retry import Outcome, classify_exit, run_with_retries
+from stoker.launch.retry import Outcome, classify_exit, describe_exit, run_with_retries
 
 
 @pytest.mark.parametrize(("code", "outcome"), [
@@ -18,6 +18,14 @@ from stoker.launch.retry import Outcome, classify_exit, run_with_retries
 ])
 def test_exit_code_contract(code, outcome):
     assert classify_exit(code) is outcome
+
+
+@pytest.mark.parametrize(("code", "text"), [
+    (137, "137 (SIGKILL)"), (-9, "137 (SIGKILL)"), (-15, "143 (SIGTERM)"), (75, "75"),
+    (0, "0"), (2, "2"), (200, "200"),
+])
+def test_an_exit_code_is_described_the_shell_way_with_its_signal(code, text):
+    assert describe_exit(code) == text
 
 
 def scripted(codes):

@@ -121,6 +121,7 @@ def test_kill_during_save_resumes_from_previous_checkpoint(reference, make_spec)
         spec, preempt=[{"at_step": 35, "target": "tree", "sig": signal.SIGKILL}],
         policy=RetryConfig(backoff_s=0, max_infra_failures=0))
     assert [a.outcome for a in attempts] == [Outcome.INFRASTRUCTURE], output
+    assert attempts[0].exit_code == 137  # the launcher's own death, as a shell reports it
     ckpt_dir = spec.parent / "checkpoints"
     committed = Checkpointer(str(ckpt_dir), 0, 2).committed_steps()
     assert committed, "expected committed checkpoints before the kill"

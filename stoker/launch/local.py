@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from stoker.runtime.launch import PARKED_MARKER
+from stoker.runtime.launch import PARKED_MARKER, exit_code_for
 from stoker.runtime.preemption import die_with_parent
 
 
@@ -212,7 +212,8 @@ class LocalLauncher:
 
     def run(self, spec_path: Path, on_line: Callable[[str], None] = print,
             timeout_s: float | None = None) -> int:
-        """Run one attempt to its end and return its exit code.
+        """Run one attempt to its end and return its exit code (128 + N for a death by signal
+        N, of a rank or of the launcher itself).
 
         Output (stdout and stderr, merged) is passed line by line to ``on_line``. If the call is
         interrupted (timeout, cancellation, KeyboardInterrupt, any exception) the whole process
@@ -254,7 +255,9 @@ class LocalLauncher:
 
     def _wait(self, reader: threading.Thread, parked: list[int],
               timeout_s: float | None) -> int:
-        """The attempt's exit code: the launcher's, or the one it parked with."""
+        """The attempt's exit code: the launcher's, or the one it parked with; a launcher
+        killed by signal N is 128 + N, as a shell reports it (and as the launcher reports a
+        rank's death)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             reader.join(timeout=0.05)
@@ -262,7 +265,7 @@ class LocalLauncher:
                 return parked[0]
             code = self.process.poll()
             if code is not None:
-                return code
+                return exit_code_for(code)
             if deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(self.process.args, timeout_s)
 

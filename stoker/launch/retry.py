@@ -6,6 +6,7 @@ No Prefect here: the ``train`` task wraps these functions. The exit-code contrac
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Callable
@@ -35,6 +36,17 @@ def classify_exit(code: int) -> Outcome:
     if code in (137, -signal.SIGKILL):
         return Outcome.INFRASTRUCTURE
     return Outcome.USER_ERROR
+
+
+def describe_exit(code: int) -> str:
+    """An exit code as a shell reports it, with the signal it stands for: ``"137 (SIGKILL)"``
+    for 137 and for -9 (``Popen``'s form of a death by signal 9), ``"75"`` for 75."""
+    if code < 0:
+        code = 128 - code
+    if code > 128:
+        with contextlib.suppress(ValueError):
+            return f"{code} ({signal.Signals(code - 128).name})"
+    return str(code)
 
 
 def outcome_of(code: int, stop_requested: bool) -> Outcome:
