@@ -331,9 +331,18 @@ def _sync_store(work_dir: Path, checkpoint_dir: str | None) -> dict:
         raise typer.Exit(2) from None
 
 
-def _job_folder(work_dir: Path, job: str) -> Path:
-    from stoker.launch.status import find_job
+def _job_folder(work_dir: Path, job: str | None) -> Path:
+    """The job named ``job`` (a folder name or a unique prefix), or with None the newest job
+    (the first row of ``stoker jobs``); exit 2 with one line when there is none."""
+    from stoker.launch.status import find_job, newest_job
 
+    if job is None:
+        folder = newest_job(work_dir)
+        if folder is None:
+            typer.echo(f"error: no jobs in {(work_dir / 'jobs').resolve()}: name one, or run "
+                       "`stoker run` first", err=True)
+            raise typer.Exit(2)
+        return folder
     folder = find_job(work_dir, _job_argument(job))
     if folder is None:
         typer.echo(f"error: job {job!r}: no such job (or not one match) in "
@@ -365,7 +374,8 @@ def jobs(work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
 
 
 @app.command()
-def status(job: Annotated[str, typer.Argument(help="Job folder name (or a unique prefix)")],
+def status(job: Annotated[str | None, typer.Argument(
+        help="Job folder name (or a unique prefix); default: the newest job")] = None,
            work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
            checkpoint_dir: Annotated[str | None, STORE_OPTION] = None) -> None:
     """Show one job: state, progress and ETA, attempts, owner, MLflow run, where its files are."""
@@ -423,7 +433,8 @@ def _open_attempt_line(attempt: dict, training: bool) -> str:
 
 
 @app.command()
-def logs(job: Annotated[str, typer.Argument(help="Job folder name (or a unique prefix)")],
+def logs(job: Annotated[str | None, typer.Argument(
+        help="Job folder name (or a unique prefix); default: the newest job")] = None,
          follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines "
                                               "while the job trains")] = False,
          work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work")) -> None:

@@ -148,3 +148,25 @@ def test_predict_names_a_missing_model_in_one_line(tmp_path):
     assert folder.exit_code == 2  # QA: a folder read "no such image file"
     assert folder.output.strip() == (f"error: {empty}: a folder with no image file in it or its "
                                      "subfolders")
+
+
+def test_status_and_logs_without_a_job_show_the_newest_one(work):
+    """New-user trial: `stoker status` needed a job argument. Without one it shows the job
+    `stoker jobs` lists first (the newest folder); with no job at all, one line, exit 2."""
+    jobs = work / "jobs"
+    for age_s, name in enumerate(["dddd4444-torn", "cccc3333-stopped", "aaaa1111-done",
+                                  "bbbb2222-training"]):
+        stamp = time.time() - 100 * age_s
+        os.utime(jobs / name, (stamp, stamp))  # the torn job is the newest, then stopped, ...
+    rows = CliRunner().invoke(app, ["jobs", "--work-dir", str(work)]).output.splitlines()
+    assert rows[1].split()[0] == "dddd4444-torn"
+    result = CliRunner().invoke(app, ["status", "--work-dir", str(work)])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0].split() == ["job", "dddd4444-torn"]
+    os.utime(jobs / "bbbb2222-training")  # now it is the newest
+    logs = CliRunner().invoke(app, ["logs", "--work-dir", str(work)])
+    assert logs.exit_code == 0 and logs.output == "attempt 1 on spot capacity\n[rank0] step 40\n"
+    for command in ("status", "logs"):
+        none = CliRunner().invoke(app, [command, "--work-dir", str(work / "elsewhere")])
+        assert none.exit_code == 2 and none.output.count("\n") == 1, none.output
+        assert none.output.startswith("error: no jobs in ")

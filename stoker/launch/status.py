@@ -218,16 +218,28 @@ def sync_from_store(work_dir: Path, checkpoint_dir: str) -> dict[str, dict | Non
     return leases
 
 
-def list_jobs(work_dir: Path, leases: dict[str, dict | None] | None = None) -> list[JobSummary]:
-    """Every job folder under ``<work_dir>/jobs``, newest first (by folder time); ``leases``:
-    the bucket leases of the jobs of a store (``sync_from_store`` ran first)."""
-    leases = leases or {}
+def job_folders(work_dir: Path) -> list[Path]:
+    """The job folders under ``<work_dir>/jobs``, newest first (by folder modification time:
+    a heartbeat or a record rewritten in it moves it up); [] when there is none."""
     jobs = Path(work_dir) / "jobs"
     if not jobs.is_dir():
         return []
     folders = [p for p in jobs.iterdir() if p.is_dir() and not p.name.startswith(".")]
     folders.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    return [job_summary(p, bucket_lease=leases.get(p.name)) for p in folders]
+    return folders
+
+
+def newest_job(work_dir: Path) -> Path | None:
+    """The newest job folder (the first row of ``stoker jobs``), or None."""
+    folders = job_folders(work_dir)
+    return folders[0] if folders else None
+
+
+def list_jobs(work_dir: Path, leases: dict[str, dict | None] | None = None) -> list[JobSummary]:
+    """Every job folder under ``<work_dir>/jobs``, newest first (:func:`job_folders`);
+    ``leases``: the bucket leases of the jobs of a store (``sync_from_store`` ran first)."""
+    leases = leases or {}
+    return [job_summary(p, bucket_lease=leases.get(p.name)) for p in job_folders(work_dir)]
 
 
 def find_job(work_dir: Path, name: str) -> Path | None:
