@@ -128,8 +128,7 @@ def run(
     from stoker.launch.stop_request import TrainingStopped
 
     try:
-        if notice := new_job_notice(config):  # a shortened job_id: refused, naming the job
-            typer.echo(notice, err=True)
+        notice = new_job_notice(config)  # a shortened job_id: refused, naming the job
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -146,6 +145,8 @@ def run(
         typer.echo(json.dumps(done, indent=2, default=str))
         return
     _check_before_pull(config)
+    if notice:  # said once the input passed: bad input is one line
+        typer.echo(notice, err=True)
     quiet_telemetry(config.work_dir)
     from stoker.stdio import guard_stdio
 

@@ -112,10 +112,13 @@ def test_job_id_is_a_whole_folder_name(tmp_path, monkeypatch):
     ("data.path=data/digitz",
      "error: data.path data/digitz: no data/digitz.dvc at commit {commit}; is it tracked by DVC?"),
 ])
+@pytest.mark.parametrize("job_id", [[], ["job_id=nightly-1"]], ids=["no-job-id", "new-job-id"])
 def test_a_missing_revision_or_path_of_a_local_repository_is_named_before_the_pull(
-        demo_repo, tmp_path, monkeypatch, override, message):
+        demo_repo, tmp_path, monkeypatch, override, message, job_id):
     """Found in the repository itself before Prefect starts or anything is cloned (was: after
-    the pull task started, the message repeated five times and a Failed flow run)."""
+    the pull task started, the message repeated five times and a Failed flow run). With a new
+    ``job_id`` too: its "starting a new job" notice comes only once the input passed (was: a
+    second line before the error)."""
     from typer.testing import CliRunner
 
     from stoker.cli import app
@@ -125,7 +128,7 @@ def test_a_missing_revision_or_path_of_a_local_repository_is_named_before_the_pu
     repo = str(demo_repo.repo)
     commit = git(demo_repo.repo, "rev-parse", "v1^{commit}")[:12]
     result = CliRunner().invoke(app, ["run", f"data.repo_url={repo}", "data.rev=v1",
-                                      "data.path=data/digits", override])
+                                      "data.path=data/digits", override, *job_id])
     assert result.exit_code == 2
     assert result.output.strip() == message.format(repo=repo, commit=commit)
     assert not (tmp_path / "work").exists()  # no Prefect home, no clone, no dataset
