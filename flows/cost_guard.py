@@ -39,8 +39,10 @@ def run_sweep(config: CostGuardConfig) -> dict:
         "idle_gpu_hours": result.idle_gpu_hours,
         "usd_per_hour": result.usd_per_hour,
         "resources": [{"resource": r.key, "verdict": str(r.decision.verdict),
+                       "reasons": list(r.decision.reasons),
                        "action": r.action_status, "detail": r.action}
                       for r in result.resources],
-        "gpus": [{"gpu": r.id, "verdict": str(r.decision.verdict)} for r in result.gpus],
+        "gpus": [{"gpu": r.id, "verdict": str(r.decision.verdict),
+                  "reasons": list(r.decision.reasons)} for r in result.gpus],
         "notes": list(result.notes),
     }

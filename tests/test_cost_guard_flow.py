@@ -141,8 +141,10 @@ def test_dry_run_reports_the_stalled_job_and_touches_nothing(stalled_job):
     summary, flow_run_id = run_flow(config_for(work_dir, fake, dry_run=True))
 
     (job,) = summary["resources"]
+    reasons = job.pop("reasons")
     assert job == {"resource": f"job:{name}", "verdict": "stalled", "action": "dry_run",
                    "detail": "dry run: would cancel flow run"}
+    assert any("heartbeat has not advanced" in r for r in reasons), reasons
     assert [g["verdict"] for g in summary["gpus"]] == ["stalled", "idle"]
     assert flow_run_state(run.id) == "RUNNING"
 
@@ -258,3 +260,23 @@ def test_a_crashed_sweep_still_publishes_an_artifact_and_an_event(harness, tmp_p
     (failed,) = [e for e in events_of(flow_run_id, {"stoker.cost-guard.failed"})
                  if e["event"] == "stoker.cost-guard.failed"]
     assert failed["payload"]["error_type"] == "RuntimeError"
+
+
+def test_without_nvml_a_job_is_unknown_and_the_summary_says_why(stalled_job):
+    """New-user trial: on a machine without NVML the summary rated the job `unknown` with an
+    empty `detail`, the reason only in `notes`; each verdict now carries its reasons."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        missing = str(e)
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("NVML loads on this host: the no-NVML path cannot be shown with it")
+    name, _run, work_dir, _fake = stalled_job
+    summary, _ = run_flow(config_for(work_dir, "pynvml", dry_run=True))
+    (job,) = summary["resources"]
+    assert job["resource"] == f"job:{name}" and job["verdict"] == "unknown"
+    assert job["action"] == "none"
+    assert any(missing in r for r in job["reasons"]), (missing, job)
