@@ -412,9 +412,17 @@ def status(job: Annotated[str | None, typer.Argument(
     for a in attempts.open_attempts():  # `jobs` counts these too
         typer.echo(_open_attempt_line(a, training=s.state == "training"))
     typer.echo(f"folder     {folder.resolve()}")
-    if s.state == "unfinished":
+    if s.state == "unfinished" or (s.state == "stopped" and not _stall_stopped(folder)):
         typer.echo(f"resume it: run the same command again (job_id={s.job} with the settings "
                    f"in {folder.resolve() / 'spec.yaml'})")
+
+
+def _stall_stopped(folder: Path) -> bool:
+    """Whether the cost guard stopped the job for a stall (its resume needs --resume-stalled)."""
+    from stoker.launch.stop_request import read_stop_request
+
+    request = read_stop_request(folder)
+    return request is not None and request.stalled
 
 
 def _open_attempt_line(attempt: dict, training: bool) -> str:

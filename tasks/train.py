@@ -13,6 +13,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 from prefect.states import State
 from prefect.transactions import CommitMode, transaction
@@ -49,6 +50,7 @@ from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import ensure_store
+from stoker.stopping import stop_reason
 from stoker.tracking.cost import cost_report
 from stoker.tracking.events import training_event
 from tasks.stopping import attempt_state, crash_orphaned_flow_run
@@ -75,6 +77,18 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
             if claim.done is not None:
                 raise TrainingFailed(f"job {job_dir.name} is already done; nothing to train")
         return _train(config, dataset, image, Path(job_dir))
+
+
+def _stopped_by(error: BaseException) -> str | None:
+    """Who stopped the training by interrupting its flow: a signal to ``stoker run`` or a
+    Prefect cancel; None for anything else (a timeout, a bug)."""
+    if stop_reason() is not None:
+        return stop_reason()
+    if isinstance(error, TerminationSignal):
+        from prefect._internal.control_listener import get_intent
+
+        return "a Prefect cancel" if get_intent() == "cancel" else None
+    return None
 
 
 def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None,
@@ -199,10 +213,11 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         attempts = [] if finished is not None else run_with_retries(
             launch, config.retry, on_attempt=record,
             stop_requested=lambda: read_stop_request(job_dir) is not None)
-    except BaseException:  # cancelled or timed out: the tree is already gone, close the run
-        # The attempt is recorded now (billed time, what the ranks did), not by the next run.
+    except BaseException as e:  # cancelled or timed out: the tree is already gone, close the run
+        # The attempt is recorded now (billed time, what the ranks did), not by the next run,
+        # with who stopped it (`stoker jobs` then says stopped, not unfinished).
         with contextlib.suppress(Exception):
-            attempts_log.close_interrupted()
+            attempts_log.close_interrupted(stopped_by=_stopped_by(e))
         if read_text(run_file):
             finish_run(client, read_text(run_file), "KILLED")
         raise

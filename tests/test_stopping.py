@@ -145,10 +145,11 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
     # The stopped attempt is on record at once (not only once a next run closes it) ...
     (attempt,) = AttemptLog(job_dir).history()
     assert attempt["outcome"] == "interrupted" and attempt["runtime_outcome"] == "preempted"
-    assert attempt["duration_s"] > 0
-    # ... and the job reads as not running, resuming at its stop checkpoint (not "restarting").
+    assert attempt["duration_s"] > 0 and attempt["stopped_by"] == "SIGINT (Ctrl-C)"
+    # ... and the job reads as stopped (was: "unfinished", as after a crash; new-user trial),
+    # not running, resuming at its stop checkpoint (not "restarting").
     summary = job_summary(job_dir)
-    assert summary.state == "unfinished" and summary.attempts == 1
+    assert summary.state == "stopped" and summary.attempts == 1
     assert summary.progress.describe().startswith("not running: reached step "), summary
     assert summary.progress.describe().endswith(
         f"resumes at step {end['step']} (run the same command)")
@@ -196,7 +197,7 @@ def test_sigkill_of_stoker_run_leaves_the_server_and_the_next_command_crashes_it
     the next command that uses the server marks that run Crashed (its process is gone)."""
     work = tmp_path / "work"
     process = start_run(work)
-    wait_for_training(work, process)
+    job_dir = wait_for_training(work, process)
     server = LocalServer(work / ".prefect").running()
     assert server is not None  # the local server, recorded in the work folder
     process.kill()
@@ -220,6 +221,7 @@ def test_sigkill_of_stoker_run_leaves_the_server_and_the_next_command_crashes_it
     assert {name.rsplit("-", 1)[0] for name, (kind, _) in tasks.items()
             if kind == "CRASHED"} >= {"train", "attempt"}, tasks
     assert [name for name, (kind, _) in tasks.items() if kind in ("RUNNING", "PENDING")] == []
+    assert job_summary(job_dir).state == "unfinished"  # it died: nobody stopped it
 
 
 def test_a_killed_local_server_is_started_again_and_the_run_finishes(tmp_path):

@@ -16,7 +16,9 @@ import pytest
 from mlflow import MlflowClient
 from prefect_server import PrefectServer
 
+from stoker.launch.attempts import AttemptLog
 from stoker.launch.local import terminate_tree
+from stoker.launch.status import job_summary
 from stoker.runtime.progress import read_events
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +80,8 @@ def test_a_prefect_cancel_commits_the_stop_checkpoint_and_ends_cancelled(deploye
     run = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id)
     assert run.info.status == "KILLED"
     assert not (trial.job_dir / "pipeline_done.json").exists()
+    assert job_summary(trial.job_dir).state == "stopped"  # `stoker jobs`: a cancel is a stop
+    assert AttemptLog(trial.job_dir).history()[-1]["stopped_by"] == "a Prefect cancel"
 
 
 def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_path):

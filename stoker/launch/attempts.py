@@ -123,8 +123,12 @@ class AttemptLog:
                                  "state": "ended"})
         write_through(self.job_dir, ATTEMPTS_FILE)
 
-    def close_interrupted(self) -> list[dict[str, Any]]:
-        """Close the attempts a dead flow run left open; returns the records written."""
+    def close_interrupted(self, stopped_by: str | None = None) -> list[dict[str, Any]]:
+        """Close the attempts a dead flow run left open; returns the records written.
+
+        ``stopped_by``: who stopped the run that closes them itself (``"SIGINT (Ctrl-C)"``, a
+        Prefect cancel), recorded as the records' ``stopped_by``; None when a later run closes
+        what a dead one left."""
         closed = []
         for number, record in sorted(self._latest().items()):
             if record.get("state") != "started":
@@ -137,7 +141,7 @@ class AttemptLog:
                      "runtime_outcome": runtime_outcome,
                      "duration_s": round(max(0.0, last_seen - started), 3),
                      "capacity_type": record.get("capacity_type", "on_demand"),
-                     "interrupted": True}
+                     "interrupted": True, **({"stopped_by": stopped_by} if stopped_by else {})}
             self.end(number, entry)
             closed.append({**entry, "number": number})
         return closed

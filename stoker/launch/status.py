@@ -114,7 +114,10 @@ class JobSummary:
     """One row of ``stoker jobs``.
 
     ``state``: ``done``, ``training`` (a live run holds the lease), ``stopped`` (a stop was
-    requested), or ``unfinished`` (no live owner: the same command resumes it). ``heartbeat_age_s``
+    requested: the cost guard, ``stoker stop``, or its run was stopped by Ctrl-C, SIGTERM or a
+    Prefect cancel), or ``unfinished`` (no live owner, and its last run died or failed). The
+    same command resumes a stopped or unfinished job (a stall the guard stopped needs
+    ``--resume-stalled``). ``heartbeat_age_s``
     is the seconds since rank 0's last heartbeat; ``cost_usd`` is known once the job is done;
     ``steps_lost`` sums the attempts' steps trained past the last committed checkpoint."""
 
@@ -163,7 +166,9 @@ def job_summary(job_dir: Path, now: float | None = None,
         state = "done"
     elif live:
         state = "training"
-    elif read_stop_request(job_dir) is not None:
+    elif read_stop_request(job_dir) is not None or (
+            history and not AttemptLog(job_dir).open_attempts()
+            and history[-1].get("stopped_by")):  # Ctrl-C, a Prefect cancel
         state = "stopped"
     else:
         state = "unfinished"
