@@ -139,6 +139,25 @@ def test_kill_during_save_resumes_from_previous_checkpoint(reference, make_spec)
     assert [s for s, _ in loss_history(spec)] == list(range(1, 67))  # re-run steps not re-logged
 
 
+def test_a_killed_launcher_leaves_its_ranks_the_grace_to_commit_their_stop_checkpoint(
+        make_spec):
+    """New-user trial: `kill -9` of torchrun alone. The ranks get SIGTERM from the kernel
+    (parent-death signal) and commit a stop checkpoint; the attempt is exit 137 and the retry
+    resumes from that checkpoint, losing nothing (was: the orchestrator SIGKILLed the session
+    within 50 ms of the launcher's death, mid-stop, and the job went back to its last periodic
+    checkpoint, here step 0)."""
+    spec = make_spec("launcher-killed", epochs=2, tracking=False, checkpoint_every_steps=1000)
+    attempts, output, fired = launch(
+        spec, preempt=[{"at_step": 10, "target": "agent", "sig": signal.SIGKILL}],
+        policy=RetryConfig(backoff_s=0, max_infra_failures=1))
+    assert [a.outcome for a in attempts] == [Outcome.INFRASTRUCTURE, Outcome.COMPLETED], output
+    assert attempts[0].exit_code == 137
+    starts = [e for e in events(spec.parent) if e["event"] == "start"]
+    reached = max(e["step"] for e in events(spec.parent)
+                  if e["event"] == "step" and e["time"] < starts[1]["time"])
+    assert fired[0].fired_at >= 10 and starts[1]["step"] == reached, (starts, reached)
+
+
 def test_a_killed_rank_is_an_infrastructure_failure_not_a_bug_of_the_survivor(make_spec):
     spec = make_spec("rank-killed", epochs=2)
     attempts, output, _ = launch(

@@ -248,6 +248,9 @@ class LocalLauncher:
                 terminate_tree(self.process.pid, self.shutdown_grace_s + 5)
                 self.process.wait()
             else:  # torchrun is gone; make sure nothing it started is left either
+                # A launcher killed outright (kill -9) leaves its ranks committing the stop
+                # checkpoint their parent-death SIGTERM asked for: they get the grace first.
+                _wait_session(self.process.pid, self.shutdown_grace_s + 5)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.process.pid, signal.SIGKILL)
             reader.join(timeout=5)
@@ -270,13 +273,30 @@ class LocalLauncher:
                 raise subprocess.TimeoutExpired(self.process.args, timeout_s)
 
 
+def _session(pid: int, but: int | None = None) -> list[psutil.Process]:
+    """The live processes of the session ``pid`` leads (its launcher's), except ``but``."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.pid != but and os.getsid(proc.pid) == pid and proc.status() != \
+                    psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def _wait_session(pid: int, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for the processes of session ``pid`` to end on their own."""
+    left = _session(pid)
+    if left:
+        psutil.wait_procs(left, timeout=timeout_s)
+
+
 def _end_session_but(pid: int) -> None:
     """SIGKILL every process of the session ``pid`` leads except ``pid`` (what an attempt's
     ranks left behind: a DataLoader worker re-parented away)."""
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if proc.pid != pid and os.getsid(proc.pid) == pid:
-                proc.kill()
+    for proc in _session(pid, but=pid):
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
 
 
 def _pump(stream, on_line: Callable[[str], None], marker: str = "",
