@@ -250,7 +250,8 @@ class LocalLauncher:
             else:  # torchrun is gone; make sure nothing it started is left either
                 # A launcher killed outright (kill -9) leaves its ranks committing the stop
                 # checkpoint their parent-death SIGTERM asked for: they get the grace first.
-                _wait_session(self.process.pid, self.shutdown_grace_s + 5)
+                if self.process.returncode < 0:  # killed, not exited: its ranks may be saving
+                    _wait_session(self.process.pid, self.shutdown_grace_s + 5)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.process.pid, signal.SIGKILL)
             reader.join(timeout=5)
