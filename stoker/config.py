@@ -13,7 +13,7 @@ import difflib
 import os
 import re
 import typing
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 from urllib.parse import urlparse
 
@@ -97,6 +97,23 @@ class DataConfig(_Frozen):
         if not value.strip():
             raise ValueError("must not be empty")
         return value
+
+    @field_validator("path")
+    @classmethod
+    def _inside_the_repository(cls, value: str) -> str:
+        """``data/fruit/``, ``./data/fruit`` and ``data/fruit.dvc`` (its DVC file) all name
+        ``data/fruit``; an absolute path or one that climbs out with ``..`` is refused."""
+        raw = value.strip()
+        path = PurePosixPath(raw)
+        if path.is_absolute() or ".." in path.parts:
+            raise ValueError("not inside the repository: give the DVC-tracked directory "
+                             "relative to the repository's root (e.g. data/images)")
+        text = str(path)  # drops a trailing slash and ./ segments
+        if path.suffix == ".dvc" and path.name != ".dvc":
+            text = text.removesuffix(".dvc")  # the tracked directory's DVC file: the same data
+        if text in ("", "."):
+            raise ValueError("must name a DVC-tracked directory, not the repository's root")
+        return text
 
     @field_validator("repo_url")
     @classmethod

@@ -264,3 +264,27 @@ def test_a_typo_or_a_number_for_a_string_says_what_to_write(override, line):
     with pytest.raises(ConfigError) as error:
         load_pipeline_config(None, [override])
     assert str(error.value) == line
+
+
+@pytest.mark.parametrize("given", ["data/fruit/", "./data/fruit", "data/fruit.dvc",
+                                   " data/fruit "])
+def test_data_path_names_the_tracked_directory_however_it_is_typed(given):
+    """New-user trial: a trailing slash (tab completion) or the directory's .dvc file gave
+    `no data/fruit/.dvc` / `no data/fruit.dvc.dvc`; they name the same dataset."""
+    assert load_pipeline_config(None, [f"data.path={given}"]).data.path == "data/fruit"
+
+
+@pytest.mark.parametrize("given", ["../etc/passwd", "/etc", "data/../../elsewhere", "."])
+def test_a_data_path_outside_the_repository_is_refused_in_one_line(given, tmp_path):
+    """An external value is untrusted: a path that climbs out of the repository is refused at
+    config time, exit 2, one line, nothing created."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
+         f"data.path={given}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: data.path: ") and repr(given) in line, line
+    assert not (tmp_path / "work").exists()
