@@ -388,7 +388,8 @@ def status(job: Annotated[str | None, typer.Argument(
     folder = _job_folder(work_dir, job)
     s = job_summary(folder, bucket_lease=leases.get(folder.name))
     typer.echo(f"job        {s.job}")
-    typer.echo(f"state      {s.state}" + (f" ({s.owner})" if s.owner else ""))
+    typer.echo(f"state      {s.state}" + (f" ({s.owner})" if s.owner else "")
+               + (f" ({_stopped_by(folder)})" if s.state == "stopped" else ""))
     if s.progress is not None:
         typer.echo(f"progress   {s.progress.describe()}")
     typer.echo(f"heartbeat  {age(s.heartbeat_age_s)}")
@@ -404,6 +405,7 @@ def status(job: Annotated[str | None, typer.Argument(
     for a in attempts.history():
         code = a.get("exit_code")  # none (-1) when the attempt's process was lost
         typer.echo(f"attempt {a.get('number')}: {a.get('outcome')}"
+                   + (f" (stopped by {a['stopped_by']})" if a.get("stopped_by") else "")
                    + (f" (exit {describe_exit(code)})" if isinstance(code, int) and code >= 0
                       else "") + " "
                    f"after {float(a.get('duration_s') or 0):.1f} s on "
@@ -415,6 +417,18 @@ def status(job: Annotated[str | None, typer.Argument(
     if s.state == "unfinished" or (s.state == "stopped" and not _stall_stopped(folder)):
         typer.echo(f"resume it: run the same command again (job_id={s.job} with the settings "
                    f"in {folder.resolve() / 'spec.yaml'})")
+
+
+def _stopped_by(folder: Path) -> str:
+    """Who stopped a stopped job: its stop request, else its last attempt's ``stopped_by``."""
+    from stoker.launch.attempts import AttemptLog
+    from stoker.launch.stop_request import read_stop_request
+
+    request = read_stop_request(folder)
+    if request is not None:
+        return request.describe()
+    history = AttemptLog(folder).history()
+    return f"stopped by {history[-1].get('stopped_by')}" if history else "stopped"
 
 
 def _stall_stopped(folder: Path) -> bool:

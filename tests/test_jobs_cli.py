@@ -170,3 +170,20 @@ def test_status_and_logs_without_a_job_show_the_newest_one(work):
         none = CliRunner().invoke(app, [command, "--work-dir", str(work / "elsewhere")])
         assert none.exit_code == 2 and none.output.count("\n") == 1, none.output
         assert none.output.startswith("error: no jobs in ")
+
+
+def test_status_of_a_stopped_job_says_who_stopped_it(work):
+    """New-user trial: after Ctrl-C `stoker status` said only `attempt 1: interrupted`; the
+    record's `stopped_by` is shown, and a stop request's author as before."""
+    job = work / "jobs" / "eeee5555-ctrl-c"
+    job.mkdir()
+    log = AttemptLog(job)
+    log.start(1, "on_demand")
+    log.close_interrupted(stopped_by="SIGINT (Ctrl-C)")
+    result = CliRunner().invoke(app, ["status", "eeee", "--work-dir", str(work)])
+    assert result.exit_code == 0, result.output
+    assert "state      stopped (stopped by SIGINT (Ctrl-C))" in result.output
+    assert "attempt 1: interrupted (stopped by SIGINT (Ctrl-C)) after " in result.output
+    assert "resume it: run the same command again" in result.output
+    guard = CliRunner().invoke(app, ["status", "cccc", "--work-dir", str(work)]).output
+    assert "state      stopped (stopped by cost-guard: stalled)" in guard
