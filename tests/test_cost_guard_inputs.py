@@ -150,3 +150,28 @@ def test_job_with_spec_but_no_heartbeat_counts_as_starting(tmp_path, before):
     (row,) = report.resources
     assert row.decision.verdict == Verdict.BUSY
     assert "job fresh starting" in row.decision.reasons[0]
+
+
+def test_without_nvml_the_sweep_does_not_wait_out_its_window():
+    """New-user trial: on a host without NVML a sweep still sampled for the whole 60 s window,
+    every sample the same init failure. It takes one sample; a readable NVML still gets the
+    whole window."""
+    from stoker.costguard.config import Policy
+    from stoker.costguard.sweep import sample_window
+
+    class NoLibrary:
+        class NVMLError(Exception):
+            pass
+
+        def nvmlInit(self):
+            raise self.NVMLError("NVML Shared Library Not Found")
+
+    slept: list[float] = []
+    policy = Policy(window_s=60, sample_interval_s=5)
+    with NvmlReader(NoLibrary()) as reader:
+        snapshots = sample_window(reader, policy, sleep=slept.append)
+    assert [s.error for s in snapshots] == ["NVML init failed: NVML Shared Library Not Found"]
+    assert slept == []
+    with NvmlReader(FakeNvml([[Gpu(index=0)]])) as reader:
+        snapshots = sample_window(reader, policy, sleep=slept.append)
+    assert len(snapshots) == policy.samples_per_window and len(slept) == len(snapshots) - 1

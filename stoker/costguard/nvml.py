@@ -105,6 +105,12 @@ class NvmlReader:
             with contextlib.suppress(*self._errors):  # shutting down: nothing left to protect
                 self.nvml.nvmlShutdown()
 
+    @property
+    def unusable(self) -> str | None:
+        """Why NVML cannot be read at all on this host (its init failed, or no binding), else
+        None. Never retried within one reader: every snapshot would say the same."""
+        return self._init_error
+
     def snapshot(self) -> Snapshot:
         """All GPUs now. Never raises for NVML errors; they become ``error`` fields."""
         now = self.clock()

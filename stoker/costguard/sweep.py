@@ -108,12 +108,16 @@ class _Judgement:
 
 def sample_window(reader: NvmlReader, policy: Policy,
                   sleep: Callable[[float], None] = time.sleep) -> list[Snapshot]:
-    """``policy.samples_per_window`` snapshots, ``sample_interval_s`` apart."""
+    """``policy.samples_per_window`` snapshots, ``sample_interval_s`` apart; one when NVML
+    cannot be read at all (``reader.unusable``: no driver, no library), which waiting for the
+    window would not change."""
     snapshots = []
     for i in range(policy.samples_per_window):
         if i:
             sleep(policy.sample_interval_s)
         snapshots.append(reader.snapshot())
+        if getattr(reader, "unusable", None):
+            break
     return snapshots
 
 
