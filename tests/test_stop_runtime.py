@@ -87,3 +87,15 @@ def test_a_stop_that_does_not_commit_is_not_a_preemption(make_spec):
     assert code == 137, text[-3000:]
     assert classify_exit(code) is Outcome.INFRASTRUCTURE
     assert "training failed" not in text, text[-3000:]
+
+
+def test_a_lost_peer_is_named_in_the_backends_words_not_its_raw_message():
+    """New-user trial: the survivor's warning printed gloo's whole message (source path, remote
+    address, `GLHF!`); it now gives the backend's phrase alone."""
+    from stoker.runtime.__main__ import is_peer_lost, peer_lost_reason
+
+    raw = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                       "Connection closed by peer [127.0.0.1]:47371 GLHF! \U0001f3d6")
+    assert peer_lost_reason(raw) == "Connection closed by peer" and is_peer_lost(raw)
+    assert peer_lost_reason(RuntimeError("CUDA out of memory")) is None
+    assert not is_peer_lost(ValueError("bad value"))

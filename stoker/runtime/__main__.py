@@ -95,14 +95,16 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     except Exception as e:
         if stop.requested and is_peer_lost(e):
             # A coordinated stop whose peer was killed first (grace ran out): not a bug here.
-            log.warning("stop requested (%s) but a peer left before the stop checkpoint "
-                        "committed: %s", stop.reason, e)
+            # (The stop may be torchrun's SIGTERM after that peer died: it is named, not judged.)
+            log.warning("a peer rank is gone at step %s (%s) while this rank was stopping "
+                        "(%s): no stop checkpoint", trainer.step if trainer else 0,
+                        peer_lost_reason(e), stop.reason)
             return EXIT_STOP_LOST
         if is_peer_lost(e):
             # Another rank died (OOM killer, node loss, kill -9): this rank is not at fault, and
             # the attempt is an infrastructure failure that resumes from the last checkpoint.
             log.warning("a peer rank is gone at step %s (%s): stopping this rank",
-                        trainer.step if trainer else 0, str(e).splitlines()[0])
+                        trainer.step if trainer else 0, peer_lost_reason(e))
             return EXIT_STOP_LOST
         log.exception("training failed at step %s", trainer.step if trainer else 0)
         return 1
@@ -112,11 +114,20 @@ def run(spec_path: Path, stop: StopFlag) -> int:
         teardown()
 
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "NCCL communicator was aborted")
+
+
 def is_peer_lost(error: Exception) -> bool:
     """Whether ``error`` is a collective failing because another rank is gone (gloo/NCCL)."""
+    return peer_lost_reason(error) is not None
+
+
+def peer_lost_reason(error: Exception) -> str | None:
+    """The backend's words for the lost peer (``"Connection closed by peer"``), without the
+    file, line and remote address of its raw message; None when ``error`` is something else."""
     text = str(error)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
-                                   "Broken pipe", "NCCL communicator was aborted"))
+    return next((s for s in PEER_LOST if s in text), None)
 
 
 def exit_now(code: int) -> None:
