@@ -38,6 +38,17 @@ def _no_local_server_left(request):
         stop_local_servers(root)
 
 
+@pytest.fixture(autouse=True)
+def _no_parked_launcher_left():
+    """A test that ran attempts through ``LocalLauncher.run`` directly (no ``train`` task to
+    discard it) may leave a launcher parked for a retry: ended here, so the next test in this
+    worker starts from nothing (the ``train`` task and ``stoker run`` discard their own)."""
+    yield
+    from stoker.launch.local import discard_standby
+
+    discard_standby()
+
+
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("stoker")
@@ -107,6 +118,20 @@ def rank_processes(parent) -> dict[int, object]:
     except psutil.Error:
         return {}
     return {rank: p for p in children if (rank := rank_of(p)) is not None}
+
+
+def launcher_of(root) -> object | None:
+    """The launcher (torchrun's process) of the attempt running below ``root`` (a
+    psutil.Process, any depth): the parent of its ranks, so neither a rank (a forked rank's
+    command line is its launcher's) nor an idle or parked launcher; None while no rank runs."""
+    import psutil
+
+    for proc in rank_processes(root).values():
+        try:
+            return proc.parent()
+        except psutil.Error:
+            continue
+    return None
 
 
 def last_step(job_dir: Path) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import events, rank_processes
+from conftest import events, launcher_of, rank_processes
 from mlflow import MlflowClient
 from prefect_server import PrefectServer
 
@@ -58,12 +58,9 @@ def training(process: subprocess.Popen, work: Path, min_step: int, timeout_s: fl
         for job in (work / "jobs").glob("*") if (work / "jobs").is_dir() else []:
             if any(e["event"] == "step" and e["step"] >= min_step for e in events(job)) and (
                     job / "mlflow_run_id").is_file():  # the MLflow run opens in the background
-                for child in psutil.Process(process.pid).children(recursive=True):
-                    try:
-                        if "stoker.runtime.launch" in " ".join(child.cmdline()):
-                            return job, child
-                    except psutil.Error:
-                        continue
+                launcher = launcher_of(psutil.Process(process.pid))
+                if launcher is not None:
+                    return job, launcher
         time.sleep(0.05)
     raise AssertionError("training never started")
 

@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+from conftest import launcher_of
 from mlflow import MlflowClient
 
 from stoker.config import load_pipeline_config
@@ -27,18 +28,18 @@ def harness():
         yield
 
 
-def torchrun_of_this_process() -> psutil.Process | None:
-    for child in psutil.Process(os.getpid()).children(recursive=True):
-        try:
-            if "stoker.runtime.launch" in " ".join(child.cmdline()):
-                return child
-        except psutil.Error:
-            continue
-    return None
+def launcher_of_this_process() -> psutil.Process:
+    """The launcher (torchrun's process) of the attempt running below this test process."""
+    deadline = time.monotonic() + 60
+    while (launcher := launcher_of(psutil.Process(os.getpid()))) is None:
+        assert time.monotonic() < deadline, "no attempt's ranks run below this process"
+        time.sleep(0.05)
+    return launcher
 
 
-def wait_for_attempt(work, attempt: int, timeout_s: float = 300):
-    """The job folder once attempt ``attempt`` has trained a step."""
+def wait_for_attempt(work, attempt: int, timeout_s: float = 300, run_id: bool = False):
+    """The job folder once attempt ``attempt`` has trained a step (and, with ``run_id``, its
+    MLflow run is open: rank 0 opens it in the background)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for job in (work / "jobs").glob("*") if (work / "jobs").exists() else []:
@@ -46,7 +47,7 @@ def wait_for_attempt(work, attempt: int, timeout_s: float = 300):
             starts = [i for i, e in enumerate(events) if e["event"] == "start"]
             if len(starts) >= attempt and any(e["event"] == "step"
                                                for e in events[starts[attempt - 1]:]) and (
-                    job / "mlflow_run_id").is_file():  # the MLflow run opens in the background
+                    not run_id or (job / "mlflow_run_id").is_file()):
                 return job
         time.sleep(0.05)
     raise AssertionError(f"attempt {attempt} never trained")
@@ -60,25 +61,39 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     from stoker.launch.stop_request import TrainingStopped
 
     work = tmp_path / "work"
-    # 200 epochs: both stops land mid-training also on a loaded machine (the thread waits for
-    # rank 0's background MLflow run, which took 12 s to open under a parallel CI run while 20
-    # epochs trained; the job is stopped, so the extra epochs never train).
-    config = load_pipeline_config(None, [f"work_dir={work}", "train.epochs=200",
+    # 1000 epochs: both stops land mid-training also on a loaded machine (the guard stop waits
+    # for rank 0's background MLflow run, which took 12 s to open under a parallel CI run); the
+    # job is stopped, so the extra epochs never train. Should the thread fail, it stops the job
+    # itself, so that its error, not a training to the end, is what the test reports.
+    config = load_pipeline_config(None, [f"work_dir={work}", "train.epochs=1000",
                                          "tracking.system_metrics_interval_s=null"])
     fired: list[str] = []
+    failed: list[BaseException] = []
 
     def preempt_then_guard_stop() -> None:
-        wait_for_attempt(work, 1)
-        torchrun_of_this_process().send_signal(signal.SIGTERM)  # a preemption
-        fired.append("preempt")
-        job = wait_for_attempt(work, 2)
-        request_stop(job, "cost-guard", "stalled: no progress for 600 s")  # what the guard does
-        torchrun_of_this_process().send_signal(signal.SIGTERM)  # then docker stop's SIGTERM
-        fired.append("guard")
+        try:
+            wait_for_attempt(work, 1)
+            launcher_of_this_process().send_signal(signal.SIGTERM)  # a preemption
+            fired.append("preempt")
+            job = wait_for_attempt(work, 2, run_id=True)
+            request_stop(job, "cost-guard", "stalled: no progress for 600 s")  # what the guard does
+            launcher_of_this_process().send_signal(signal.SIGTERM)  # then docker stop's SIGTERM
+            fired.append("guard")
+        except BaseException as e:  # noqa: BLE001 (reported by the test below)
+            failed.append(e)
+            for job in (work / "jobs").glob("*"):
+                request_stop(job, "test", f"the signalling thread failed: {e!r}")
+            launcher = launcher_of(psutil.Process(os.getpid()))
+            if launcher is not None:
+                launcher.send_signal(signal.SIGTERM)
 
-    threading.Thread(target=preempt_then_guard_stop, daemon=True).start()
-    with pytest.raises(TrainingStopped, match="stopped by cost-guard: stalled"):
+    thread = threading.Thread(target=preempt_then_guard_stop, daemon=True)
+    thread.start()
+    with pytest.raises(TrainingStopped) as stopped:
         pipeline(config)
+    thread.join(timeout=30)
+    assert not failed, failed
+    assert "stopped by cost-guard: stalled" in str(stopped.value)
     assert fired == ["preempt", "guard"]
 
     job = next((work / "jobs").glob("*"))
