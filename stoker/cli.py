@@ -389,7 +389,7 @@ def status(job: Annotated[str | None, typer.Argument(
     s = job_summary(folder, bucket_lease=leases.get(folder.name))
     typer.echo(f"job        {s.job}")
     typer.echo(f"state      {s.state}" + (f" ({s.owner})" if s.owner else "")
-               + (f" ({_stopped_by(folder)})" if s.state == "stopped" else ""))
+               + (f" ({s.stopped_by})" if s.stopped_by else ""))
     if s.progress is not None:
         typer.echo(f"progress   {s.progress.describe()}")
     typer.echo(f"heartbeat  {age(s.heartbeat_age_s)}")
@@ -414,29 +414,9 @@ def status(job: Annotated[str | None, typer.Argument(
     for a in attempts.open_attempts():  # `jobs` counts these too
         typer.echo(_open_attempt_line(a, training=s.state == "training"))
     typer.echo(f"folder     {folder.resolve()}")
-    if s.state == "unfinished" or (s.state == "stopped" and not _stall_stopped(folder)):
+    if s.state == "unfinished" or (s.state == "stopped" and not s.stalled):
         typer.echo(f"resume it: run the same command again (job_id={s.job} with the settings "
                    f"in {folder.resolve() / 'spec.yaml'})")
-
-
-def _stopped_by(folder: Path) -> str:
-    """Who stopped a stopped job: its stop request, else its last attempt's ``stopped_by``."""
-    from stoker.launch.attempts import AttemptLog
-    from stoker.launch.stop_request import read_stop_request
-
-    request = read_stop_request(folder)
-    if request is not None:
-        return request.describe()
-    history = AttemptLog(folder).history()
-    return f"stopped by {history[-1].get('stopped_by')}" if history else "stopped"
-
-
-def _stall_stopped(folder: Path) -> bool:
-    """Whether the cost guard stopped the job for a stall (its resume needs --resume-stalled)."""
-    from stoker.launch.stop_request import read_stop_request
-
-    request = read_stop_request(folder)
-    return request is not None and request.stalled
 
 
 def _open_attempt_line(attempt: dict, training: bool) -> str:

@@ -77,6 +77,11 @@ def total_steps_lost(history: list[dict[str, Any]]) -> int:
                if isinstance(a.get("steps_lost"), int) and not isinstance(a["steps_lost"], bool))
 
 
+def closed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The closed attempts among ``records`` (:meth:`AttemptLog.records`), in their order."""
+    return [r for r in records if r.get("state", "ended") == "ended"]
+
+
 class AttemptLog:
     """Reads and appends the attempt records of one job folder."""
 
@@ -93,18 +98,24 @@ class AttemptLog:
                 latest[number] = {**latest.get(number, {}), **record}
         return latest
 
+    def records(self) -> list[dict[str, Any]]:
+        """Every attempt of the job, oldest first: the newest record of each, closed
+        (``state`` ``ended``, or no state: older files) or open (``started``). One read of
+        the file for what :meth:`history`, :meth:`open_attempts` and :meth:`count` give."""
+        return [r for _, r in sorted(self._latest().items())]
+
     def next_number(self) -> int:
         return max(self._latest(), default=0) + 1
 
     def history(self) -> list[dict[str, Any]]:
         """Every closed attempt of the job, oldest first (dicts with ``number``, ``outcome``,
         ``exit_code``, ``started``, ``duration_s`` in seconds, ``capacity_type``)."""
-        return [r for _, r in sorted(self._latest().items()) if r.get("state", "ended") == "ended"]
+        return closed(self.records())
 
     def open_attempts(self) -> list[dict[str, Any]]:
         """Attempts started and not (yet) closed, oldest first: the one training now, or one a
         dead run left open (closed as ``interrupted`` when the job resumes)."""
-        return [r for _, r in sorted(self._latest().items()) if r.get("state") == "started"]
+        return [r for r in self.records() if r.get("state") == "started"]
 
     def count(self) -> int:
         """Attempts of the job so far, open ones included (an attempt a dead run left open

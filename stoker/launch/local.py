@@ -196,12 +196,10 @@ class LocalLauncher:
         omp = {"OMP_NUM_THREADS": "1"} if self.nproc_per_node > 1 else {}
         return {**omp, **os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
 
-    def command(self, spec_path: Path) -> list[str]:
-        """The command line: torchrun (with the exit-code contract) running the runtime."""
-        return [self.python, "-m", "stoker.runtime.launch", *self.torchrun_args(spec_path)]
-
     def torchrun_args(self, spec_path: Path) -> list[str]:
-        """torchrun's options and the runtime's module and spec (what a standby is handed)."""
+        """torchrun's options and the runtime's module and spec, handed to a standby: the
+        attempt runs what ``python -m stoker.runtime.launch ARGS`` would (torchrun with the
+        exit-code contract, running the runtime)."""
         return [
             "--nnodes=1", f"--nproc-per-node={self.nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv_host}:0",

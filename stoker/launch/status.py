@@ -119,7 +119,9 @@ class JobSummary:
     same command resumes a stopped or unfinished job (a stall the guard stopped needs
     ``--resume-stalled``). ``heartbeat_age_s``
     is the seconds since rank 0's last heartbeat; ``cost_usd`` is known once the job is done;
-    ``steps_lost`` sums the attempts' steps trained past the last committed checkpoint."""
+    ``steps_lost`` sums the attempts' steps trained past the last committed checkpoint.
+    ``stopped_by`` says who stopped a ``stopped`` job (``stopped by cost-guard: stalled ...``,
+    ``stopped by Ctrl-C``; None otherwise); ``stalled``: the guard stopped it for a stall."""
 
     job: str
     path: Path
@@ -135,13 +137,15 @@ class JobSummary:
     owner: str | None
     steps_lost: int = 0
     failed_saves: tuple[int, ...] = ()  # steps whose save was given up (store unreachable)
+    stopped_by: str | None = None
+    stalled: bool = False
 
 
 def job_summary(job_dir: Path, now: float | None = None,
                 bucket_lease: dict | None = None) -> JobSummary:
     """Summarise one job folder from its records (never raises on a torn or missing record);
     ``bucket_lease``: the job's lease object in the bucket, when it lives in one."""
-    from stoker.launch.attempts import AttemptLog, total_steps_lost
+    from stoker.launch.attempts import AttemptLog, closed, total_steps_lost
     from stoker.launch.job import done_summary
     from stoker.launch.lease import holder_alive
     from stoker.launch.stop_request import read_stop_request
@@ -159,16 +163,22 @@ def job_summary(job_dir: Path, now: float | None = None,
               if isinstance(e.get("time"), int | float) and isinstance(e.get("step"), int)]
     failed = tuple(e["step"] for e in events if e.get("event") == "checkpoint_failed")
     progress = job_progress(events)
-    history = AttemptLog(job_dir).history()
+    records = AttemptLog(job_dir).records()
+    history = closed(records)
     beat = read_json(job_dir / "heartbeat.json", default=None, warn=quiet)
     beat_time = beat.get("time") if isinstance(beat, dict) else None
+    request = read_stop_request(job_dir)
+    stopped_by = None
+    if request is not None:
+        stopped_by = request.describe()
+    elif records and records[-1].get("state", "ended") == "ended" and \
+            records[-1].get("stopped_by"):  # Ctrl-C, SIGTERM, a Prefect cancel
+        stopped_by = f"stopped by {records[-1]['stopped_by']}"
     if done is not None:
         state = "done"
     elif live:
         state = "training"
-    elif read_stop_request(job_dir) is not None or (
-            history and not AttemptLog(job_dir).open_attempts()
-            and history[-1].get("stopped_by")):  # Ctrl-C, a Prefect cancel
+    elif stopped_by is not None:
         state = "stopped"
     else:
         state = "unfinished"
@@ -185,13 +195,14 @@ def job_summary(job_dir: Path, now: float | None = None,
         job=job_dir.name, path=job_dir, state=state,
         step=progress.step if progress else 0,
         total_steps=progress.total_steps if progress else 0,
-        attempts=AttemptLog(job_dir).count(),
+        attempts=len(records),
         preemptions=sum(1 for a in history if a.get("outcome") == "preempted"),
         cost_usd=float(cost) if isinstance(cost, int | float) else None,
         mlflow_run_id=read_text(job_dir / "mlflow_run_id", warn=quiet),
         heartbeat_age_s=now - beat_time if isinstance(beat_time, int | float) else None,
         progress=progress, owner=owner, steps_lost=total_steps_lost(history),
-        failed_saves=failed)
+        failed_saves=failed, stopped_by=stopped_by if state == "stopped" else None,
+        stalled=state == "stopped" and request is not None and request.stalled)
 
 
 def sync_from_store(work_dir: Path, checkpoint_dir: str) -> dict[str, dict | None]:
