@@ -1,8 +1,8 @@
 """Preemption notices: a signal handler and an optional cloud notice poller that set one flag.
 
-Neither acts: the training loop reads the flag at the next step boundary, all ranks agree on it
-with one collective (read one step late, see Trainer._agree), save together and exit with
-EXIT_PREEMPTED.
+Neither acts: the training loop reads the flag at a step boundary, all ranks agree on it with
+one collective (one for about 0.1 s of steps, read a step late; see Trainer._agree), save
+together and exit with EXIT_PREEMPTED.
 """
 
 from __future__ import annotations

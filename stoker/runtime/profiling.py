@@ -117,9 +117,10 @@ class ProfilingMixin:
     def profile(self, wall_s: float, steps_run: int) -> dict[str, float]:
         """Where this attempt's time went (seconds, rank 0's view), peak memory and throughput.
 
-        ``sync_s`` is the wait for the per-step collective, read one step after it started (it
-        absorbs waiting for slower ranks); gradient
-        all-reduce overlaps backward in DDP and is counted inside ``forward_backward_s``.
+        ``sync_s`` is the wait for the agreement collective (one for about 0.1 s of steps,
+        read a step after it started; it absorbs waiting for slower ranks), ``agreements`` how
+        many there were; gradient all-reduce overlaps backward in DDP and is counted inside
+        ``forward_backward_s``.
         """
         out: dict[str, float] = {f"{k}_s": round(v, 4) for k, v in self.timings.items()}
         out["wall_s"] = round(wall_s, 4)
@@ -127,6 +128,7 @@ class ProfilingMixin:
         # same span: what rank 0's extra duties cost shows here, not in wall time alone.
         out["process_cpu_s"] = round(time.process_time() - self._cpu_started, 4)
         out["steps"] = steps_run
+        out["agreements"] = getattr(self, "agreements", 0)
         out["samples_per_s"] = round(steps_run * self.cfg.global_batch_size / max(wall_s, 1e-9),
                                      2)
         busy_s = self.timings["forward_backward"] + self.timings["optimizer"]

@@ -47,8 +47,11 @@ class ProgressWriter:
         self._last_beat = 0.0
         self._started = _process_started()
 
-    def event(self, event: str, step: int, **fields: Any) -> None:
-        record = {"event": event, "time": round(time.time(), 3), "step": step,
+    def event(self, event: str, step: int, at_time: float | None = None, **fields: Any) -> None:
+        """Append one event; ``at_time`` (Unix seconds) when it happened before now (a step
+        reported once its agreement is read)."""
+        record = {"event": event, "time": round(time.time() if at_time is None else at_time, 3),
+                  "step": step,
                   "attempt": self.attempt, **fields}
         if event == "step" and step <= self.reported_up_to:
             record["rerun"] = True

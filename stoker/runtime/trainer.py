@@ -50,16 +50,45 @@ RUN_OPEN_TIMEOUT_S = 300.0  # the result names the run: wait this long for MLflo
 STOP_TRACKING_WAIT_S = 2.0
 
 
+# The per-step agreement (loss, stop, time-due) is one collective for the steps of about this
+# long: at 12 ms steps a collective per step cost 7-10 % of the wall time on 2 CPU cores (its
+# gloo thread competes with the ranks' compute), while a stop still lands within ~0.1 s.
+AGREE_EVERY_S = 0.1
+MAX_AGREE_STEPS = 16
+
+
+def agreement_interval(mean_step_s: float) -> int:
+    """Steps until the next agreement for steps of ``mean_step_s`` seconds: about
+    ``AGREE_EVERY_S`` of them, at least 1 (slow steps: one each), at most ``MAX_AGREE_STEPS``."""
+    if not math.isfinite(mean_step_s) or mean_step_s <= 0:
+        return 1
+    return min(MAX_AGREE_STEPS, max(1, int(AGREE_EVERY_S / mean_step_s)))
+
+
 @dataclass
-class _Agreement:
-    """One step's collective in flight: ``flags`` = [summed loss, stop votes, time-due]."""
+class _Step:
+    """A trained step not yet agreed on: its local loss (0-d tensor), when it ended."""
 
     step: int
     epoch: int
     lr: float
+    loss: torch.Tensor
+    step_s: float
+    ended: float  # Unix seconds
+
+
+@dataclass
+class _Agreement:
+    """One collective in flight for ``steps``: ``flags`` = [summed loss of each step ...,
+    stop votes, time-due, the steps until the next agreement (rank 0's proposal)]."""
+
+    steps: list[_Step]
     flags: torch.Tensor
     work: Any  # torch.distributed Work, None on one process
-    step_s: float = 0.0
+
+    @property
+    def step(self) -> int:
+        return self.steps[-1].step
 
 
 class Trainer(ProfilingMixin):
@@ -69,6 +98,7 @@ class Trainer(ProfilingMixin):
         self.spec, self.cfg, self.env, self.stop = spec, spec.train, env, stop
         self.timings = dict.fromkeys(("data", "forward_backward", "optimizer", "sync", "eval",
                                       "checkpoint"), 0.0)
+        self.agreements = 0  # collectives of loss and flags this attempt (see _agree)
         self._configure_backends()
         cfg = self.cfg
         self.splits = build_splits(
@@ -273,7 +303,9 @@ class Trainer(ProfilingMixin):
         started, self._cpu_started = time.perf_counter(), time.process_time()
         start_step = self.step
         profiler = self._profiler()
-        pending: _Agreement | None = None
+        pending: _Agreement | None = None  # in flight, read after the next step
+        unagreed: list[_Step] = []
+        next_agreement = start_step + 1
         while self.step < self.total_steps:
             epoch, first = divmod(self.step, self.steps_per_epoch)
             epoch_started = time.perf_counter()
@@ -288,31 +320,37 @@ class Trainer(ProfilingMixin):
                 if self.cfg.fail_at_step == self.step:
                     raise RuntimeError(f"simulated failure at step {self.step} "
                                        "(train.fail_at_step)")
-                # The step's agreement (mean loss, stop, time-due) runs in the background; it
-                # is read after the next step, or now where this step may checkpoint or end.
-                pending, agreed = self._agree(loss, epoch, lr), pending
                 step_s = time.perf_counter() - t0
                 self.train_time_s += step_s
-                pending.step_s = step_s
+                unagreed.append(_Step(self.step, epoch, lr, loss.detach(), step_s, time.time()))
                 if profiler is not None:
                     profiler = self._profiler_step(profiler)
                 if self._step_flops is None and self.env.is_main:
                     # Once per attempt, on rank 0 alone (the only rank that reports it).
                     self._step_flops = 0.0
                     self._measure_flops(micro)
+                # The steps' agreement (mean loss, stop, time-due) runs in the background: one
+                # collective every few steps (AGREE_EVERY_S), read after the next step, or at
+                # once where this step may checkpoint or end.
                 stop = due = False
-                if agreed is not None:
-                    stop, due = self._settle(agreed)
+                if pending is not None:
+                    stop, due, interval = self._settle(pending)
+                    next_agreement = pending.step + interval
+                    pending = None
                 end_of_epoch = self.step % self.steps_per_epoch == 0
                 every = self.cfg.checkpoint_every_steps
                 saving = (stop or due or self.step == self.total_steps
                           or (every is not None and self.step % every == 0))
-                if (saving or end_of_epoch or self.step == start_step + 1
-                        or pending.work is None):
+                now = (saving or end_of_epoch or self.step == start_step + 1
+                       or not self.env.distributed)
+                if now or self.step >= next_agreement:
+                    pending, unagreed = self._agree(unagreed), []
+                if now:
                     # Before a checkpoint (never of a diverged step), an evaluation, and after
-                    # the attempt's first step (a stop sent during start-up): this step's
-                    # agreement, which may add a stop or a time-based save.
-                    now_stop, now_due = self._settle(pending)
+                    # the attempt's first step (a stop sent during start-up): every step so
+                    # far agreed on, which may add a stop or a time-based save.
+                    now_stop, now_due, interval = self._settle(pending)
+                    next_agreement = pending.step + interval
                     pending = None
                     stop, saving = stop or now_stop, saving or now_stop or now_due
                 if end_of_epoch:
@@ -370,37 +408,50 @@ class Trainer(ProfilingMixin):
         dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
         return torch.autocast(self.env.device.type, dtype=dtype)
 
-    def _agree(self, loss: torch.Tensor, epoch: int, lr: float) -> _Agreement:
-        """Start this step's one collective, in the background: the summed loss, whether any
-        rank wants to stop, whether rank 0's time-based checkpoint is due. Read it with
-        :meth:`_settle` (every rank settles every agreement, in order)."""
+    def _agree(self, steps: list[_Step]) -> _Agreement:
+        """Start the collective for ``steps`` (the steps trained since the last one), in the
+        background: each step's summed loss, whether any rank wants to stop, whether rank 0's
+        time-based checkpoint is due, and rank 0's proposal for the steps until the next one
+        (about ``AGREE_EVERY_S`` of its steps, 1 to ``MAX_AGREE_STEPS``). Read it with
+        :meth:`_settle` (every rank starts and settles every agreement at the same steps)."""
         time_due = (self.env.is_main and self.cfg.checkpoint_every_s is not None
                     and time.monotonic() - self._last_save >= self.cfg.checkpoint_every_s)
-        flags = torch.tensor([float(loss), float(self.stop.requested), float(time_due)],
-                             dtype=torch.float64, device=self.env.device)
+        interval = 0
+        if self.env.is_main:
+            interval = agreement_interval(sum(s.step_s for s in steps) / len(steps))
+        self.agreements += 1
+        # On the losses' device, without a host sync (read in _settle).
+        flags = torch.cat([torch.stack([s.loss for s in steps]).to(torch.float64),
+                           torch.tensor([float(self.stop.requested), float(time_due),
+                                         float(interval)], dtype=torch.float64,
+                                        device=self.env.device)])
         work = None
         if self.env.distributed:  # (one process has nothing to wait for: settled at once)
             work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
-        return _Agreement(self.step, epoch, lr, flags, work)
+        return _Agreement(steps, flags, work)
 
-    def _settle(self, agreed: _Agreement) -> tuple[bool, bool]:
-        """Wait for ``agreed``, check its loss, report its step; returns (stop, time-due).
+    def _settle(self, agreed: _Agreement) -> tuple[bool, bool, int]:
+        """Wait for ``agreed``, check its losses, report its steps; returns (stop, time-due,
+        steps until the next agreement).
 
         Raises:
-            FloatingPointError: the mean loss over the ranks is not finite (diverged).
+            FloatingPointError: a step's mean loss over the ranks is not finite (diverged).
         """
         t0 = time.perf_counter()
         if agreed.work is not None:
             agreed.work.wait()
         self.timings["sync"] += time.perf_counter() - t0
         flags = agreed.flags.tolist()
-        mean_loss = flags[0] / self.env.world_size
-        if not math.isfinite(mean_loss):
-            raise FloatingPointError(
-                f"train loss is {mean_loss} at step {agreed.step}: training diverged (check "
-                f"train.lr={self.cfg.lr}, train.precision={self.cfg.precision})")
-        self._log_step(agreed.step, agreed.epoch, mean_loss, agreed.lr, agreed.step_s)
-        return flags[1] > 0, flags[2] > 0
+        n = len(agreed.steps)
+        for s, summed in zip(agreed.steps, flags[:n], strict=True):
+            mean_loss = summed / self.env.world_size
+            if not math.isfinite(mean_loss):
+                raise FloatingPointError(
+                    f"train loss is {mean_loss} at step {s.step}: training diverged (check "
+                    f"train.lr={self.cfg.lr}, train.precision={self.cfg.precision})")
+            self._log_step(s.step, s.epoch, mean_loss, s.lr, s.step_s, s.ended)
+        stop, due, interval = flags[n:]
+        return stop > 0, due > 0, max(1, int(interval))
 
     def evaluate(self, epoch: int, epoch_time_s: float) -> dict[str, float]:
         """Validation over all ranks (each takes every world_size-th sample); logs and returns
@@ -482,14 +533,15 @@ class Trainer(ProfilingMixin):
         barrier(self.env)
 
     # -- reporting ----------------------------------------------------------------------------
-    def _log_step(self, step: int, epoch: int, loss: float, lr: float, step_s: float) -> None:
+    def _log_step(self, step: int, epoch: int, loss: float, lr: float, step_s: float,
+                  ended: float | None = None) -> None:
         self._window_steps += 1
         self._window_s += step_s
         if step % self.cfg.log_every_steps and step != self.total_steps:
             return
         samples_per_s = self.cfg.global_batch_size / max(step_s, 1e-9)
         self._event("step", epoch=epoch, loss=loss, lr=lr, samples_per_s=samples_per_s,
-                    at_step=step)
+                    at_step=step, at_time=ended)
         metrics = {"train_loss": loss}
         # Each MLflow value costs ~0.1 ms of rank-0 CPU (the store's insert): the loss goes in at
         # every step, lr and throughput (averaged over the steps since) every few steps.
@@ -500,9 +552,11 @@ class Trainer(ProfilingMixin):
             self._window_steps, self._window_s = 0, 0.0
         self._log(metrics, step)
 
-    def _event(self, event: str, at_step: int | None = None, **fields: Any) -> None:
+    def _event(self, event: str, at_step: int | None = None, at_time: float | None = None,
+               **fields: Any) -> None:
         if self.progress is not None:
-            self.progress.event(event, self.step if at_step is None else at_step, **fields)
+            self.progress.event(event, self.step if at_step is None else at_step,
+                                at_time=at_time, **fields)
 
     def _log(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self.tracker is not None:
