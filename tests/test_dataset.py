@@ -119,3 +119,36 @@ def test_bad_revision_and_path_are_named(demo_repo, tmp_path):
     assert str(info.value).startswith(f"data.repo_url {tmp_path / 'no-such-repo'}: cannot "
                                       "clone: fatal: ")
     assert ".repos" not in str(info.value)
+
+
+def test_a_missing_data_path_names_what_dvc_tracks_at_that_commit(tmp_path):
+    """A typo in data.path gets the paths DVC does track there (was: "is it tracked by
+    DVC?", which left the user to go and look); none at all says so; long lists are cut."""
+    from stoker.data.pull import MAX_LISTED, _dvc_out
+
+    repo = tmp_path / "repo"
+    (repo / ".dvc").mkdir(parents=True)
+    (repo / ".dvc" / "config").write_text("")
+    (repo / "README").write_text("no data yet\n")
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "empty")
+    empty = git(repo, "rev-parse", "HEAD")
+    with pytest.raises(DatasetError) as none:
+        _dvc_out(repo, empty, "data/fruit")
+    assert str(none.value) == (f"data.path data/fruit: no data/fruit.dvc at commit {empty[:12]}; "
+                               "nothing there is tracked by DVC (no .dvc file)")
+    for name in ["data/fruits", "data/apples it's", "data/pommes-é",
+                 *[f"extra/set{i:02d}" for i in range(11)]]:
+        Path(repo, f"{name}.dvc").parent.mkdir(parents=True, exist_ok=True)
+        Path(repo, f"{name}.dvc").write_text("outs:\n- md5: 0.dir\n  path: x\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "data")
+    commit = git(repo, "rev-parse", "HEAD")
+    with pytest.raises(DatasetError) as some:
+        _dvc_out(repo, commit, "data/fruit")
+    tracked = ["data/apples it's", "data/fruits", "data/pommes-é",
+               *[f"extra/set{i:02d}" for i in range(7)]]
+    assert len(tracked) == MAX_LISTED
+    assert str(some.value) == (f"data.path data/fruit: no data/fruit.dvc at commit "
+                               f"{commit[:12]}; DVC tracks {', '.join(tracked)} and 4 more there")

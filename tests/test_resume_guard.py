@@ -110,7 +110,8 @@ def test_job_id_is_a_whole_folder_name(tmp_path, monkeypatch):
 @pytest.mark.parametrize(("override", "message"), [
     ("data.rev=no-such-rev", "error: data.rev 'no-such-rev': not found in {repo}"),
     ("data.path=data/digitz",
-     "error: data.path data/digitz: no data/digitz.dvc at commit {commit}; is it tracked by DVC?"),
+     "error: data.path data/digitz: no data/digitz.dvc at commit {commit}; DVC tracks "
+     "data/digits there"),
 ])
 @pytest.mark.parametrize("job_id", [[], ["job_id=nightly-1"]], ids=["no-job-id", "new-job-id"])
 def test_a_missing_revision_or_path_of_a_local_repository_is_named_before_the_pull(

@@ -100,14 +100,30 @@ def _clone(repo_url: str, datasets_dir: Path) -> Path:
     return clone
 
 
+MAX_LISTED = 10  # tracked paths named in a "no such data.path" error
+
+
+def _tracked_paths(clone: Path, commit: str) -> list[str]:
+    """The paths ``<path>.dvc`` files track at ``commit`` (sorted; [] when git cannot list)."""
+    try:
+        names = git(clone, "ls-tree", "-r", "-z", "--name-only", commit).split("\0")
+    except RuntimeError:
+        return []
+    return sorted(n.removesuffix(".dvc") for n in names
+                  if n.endswith(".dvc") and not n.startswith(".dvc/") and "/.dvc/" not in n)
+
+
 def _dvc_out(clone: Path, commit: str, path: str) -> dict:
     """Read the single output entry of ``<path>.dvc`` at ``commit``."""
     try:
         text = git(clone, "show", f"{commit}:{path}.dvc")
     except RuntimeError:
-        raise DatasetError(
-            f"data.path {path}: no {path}.dvc at commit {commit[:12]}; is it tracked by DVC?"
-        ) from None
+        tracked = _tracked_paths(clone, commit)
+        hint = (f"DVC tracks {', '.join(tracked[:MAX_LISTED])}"
+                + (f" and {len(tracked) - MAX_LISTED} more" if len(tracked) > MAX_LISTED else "")
+                + " there") if tracked else "nothing there is tracked by DVC (no .dvc file)"
+        raise DatasetError(f"data.path {path}: no {path}.dvc at commit {commit[:12]}; {hint}"
+                           ) from None
     outs = (yaml.safe_load(text) or {}).get("outs") or []
     if len(outs) != 1 or "md5" not in outs[0]:
         raise DatasetError(f"{path}.dvc at {commit[:12]}: expected one output with an md5 hash")
