@@ -172,6 +172,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
 
     def record(attempt: Attempt) -> None:
         nonlocal preempted
+        watcher.report_now()  # this attempt's last progress line, before the next one starts
         preempted += attempt.outcome == Outcome.PREEMPTED
         number = attempt.number + first_number - 1
         lost, reached, committed = (0, 0, 0) if attempt.outcome == Outcome.COMPLETED \

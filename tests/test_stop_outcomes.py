@@ -113,6 +113,15 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     assert "attempt-3" not in tasks
     train = next(state for name, state in tasks.items() if name.startswith("train"))
     assert train.type.value == "CANCELLED"
+    # Attempt 1's progress lines all come before attempt 2 starts (a late "step N/M (attempt
+    # 1)" line used to follow "attempt 2 on ...": the watcher polls every 5 s).
+    logs = []
+    with get_client(sync_client=True) as client:
+        while page := client.read_logs(limit=200, offset=len(logs)):
+            logs.extend(page)
+    messages = [log.message for log in sorted(logs, key=lambda r: r.timestamp)]
+    second = next(i for i, m in enumerate(messages) if m.startswith("attempt 2 on "))
+    assert not [m for m in messages[second:] if "(attempt 1)" in m], messages[second:]
 
 
 def test_a_requested_stop_is_not_retried_whatever_the_exit_code():

@@ -162,6 +162,7 @@ class ProgressWatcher(threading.Thread):
         super().__init__(daemon=True, name="progress-watcher")
         self.job_dir, self.on_progress, self.every_s = job_dir, on_progress, every_s
         self.stopped = threading.Event()
+        self._lock = threading.Lock()  # a poll of the thread and report_now never interleave
         self._last: str | None = None
         # Only the new bytes are read at each poll (the file grows by a line per step), and
         # only what job_progress looks at is kept: every start, end and checkpoint event, and
@@ -191,6 +192,10 @@ class ProgressWatcher(threading.Thread):
 
     def poll(self) -> None:
         """Report the job's state when it changed since the last report (no repeated lines)."""
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         restarts = self.tail.restarts
         records = self.tail.read()
         if self.tail.restarts != restarts:  # the file was replaced: start over
@@ -220,6 +225,12 @@ class ProgressWatcher(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
+        self._poll_safely()
+
+    def report_now(self) -> None:
+        """Report what the events say now, from the caller's thread: called as an attempt ends,
+        so that its last line comes before the next attempt's (not up to ``every_s`` later,
+        after "attempt 2 on ...")."""
         self._poll_safely()
 
     def _poll_safely(self) -> None:
