@@ -85,10 +85,12 @@ def starts(spec: Path) -> list[int]:
 def test_all_ranks_resume_from_the_step_rank0_chose(make_spec):
     """Input 1(c): a committed checkpoint only rank 1 cannot load (its file, hash and all, is
     garbage) must not put the ranks on different steps: all resume from the previous one."""
-    spec = make_spec("agree", epochs=1, checkpoint_every_steps=5, keep_latest_k=3)
+    # 2 epochs (44 steps): the stop lands within ~0.1 s of steps (the ranks agree on it once for
+    # several fast steps), well before the end.
+    spec = make_spec("agree", epochs=2, checkpoint_every_steps=5, keep_latest_k=3)
     code, output = run(spec, stop_after=7)
     assert code == 75, output[-3000:]
-    newest = committed(spec)[-1]
+    *_, previous, newest = committed(spec)
     shard = folder(spec, newest) / "rank-00001.pt"
     shard.write_bytes(b"not a checkpoint")
     marker = json.loads((folder(spec, newest) / MARKER).read_text())
@@ -97,7 +99,6 @@ def test_all_ranks_resume_from_the_step_rank0_chose(make_spec):
 
     code, output = run(spec, timeout_s=180)
     assert code == 0, output[-3000:]
-    previous = 5
     assert starts(spec)[-1] == previous  # rank 0 (which could read it) did not take it either
     assert f"resumed from {folder(spec, previous)}" in output
     assert list((spec.parent / "checkpoints").glob(f"corrupt-step-{newest:09d}-*"))
@@ -106,31 +107,32 @@ def test_all_ranks_resume_from_the_step_rank0_chose(make_spec):
 def test_retention_never_deletes_the_checkpoint_that_resumes(make_spec):
     """Input 4: committed-but-corrupt folders above the resume point, then keep_latest_k=1:
     the next commits keep the newest verified checkpoint, and the next run resumes from it."""
-    spec = make_spec("retention", epochs=1, checkpoint_every_steps=4, keep_latest_k=3)
+    spec = make_spec("retention", epochs=2, checkpoint_every_steps=4, keep_latest_k=3)
     code, output = run(spec, stop_after=9)
     assert code == 75, output[-3000:]
     steps = committed(spec)
-    assert len(steps) == 3 and steps[0] == 4
+    assert len(steps) == 3 and steps[0] % 4 == 0  # the oldest kept: a periodic one
+    resume = steps[0]
     for step in steps[1:]:  # the two newest: a flipped byte in shared.pt
         flip_byte(folder(spec, step) / "shared.pt")
     respec(spec, keep_latest_k=1)
     code, output = run(spec, stop_after=1)  # stop (and commit) right after resuming
     assert code == 75, output[-3000:]
-    assert starts(spec)[-1] == 4
+    assert starts(spec)[-1] == resume
     stopped = [e for e in events(spec.parent) if e["event"] == "end"][-1]["step"]
-    assert committed(spec) == [stopped] and stopped > 4
+    assert committed(spec) == [stopped] and stopped > resume
     assert len(list((spec.parent / "checkpoints").glob("corrupt-step-*"))) == 2
     code, output = run(spec)
     assert code == 0, output[-3000:]
     assert starts(spec)[-1] == stopped  # not step 0
     steps = [e["step"] for e in events(spec.parent) if e["event"] == "step" and not e.get("rerun")]
-    assert steps == list(range(1, 23))  # re-run steps are marked: one unmarked line per step
+    assert steps == list(range(1, 45))  # re-run steps are marked: one unmarked line per step
 
 
 def test_no_usable_checkpoint_refuses_or_restarts_loudly(make_spec):
     """Input 5: every committed checkpoint corrupt. ``refuse``: exit 2 naming each folder,
     nothing moved. ``restart`` (default): a loud warning naming each folder and a run tag."""
-    spec = make_spec("nothing", epochs=1, checkpoint_every_steps=4, keep_latest_k=2)
+    spec = make_spec("nothing", epochs=2, checkpoint_every_steps=4, keep_latest_k=2)
     code, output = run(spec, stop_after=5)
     assert code == 75, output[-3000:]
     steps = committed(spec)

@@ -137,10 +137,10 @@ def test_a_preempted_attempt_parks_its_launcher_and_the_retry_resumes_in_it(make
     """Exit 75 leaves the launcher alive (no rank, no other process of its session) as the
     standby; the retry runs in that same process, resumes, and trains the weights of a run
     never interrupted. A completed attempt's launcher ends."""
-    straight = make_spec("straight", tracking=False, epochs=1)
+    straight = make_spec("straight", tracking=False, epochs=2)
     assert LocalLauncher(2).run(straight, on_line=lambda _line: None, timeout_s=600) == 0
     assert local._standby is None  # exit 0: nothing parked
-    spec = make_spec("parked", tracking=False, epochs=1)
+    spec = make_spec("parked", tracking=False, epochs=2)
     launcher = LocalLauncher(2)
     lines: list[str] = []
     _sigterm_rank1_at(spec, launcher, 5)
@@ -174,7 +174,7 @@ def _sid(pid: int) -> int | None:
 def test_a_parked_launcher_that_dies_or_is_discarded_leaves_nothing(make_spec):
     """Signalled while parked it ends (the retry starts cold and still completes); discarded
     (no retry came: the train task's end), it is reaped."""
-    spec = make_spec("dies", tracking=False, epochs=1)
+    spec = make_spec("dies", tracking=False, epochs=2)
     launcher = LocalLauncher(2)
     _sigterm_rank1_at(spec, launcher, 3)
     assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 75
@@ -184,7 +184,7 @@ def test_a_parked_launcher_that_dies_or_is_discarded_leaves_nothing(make_spec):
     assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 0
     assert launcher.process is not first
 
-    spec = make_spec("discarded", tracking=False, epochs=1)
+    spec = make_spec("discarded", tracking=False, epochs=2)
     _sigterm_rank1_at(spec, launcher, 3)
     assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 75
     pid = launcher.process.pid
