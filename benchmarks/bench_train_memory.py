@@ -83,13 +83,27 @@ def _tree_memory(rank) -> tuple[int, int]:
     import psutil
 
     rss = pss = 0
-    for proc in [rank, *rank.children(recursive=True)]:
+    try:
+        tree = [rank, *rank.children(recursive=True)]
+    except psutil.Error:  # the rank is gone (or a zombie): nothing of it to count
+        return 0, 0
+    for proc in tree:
         try:
             info = proc.memory_full_info()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        except psutil.Error:  # gone, a zombie, not ours
             continue
         rss, pss = rss + info.rss, pss + getattr(info, "pss", info.rss)
     return rss, pss
+
+
+def _cmdline(proc) -> str:
+    """``proc``'s command line, or "" once it is gone or a zombie (a rank that just exited)."""
+    import psutil
+
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def _steps_done(job: Path) -> int:
@@ -124,7 +138,11 @@ def peak_memory(root: Path, job: Path, steps: int, workers: int, timeout_s: floa
     try:
         top = psutil.Process(proc.pid)
         while proc.poll() is None and time.monotonic() - started < timeout_s:
-            ranks = [p for p in top.children() if "stoker.runtime" in " ".join(p.cmdline())]
+            try:
+                children = top.children()
+            except psutil.Error:  # torchrun just exited
+                children = []
+            ranks = [p for p in children if "stoker.runtime" in _cmdline(p)]
             for rank in ranks:
                 rss, pss = _tree_memory(rank)
                 old = peaks.setdefault(rank.pid, [0, 0])
