@@ -172,7 +172,6 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
 
     def record(attempt: Attempt) -> None:
         nonlocal preempted
-        watcher.report_now()  # this attempt's last progress line, before the next one starts
         preempted += attempt.outcome == Outcome.PREEMPTED
         number = attempt.number + first_number - 1
         lost, reached, committed = (0, 0, 0) if attempt.outcome == Outcome.COMPLETED \
@@ -194,6 +193,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         level = logger.info if attempt.outcome == Outcome.COMPLETED else logger.warning
         level("attempt %d ended: %s (exit %s) after %.1f s", number, attempt.outcome,
               describe_exit(attempt.exit_code), attempt.duration_s)
+        # Its last progress line ("restarting ..."), after the line above and before the next
+        # attempt starts (the watcher alone could say it up to 5 s later, after "attempt N+1 on").
+        watcher.report_now()
         if attempt.outcome == Outcome.INFRASTRUCTURE and read_text(run_file):
             finish_run(client, read_text(run_file), "KILLED")
 
