@@ -77,9 +77,15 @@ def total_steps_lost(history: list[dict[str, Any]]) -> int:
                if isinstance(a.get("steps_lost"), int) and not isinstance(a["steps_lost"], bool))
 
 
+def is_closed(record: dict[str, Any]) -> bool:
+    """Whether an attempt record (:meth:`AttemptLog.records`) is closed (``state`` ``ended``,
+    or no state: older files)."""
+    return record.get("state", "ended") == "ended"
+
+
 def closed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The closed attempts among ``records`` (:meth:`AttemptLog.records`), in their order."""
-    return [r for r in records if r.get("state", "ended") == "ended"]
+    return [r for r in records if is_closed(r)]
 
 
 class AttemptLog:

@@ -145,7 +145,7 @@ def job_summary(job_dir: Path, now: float | None = None,
                 bucket_lease: dict | None = None) -> JobSummary:
     """Summarise one job folder from its records (never raises on a torn or missing record);
     ``bucket_lease``: the job's lease object in the bucket, when it lives in one."""
-    from stoker.launch.attempts import AttemptLog, closed, total_steps_lost
+    from stoker.launch.attempts import AttemptLog, closed, is_closed, total_steps_lost
     from stoker.launch.job import done_summary
     from stoker.launch.lease import holder_alive
     from stoker.launch.stop_request import read_stop_request
@@ -171,8 +171,8 @@ def job_summary(job_dir: Path, now: float | None = None,
     stopped_by = None
     if request is not None:
         stopped_by = request.describe()
-    elif records and records[-1].get("state", "ended") == "ended" and \
-            records[-1].get("stopped_by"):  # Ctrl-C, SIGTERM, a Prefect cancel
+    elif records and is_closed(records[-1]) and records[-1].get("stopped_by"):
+        # Ctrl-C, SIGTERM, a Prefect cancel
         stopped_by = f"stopped by {records[-1]['stopped_by']}"
     if done is not None:
         state = "done"

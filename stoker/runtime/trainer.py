@@ -334,8 +334,7 @@ class Trainer(ProfilingMixin):
                 # once where this step may checkpoint or end.
                 stop = due = False
                 if pending is not None:
-                    stop, due, interval = self._settle(pending)
-                    next_agreement = pending.step + interval
+                    stop, due, next_agreement = self._settle(pending)
                     pending = None
                 end_of_epoch = self.step % self.steps_per_epoch == 0
                 every = self.cfg.checkpoint_every_steps
@@ -349,8 +348,7 @@ class Trainer(ProfilingMixin):
                     # Before a checkpoint (never of a diverged step), an evaluation, and after
                     # the attempt's first step (a stop sent during start-up): every step so
                     # far agreed on, which may add a stop or a time-based save.
-                    now_stop, now_due, interval = self._settle(pending)
-                    next_agreement = pending.step + interval
+                    now_stop, now_due, next_agreement = self._settle(pending)
                     pending = None
                     stop, saving = stop or now_stop, saving or now_stop or now_due
                 if end_of_epoch:
@@ -432,7 +430,7 @@ class Trainer(ProfilingMixin):
 
     def _settle(self, agreed: _Agreement) -> tuple[bool, bool, int]:
         """Wait for ``agreed``, check its losses, report its steps; returns (stop, time-due,
-        steps until the next agreement).
+        the step at which the next agreement starts).
 
         Raises:
             FloatingPointError: a step's mean loss over the ranks is not finite (diverged).
@@ -451,7 +449,7 @@ class Trainer(ProfilingMixin):
                     f"train.lr={self.cfg.lr}, train.precision={self.cfg.precision})")
             self._log_step(s.step, s.epoch, mean_loss, s.lr, s.step_s, s.ended)
         stop, due, interval = flags[n:]
-        return stop > 0, due > 0, max(1, int(interval))
+        return stop > 0, due > 0, agreed.step + max(1, int(interval))
 
     def evaluate(self, epoch: int, epoch_time_s: float) -> dict[str, float]:
         """Validation over all ranks (each takes every world_size-th sample); logs and returns
