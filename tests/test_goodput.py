@@ -58,6 +58,11 @@ def test_first_step_does_not_wait_for_a_slow_tracking_store(make_spec):
     steps = [m.step for m in client.get_metric_history(run_id, "train_loss")]
     assert sorted(steps) == list(range(1, total + 1))
     assert json.loads((job / "result.json").read_text())["run_id"] == run_id
+    # What tracking cost rank 0 in CPU is on record: per evaluation and for the attempt.
+    (last_eval,) = [e for e in events if e["event"] == "eval"]
+    assert 0 < last_eval["tracking_cpu_s"] < last_eval["process_cpu_s"]
+    metrics = run.data.metrics
+    assert 0 < metrics["profile_tracking_cpu_s"] < metrics["profile_process_cpu_s"]
 
 
 def _job_events(first: int, last: int, total: int = 100) -> list[dict]:
@@ -188,3 +193,34 @@ def test_metrics_a_stop_could_not_send_reach_mlflow_from_the_checkpoint_backlog(
     third.end("FINISHED")
     history = MlflowClient(uri).get_metric_history(run_id, "train_loss")
     assert sorted(m.step for m in history) == list(range(1, 12))
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_tracking_cpu_counts_the_tracking_threads_and_not_the_training_thread():
+    """``cpu_s`` is what rank 0's MLflow threads used (the worker opening the run and sending
+    batches), read per thread from the kernel: CPU the training thread spends is not in it."""
+    from stoker.runtime.background_tracking import BackgroundTracker
+
+    class Opened:
+        run_id = "r"
+
+        def log_records(self, records: list) -> None:
+            _burn(0.3)  # a slow store insert, in the worker
+
+        def end(self, status: str) -> None:
+            pass
+
+    tracker = BackgroundTracker(Opened, flush_every_s=0.05)
+    tracker.wait_open(120)
+    before = tracker.cpu_s()
+    _burn(0.5)  # the training thread's own work
+    assert tracker.cpu_s() - before < 0.1
+    tracker.log_metrics(1, {"train_loss": 1.0})
+    tracker.flush(60)
+    assert tracker.cpu_s() - before >= 0.25
+    tracker.end("FINISHED")

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 # One queued metric value: (key, value, Unix time in ms, step).
 MetricRecord = tuple[str, float, int, int]
 
+# The threads that do rank 0's tracking work: this module's worker and MLflow's system metrics
+# monitor (``mlflow.system_metrics.system_metrics_monitor`` names its thread so).
+TRACKING_THREADS = ("mlflow-tracking", "SystemMetricsMonitor")
+
 
 class TrackingError(RuntimeError):
     """The MLflow run could not be opened, or a batch could not be sent."""
@@ -138,6 +142,21 @@ class BackgroundTracker:
         if self._thread.is_alive():
             raise TrackingError(f"MLflow run not closed within {timeout_s} s")
         self._raise_error()
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the tracking threads of this process have used so far:
+        the worker (importing MLflow, opening the run, every ``log_batch``) and MLflow's system
+        metrics monitor, read per thread from the kernel (``psutil.Process.threads``). A thread
+        that has already ended no longer counts. The training thread's part (appending to the
+        queue, microseconds per call) is not included."""
+        import psutil
+
+        ids = {t.native_id for t in threading.enumerate() if t.name in TRACKING_THREADS}
+        try:
+            threads = psutil.Process().threads()
+        except psutil.Error:  # /proc unreadable: report nothing rather than fail a step
+            return 0.0
+        return sum(t.user_time + t.system_time for t in threads if t.id in ids)
 
     def _raise_error(self) -> None:
         if self._error is not None:

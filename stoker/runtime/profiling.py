@@ -64,6 +64,7 @@ class ProfilingMixin:
 
     _step_flops: float | None = None
     _cpu_started = 0.0  # time.process_time() when the attempt's loop started
+    _tracking_cpu_started = 0.0  # the tracking threads' CPU seconds then
 
     def _profiler(self):
         """An opt-in torch.profiler for ``profile_steps`` steps after 5 warm-up steps."""
@@ -127,6 +128,9 @@ class ProfilingMixin:
         # CPU seconds of this process (all its threads: tracking, data, checkpoint) over the
         # same span: what rank 0's extra duties cost shows here, not in wall time alone.
         out["process_cpu_s"] = round(time.process_time() - self._cpu_started, 4)
+        if self.tracker is not None:  # of which the MLflow threads' (tracking worker, system
+            # metrics monitor), over the same span
+            out["tracking_cpu_s"] = round(self.tracker.cpu_s() - self._tracking_cpu_started, 4)
         out["steps"] = steps_run
         out["agreements"] = getattr(self, "agreements", 0)
         out["samples_per_s"] = round(steps_run * self.cfg.global_batch_size / max(wall_s, 1e-9),

@@ -301,6 +301,7 @@ class Trainer(ProfilingMixin):
         self._event("start", total_steps=self.total_steps, resumed=self.step > 0,
                     restarted_from_zero=self.resume.restarted_from_zero)
         started, self._cpu_started = time.perf_counter(), time.process_time()
+        self._tracking_cpu_started = self.tracker.cpu_s() if self.tracker is not None else 0.0
         start_step = self.step
         profiler = self._profiler()
         pending: _Agreement | None = None  # in flight, read after the next step
@@ -480,7 +481,8 @@ class Trainer(ProfilingMixin):
                      self.metrics["val_loss"], epoch_time_s)
         self._event("eval", epoch=epoch + 1, val_accuracy=self.metrics["val_accuracy"],
                     val_loss=self.metrics["val_loss"], process_cpu_s=round(time.process_time(), 3),
-                    **({"tracking_open": self.tracker.opened.is_set()} if self.tracker else {}))
+                    **({"tracking_open": self.tracker.opened.is_set(),
+                        "tracking_cpu_s": round(self.tracker.cpu_s(), 4)} if self.tracker else {}))
         self._log({"val_accuracy": self.metrics["val_accuracy"],
                    "val_loss": self.metrics["val_loss"], "epoch_time_s": epoch_time_s})
         return self.metrics
