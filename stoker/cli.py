@@ -548,11 +548,18 @@ def show_config(
     work_dir: Annotated[Path | None, RUN_WORK_DIR_OPTION] = None,
 ) -> None:
     """Print the resolved, validated configuration as YAML (usable as a ``--config`` file); a
-    relative ``work_dir`` is shown with the folder it names from here as a comment."""
+    relative ``work_dir`` is shown with the folder it names from here as a comment, and
+    ``tracking.tracking_uri`` as the URI a run uses (``PipelineConfig.tracking_uri()``: an
+    empty one is the default store in the work folder, said in a comment)."""
     import yaml
 
     config = _config(config_file, _with_work_dir(overrides, work_dir))
-    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    values = config.model_dump(mode="json")
+    values["tracking"]["tracking_uri"] = config.tracking_uri()
+    text = yaml.safe_dump(values, sort_keys=False)
+    if not config.tracking.tracking_uri:  # said where the field is
+        text = text.replace("\ntracking:\n", "\n# tracking.tracking_uri is not set: a run uses "
+                            "the default shown, mlflow.db in work_dir\ntracking:\n", 1)
     work_dir = Path(config.work_dir)
     if not work_dir.is_absolute():
         text = f"# work_dir {work_dir} is {work_dir.resolve()} from here\n{text}"

@@ -288,3 +288,24 @@ def test_a_data_path_outside_the_repository_is_refused_in_one_line(given, tmp_pa
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("error: data.path: ") and repr(given) in line, line
     assert not (tmp_path / "work").exists()
+
+
+def test_show_config_shows_the_tracking_uri_a_run_uses(tmp_path, monkeypatch):
+    """New-user trial: `show-config` printed `tracking_uri: null`; it shows what `stoker run`
+    uses (PipelineConfig.tracking_uri()): the default store in the work folder, or the one set."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["show-config", "work_dir=runs/w"])
+    assert result.exit_code == 0, result.output
+    shown = yaml.safe_load(result.output)["tracking"]["tracking_uri"]
+    assert shown == f"sqlite:///{tmp_path.resolve() / 'runs/w/mlflow.db'}"
+    assert shown == load_pipeline_config(None, ["work_dir=runs/w"]).tracking_uri()
+    assert "# tracking.tracking_uri is not set" in result.output
+    given = CliRunner().invoke(app, ["show-config", "tracking.tracking_uri=http://127.0.0.1:5000"])
+    assert given.exit_code == 0, given.output
+    assert yaml.safe_load(given.output)["tracking"]["tracking_uri"] == "http://127.0.0.1:5000"
+    assert "tracking.tracking_uri is not set" not in given.output
