@@ -356,13 +356,15 @@ def _job_folder(work_dir: Path, job: str | None) -> Path:
 def jobs(work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
          checkpoint_dir: Annotated[str | None, STORE_OPTION] = None) -> None:
     """List the jobs of a work folder (and of a job store): state, step, attempts,
-    preemptions, cost, MLflow run."""
+    preemptions, cost, MLflow run; the first line names the folder read."""
     from stoker.launch.status import age, list_jobs
 
     rows = list_jobs(work_dir, leases=_sync_store(work_dir, checkpoint_dir))
+    where = (work_dir / "jobs").resolve()
     if not rows:
-        typer.echo(f"no jobs in {(work_dir / 'jobs').resolve()}")
+        typer.echo(f"no jobs in {where}")
         return
+    typer.echo(f"jobs in {where}")  # a relative --work-dir read from elsewhere names another
     header = ("JOB", "STATE", "STEP", "ATTEMPTS", "PREEMPTED", "COST", "MLFLOW RUN",
               "HEARTBEAT")
     table = [header] + [(

@@ -58,14 +58,14 @@ def work(tmp_path) -> Path:
 def test_jobs_lists_every_job_with_its_state(work):
     result = CliRunner().invoke(app, ["jobs", "--work-dir", str(work)])
     assert result.exit_code == 0, result.output
-    rows = {line.split()[0]: line.split() for line in result.output.splitlines()[1:]}
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines()[2:]}
     assert rows["aaaa1111-done"][1:3] == ["done", "100/100"] and "$0.1250" in rows[
         "aaaa1111-done"]
     assert rows["bbbb2222-training"][1:6] == ["training", "40/100", "1", "1", "-"]
     assert rows["cccc3333-stopped"][1] == "stopped"
     assert rows["dddd4444-torn"][1:3] == ["unfinished", "10/100"]
     assert "run-bbbb2222-training" in rows["bbbb2222-training"]
-    assert result.output.splitlines()[0].split()[:3] == ["JOB", "STATE", "STEP"]
+    assert result.output.splitlines()[1].split()[:3] == ["JOB", "STATE", "STEP"]
 
 
 def test_status_of_one_job_by_prefix(work):
@@ -86,7 +86,7 @@ def test_status_shows_an_attempt_left_open_as_jobs_counts_it(work):
     training = work / "jobs" / "bbbb2222-training"
     AttemptLog(training).start(2, "spot")
     rows = CliRunner().invoke(app, ["jobs", "--work-dir", str(work)]).output
-    assert {line.split()[0]: line.split()[3] for line in rows.splitlines()[1:]}[
+    assert {line.split()[0]: line.split()[3] for line in rows.splitlines()[2:]}[
         "dddd4444-torn"] == "2"
     left = CliRunner().invoke(app, ["status", "dddd", "--work-dir", str(work)]).output
     assert "attempt 2: left open by a run that died (started 0 s ago); it is closed and " \
@@ -159,7 +159,7 @@ def test_status_and_logs_without_a_job_show_the_newest_one(work):
         stamp = time.time() - 100 * age_s
         os.utime(jobs / name, (stamp, stamp))  # the torn job is the newest, then stopped, ...
     rows = CliRunner().invoke(app, ["jobs", "--work-dir", str(work)]).output.splitlines()
-    assert rows[1].split()[0] == "dddd4444-torn"
+    assert rows[2].split()[0] == "dddd4444-torn"
     result = CliRunner().invoke(app, ["status", "--work-dir", str(work)])
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[0].split() == ["job", "dddd4444-torn"]
@@ -187,3 +187,18 @@ def test_status_of_a_stopped_job_says_who_stopped_it(work):
     assert "resume it: run the same command again" in result.output
     guard = CliRunner().invoke(app, ["status", "cccc", "--work-dir", str(work)]).output
     assert "state      stopped (stopped by cost-guard: stalled)" in guard
+
+
+def test_jobs_and_status_name_the_work_folder_they_read(work, monkeypatch):
+    """New-user trial: run from another folder, `stoker jobs` listed an older session's jobs
+    under ./work without saying so. Its first line names the folder it read (absolute), as the
+    empty case's `no jobs in ...` does; `stoker status` names the job's folder in it."""
+    monkeypatch.chdir(work.parent)
+    result = CliRunner().invoke(app, ["jobs", "--work-dir", work.name])
+    assert result.exit_code == 0, result.output
+    first, header = result.output.splitlines()[:2]
+    assert first == f"jobs in {work.resolve() / 'jobs'}"
+    assert header.split()[:2] == ["JOB", "STATE"]
+    status = CliRunner().invoke(app, ["status", "aaaa", "--work-dir", work.name])
+    assert status.exit_code == 0, status.output
+    assert f"folder     {work.resolve() / 'jobs' / 'aaaa1111-done'}" in status.output.splitlines()
