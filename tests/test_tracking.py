@@ -111,6 +111,21 @@ def test_cost_and_goodput():
                                                                                  "on_demand"]
 
 
+def test_capacity_types_are_distinct_in_first_seen_order():
+    """New-user trial: the job summary's capacity_types (and the stoker.capacity_types tag,
+    joined from it) said "on_demand" once per attempt."""
+    def attempt(capacity: str) -> dict:
+        return {"duration_s": 60, "outcome": "preempted", "capacity_type": capacity}
+
+    for kinds, expected in ((["on_demand"] * 3, ("on_demand",)),
+                            (["spot", "spot", "on_demand", "spot"], ("spot", "on_demand"))):
+        report = cost_report([attempt(k) for k in kinds], [], useful_train_s=60, devices=1,
+                             gpu_model="cpu", prices=PriceTable())
+        assert report.capacity_types == expected
+        assert report.summary()["capacity_types"] == list(expected)
+        assert report.attempts == len(kinds)
+
+
 def test_an_attempt_shorter_than_one_interval_still_logs_system_metrics(dataset, tmp_path):
     """MLflow's monitor publishes only after a whole interval: a short attempt logged none."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

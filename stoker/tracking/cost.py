@@ -18,7 +18,9 @@ from stoker.tracking.pricing import PriceTable
 class CostReport:
     """Attributes: ``gpu_hours`` = devices x billed hours; ``cost_usd`` from ``prices``;
     ``goodput`` in 0..1; times in seconds; on CPU the devices are the worker processes and the
-    price table's ``cpu`` entry applies."""
+    price table's ``cpu`` entry applies. ``capacity_types``: the distinct capacity types of the
+    attempts, in first-seen order (``("spot", "on_demand")``; each attempt's own is in its
+    record)."""
 
     gpu_model: str
     devices: int
@@ -78,5 +80,5 @@ def cost_report(attempts: list[dict], events: list[dict], useful_train_s: float,
         goodput=round(min(1.0, useful_train_s / billed_s), 4) if billed_s else 0.0,
         attempts=len(attempts), preemptions=sum(a["outcome"] == "preempted" for a in attempts),
         steps_lost=steps_lost(events),
-        capacity_types=tuple(a["capacity_type"] for a in attempts),
+        capacity_types=tuple(dict.fromkeys(a["capacity_type"] for a in attempts)),
     )
