@@ -262,10 +262,14 @@ def test_a_crashed_sweep_still_publishes_an_artifact_and_an_event(harness, tmp_p
     assert failed["payload"]["error_type"] == "RuntimeError"
 
 
-def test_without_nvml_a_job_is_unknown_and_the_summary_says_why(stalled_job):
+def test_without_nvml_a_job_is_rated_and_the_summary_says_why(stalled_job):
     """New-user trial: on a machine without NVML the summary rated the job `unknown` with an
-    empty `detail`, the reason only in `notes`; each verdict now carries its reasons."""
+    empty `detail`, the reason only in `notes`; each verdict now carries its reasons. On a host
+    without a GPU device file (no driver) the job cannot be on a GPU: `no_gpu`, NVML's error in
+    its reasons (a later trial: a CPU-only job was `unknown`); with one, still `unknown`."""
     import pynvml
+
+    from stoker.runtime.launch import gpu_device_present
 
     try:
         pynvml.nvmlInit()
@@ -277,6 +281,7 @@ def test_without_nvml_a_job_is_unknown_and_the_summary_says_why(stalled_job):
     name, _run, work_dir, _fake = stalled_job
     summary, _ = run_flow(config_for(work_dir, "pynvml", dry_run=True))
     (job,) = summary["resources"]
-    assert job["resource"] == f"job:{name}" and job["verdict"] == "unknown"
+    expected = "unknown" if gpu_device_present() else "no_gpu"
+    assert job["resource"] == f"job:{name}" and job["verdict"] == expected, job
     assert job["action"] == "none"
     assert any(missing in r for r in job["reasons"]), (missing, job)

@@ -175,3 +175,59 @@ def test_without_nvml_the_sweep_does_not_wait_out_its_window():
     with NvmlReader(FakeNvml([[Gpu(index=0)]])) as reader:
         snapshots = sample_window(reader, policy, sleep=slept.append)
     assert len(snapshots) == policy.samples_per_window and len(slept) == len(snapshots) - 1
+
+
+@pytest.mark.parametrize("host", ["no GPU device", "GPU device"])
+def test_without_nvml_a_cpu_job_is_no_gpu_and_a_gpu_host_stays_unknown(tmp_path, host):
+    """New-user trial: on a machine without NVML (no driver) a CPU-only training job was rated
+    `unknown`. A host without a GPU device file cannot run anything on a GPU: its local jobs are
+    `no_gpu`, saying why (NVML's error too), and are never acted on, even with a heartbeat two
+    hours old. With a GPU device file NVML's failure could hide a GPU: still unknown."""
+    import json
+    import time
+
+    import psutil
+    from fake_nvml import NVMLError_LibraryNotFound
+
+    from stoker.config import TrainConfig
+    from stoker.costguard.inventory import discover_jobs
+    from stoker.costguard.signals import read_jobs
+    from stoker.runtime.spec import RunSpec
+
+    job = tmp_path / "jobs" / "cpu-job"
+    job.mkdir(parents=True)
+    spec = job / "spec.yaml"
+    RunSpec(train=TrainConfig(), data_dir=str(tmp_path), job_dir=str(job)).dump(spec)
+    rank0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", str(spec)])
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    if host == "GPU device":
+        (dev / "nvidia0").touch()
+    try:
+        stale = time.time() - 7200
+        (job / "heartbeat.json").write_text(json.dumps(
+            {"time": stale, "step": 10, "epoch": 0, "pid": rank0.pid, "world_size": 1,
+             "pid_started": psutil.Process(rank0.pid).create_time(), "outcome": None}))
+        os.utime(spec, (stale, stale))
+        clock = Clock()
+        actor = RecordingActor()
+        config = make_config(tmp_path, stop_idle=True, min_idle_s=0, warmup_grace_s=0)
+        with NvmlReader(FakeNvml([[Gpu()]], init_error=NVMLError_LibraryNotFound()),
+                        clock=clock) as reader:
+            report = run_sweep(
+                config, reader,
+                lambda: (discover_jobs(read_jobs(tmp_path, read_mlflow=False), set(), dev), []),
+                {"job": actor}, clock=clock, sleep=clock.sleep)
+    finally:
+        rank0.kill()
+        rank0.wait()
+    (row,) = report.resources
+    assert row.key == "job:cpu-job"
+    reasons = " ".join(row.decision.reasons)
+    if host == "GPU device":
+        assert row.decision.verdict == Verdict.UNKNOWN, row.decision
+    else:
+        assert row.decision.verdict == Verdict.NO_GPU, row.decision
+        assert "no GPU device on this host" in reasons
+    assert "NVML" in reasons and "Library Not Found" in reasons, reasons
+    assert not row.decision.act and row.action_status == "none" and not actor.stopped

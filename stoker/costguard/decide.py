@@ -5,7 +5,9 @@ Pure functions, no I/O. The rules, in order:
 1. **unknown** - NVML failed, a query was unsupported (MIG utilization), a GPU is missing from a
    sample, a process PID cannot be resolved (out of range, <= 0, absent, another namespace), or
    too few samples. Unknown is never idle.
-2. **no_gpu** - the resource was given no GPU and none of its processes runs on one.
+2. **no_gpu** - the resource was given no GPU and none of its processes runs on one; or NVML
+   cannot be read at all but the resource cannot be using a GPU anyway (a local job on a host
+   without a GPU device file, i.e. without a driver). Never acted on.
 3. **warming_up** - younger than ``warmup_grace_s``.
 4. **leak** - a GPU holds memory above ``idle_memory_mib`` at or below
    ``idle_utilization_percent`` with no compute process on it in every sample (memory held, no
@@ -50,6 +52,7 @@ class Evidence:
     cannot be known that were found while collecting (NVML, PID mapping, unreadable files).
     ``idle_since``: when earlier sweeps first saw it idle (None: they did not).
     ``starting``: job name -> when its spec was written, for job folders without a heartbeat.
+    ``no_gpu_reason``: why it uses no GPU although NVML could not be read (None: NVML said).
     """
 
     gpus: dict[str, tuple[GpuReading, ...]]
@@ -59,6 +62,7 @@ class Evidence:
     started_at: float | None = None
     idle_since: float | None = None
     starting: dict[str, float] = field(default_factory=dict)
+    no_gpu_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,15 +154,23 @@ def _matches(token: str, reading: GpuReading) -> bool:
 def evidence_for(resource: Resource, windows: dict[str, tuple[GpuReading, ...]],
                  problems: dict[str, list[str]], nvml_problems: list[str], window_start: float,
                  idle_since: float | None) -> tuple[list[str], Evidence]:
-    """Collect a resource's GPUs and evidence. Returns (its GPU keys, evidence)."""
+    """Collect a resource's GPUs and evidence. Returns (its GPU keys, evidence).
+
+    NVML failing as a whole makes a resource unknown, except one that cannot be using a GPU
+    (``Resource.no_gpu_reason``, judged by its processes, none found on a GPU): a failure to
+    read GPUs hides none from it. Its evidence names both."""
     keys, unknown = resource_gpus(resource, windows, problems)
     job_errors = [f"job {job.name}: {e}" for job in resource.jobs for e in job.errors]
+    no_gpu = None
+    if nvml_problems and resource.no_gpu_reason and resource.devices is None and not keys:
+        no_gpu = f"{resource.no_gpu_reason} (NVML: {'; '.join(nvml_problems)})"
+        nvml_problems = []
     unknown = [*nvml_problems, *resource.errors, *job_errors, *unknown]
     unknown += [f"{k}: {reason}" for k in keys for reason in problems.get(k, [])]
     return keys, Evidence(
         gpus={k: windows[k] for k in keys}, window_start=window_start, unknown=tuple(unknown),
         last_progress=resource.last_progress, started_at=resource.started_at,
-        idle_since=idle_since, starting=starting_jobs(resource.jobs))
+        idle_since=idle_since, starting=starting_jobs(resource.jobs), no_gpu_reason=no_gpu)
 
 
 def starting_jobs(jobs: Sequence) -> dict[str, float]:
@@ -188,7 +200,8 @@ def decide(evidence: Evidence, policy: Policy, now: float) -> Decision:
     if unknown:
         return Decision(Verdict.UNKNOWN, tuple(dict.fromkeys(unknown)), signals=signals)
     if not evidence.gpus:
-        return Decision(Verdict.NO_GPU, ("no GPU given and none of its processes on a GPU",),
+        return Decision(Verdict.NO_GPU, (evidence.no_gpu_reason
+                                         or "no GPU given and none of its processes on a GPU",),
                         signals=signals)
     age_s = signals["age_s"]
     if age_s is not None and age_s < policy.warmup_grace_s:

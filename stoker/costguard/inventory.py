@@ -30,7 +30,9 @@ class Resource:
     ``devices``: GPUs it was given, as NVIDIA_VISIBLE_DEVICES tokens ("all", an index, a GPU or MIG
     UUID); None: it is judged by the GPUs its processes (``pids``, host namespace) run on.
     ``jobs``: the progress signals that count for it (their errors make its state unknown).
-    ``errors``: facts about it that could not be read (state unknown). Times are Unix seconds.
+    ``errors``: facts about it that could not be read (state unknown). ``no_gpu_reason``: why
+    it cannot be using a GPU whatever NVML says (a local job on a host without a GPU device
+    file); None: it may be. Times are Unix seconds.
     """
 
     kind: ResourceKind
@@ -42,6 +44,7 @@ class Resource:
     jobs: tuple[JobSignals, ...] = ()
     flow_run_id: str | None = None
     errors: tuple[str, ...] = ()
+    no_gpu_reason: str | None = None
 
     @property
     def key(self) -> str:
@@ -211,9 +214,17 @@ def job_pids(job: JobSignals) -> frozenset[int] | None:
         return None
 
 
-def discover_jobs(jobs: list[JobSignals], claimed: set[str]) -> list[Resource]:
+def discover_jobs(jobs: list[JobSignals], claimed: set[str],
+                  dev: Path = Path("/dev")) -> list[Resource]:
     """Running local jobs (heartbeat without outcome, rank 0 alive here), except ``claimed`` ones
-    (judged as part of their container)."""
+    (judged as part of their container). On a host without a GPU device file under ``dev``
+    (no driver: ``gpu_device_present``) their processes cannot be on a GPU, and each says so
+    in ``no_gpu_reason``."""
+    from stoker.runtime.launch import gpu_device_present
+
+    no_gpu = None if gpu_device_present(dev) else (
+        f"no GPU device on this host (no {dev}/nvidia*, kfd or dxg): its processes cannot use "
+        "a GPU")
     resources = []
     for job in jobs:
         if not job.running or job.name in claimed:
@@ -223,7 +234,8 @@ def discover_jobs(jobs: list[JobSignals], claimed: set[str]) -> list[Resource]:
             continue
         resources.append(Resource(
             kind="job", id=job.name, name=job.name, devices=None, pids=pids,
-            started_at=job.started_at, jobs=(job,), flow_run_id=job.flow_run_id))
+            started_at=job.started_at, jobs=(job,), flow_run_id=job.flow_run_id,
+            no_gpu_reason=no_gpu))
     return resources
 
 
