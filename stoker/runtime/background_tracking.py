@@ -3,8 +3,11 @@
 Opening the run (importing MLflow, migrating or reaching the store, reopening a resumed run) costs
 about 2 CPU-s, and every ``log_batch`` round trip costs milliseconds: neither may hold back a
 training step. :class:`BackgroundTracker` keeps the trainer's side to appending a tuple per metric;
-one worker thread opens the :class:`~stoker.runtime.tracking.RunTracker`, then sends what was
-queued every ``flush_every_s`` seconds (each value with its own step and time), in call order.
+one worker thread opens the :class:`~stoker.runtime.tracking.RunTracker`, sends what queued
+meanwhile at once, then what was queued every ``flush_every_s`` seconds (each value with its own
+step and time), in call order. Each ``log_batch`` has a fixed cost (the store loads the run, its
+params and tags) of about 10 ms of rank-0 CPU besides ~0.05 ms per value, so batches are sent
+every 10 s by default: with a loss at every 10 ms step, about 0.7 % of rank 0's CPU.
 
 Metrics a checkpoint covers must outlive a crash (those steps are never run again), without a
 blocking flush at every checkpoint: :meth:`BackgroundTracker.backlog` is what is not yet confirmed
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 
 # One queued metric value: (key, value, Unix time in ms, step).
 MetricRecord = tuple[str, float, int, int]
+FLUSH_EVERY_S = 10.0  # queued metrics are sent this often (and at every end)
 
 # The threads that do rank 0's tracking work: this module's worker and MLflow's system metrics
 # monitor (``mlflow.system_metrics.system_metrics_monitor`` names its thread so).
@@ -58,7 +62,7 @@ class BackgroundTracker:
     by the next call from the training thread, so a broken store still fails the attempt.
     """
 
-    def __init__(self, open_run: Callable[[], Any], flush_every_s: float = 2.0):
+    def __init__(self, open_run: Callable[[], Any], flush_every_s: float = FLUSH_EVERY_S):
         self._open_run, self.flush_every_s = open_run, flush_every_s
         self._ops: collections.deque = collections.deque()  # ("metric", rec) | (op, args)
         self._in_flight: list[MetricRecord] = []
@@ -70,6 +74,10 @@ class BackgroundTracker:
         self._abandoned = False   # the attempt left before that: the worker must not begin
         self.opened = threading.Event()
         self.tracker: Any = None
+        # The last confirmed batch: its highest step (the store holds every value queued up to
+        # it) and the tracking threads' CPU seconds once it was confirmed (cpu_s()).
+        self.sent_step = 0
+        self.sent_cpu_s = 0.0
         self._thread = threading.Thread(target=self._work, name="mlflow-tracking", daemon=True)
         self._thread.start()
 
@@ -178,11 +186,9 @@ class BackgroundTracker:
                 self._contacting = True
             self.tracker = self._open_run()
             self.opened.set()
-            while True:
+            while not self._drain():  # first what queued while the run was opening
                 self._wake.wait(self.flush_every_s)
                 self._wake.clear()
-                if self._drain():
-                    return
         except BaseException as e:  # raised in the training thread by its next call
             log.warning("MLflow tracking failed: %s", e)
             self._error = e
@@ -213,6 +219,8 @@ class BackgroundTracker:
                 self.tracker.log_records(batch)
                 with self._lock:
                     self._in_flight = []
+                self.sent_step = max(self.sent_step, *(rec[3] for rec in batch))
+                self.sent_cpu_s = self.cpu_s()
             elif op == "tags":
                 self.tracker.set_tags(args)
             elif op == "artifact":

@@ -4,8 +4,9 @@
 (``start``, ``step``, ``eval``, ``checkpoint``, ``end``), ``time`` (Unix seconds) and ``step``
 (global optimizer step). ``step`` lines add ``epoch``, ``loss``, ``lr``, ``samples_per_s``;
 ``eval`` lines add ``val_accuracy``, ``val_loss`` and ``process_cpu_s`` (rank 0's CPU seconds
-so far, all threads; with tracking, ``tracking_open``: whether the MLflow run is open yet, and
-``tracking_cpu_s``: the CPU seconds of those that the MLflow threads used so far);
+so far, all threads; with tracking, ``tracking_open``: whether the MLflow run is open yet,
+``tracking_sent_step``: the last step of the last batch MLflow confirmed, and ``tracking_cpu_s``:
+the CPU seconds the MLflow threads had used once it was confirmed);
 ``end`` lines add ``outcome``. Every line also has ``attempt`` (1 for
 the job's first runtime start, counted from the ``start`` lines already in the file), and a
 ``step`` line for a step an earlier attempt already reported (re-run after resuming from an

@@ -482,7 +482,9 @@ class Trainer(ProfilingMixin):
         self._event("eval", epoch=epoch + 1, val_accuracy=self.metrics["val_accuracy"],
                     val_loss=self.metrics["val_loss"], process_cpu_s=round(time.process_time(), 3),
                     **({"tracking_open": self.tracker.opened.is_set(),
-                        "tracking_cpu_s": round(self.tracker.cpu_s(), 4)} if self.tracker else {}))
+                        "tracking_sent_step": self.tracker.sent_step,
+                        "tracking_cpu_s": round(self.tracker.sent_cpu_s, 4)}
+                       if self.tracker else {}))
         self._log({"val_accuracy": self.metrics["val_accuracy"],
                    "val_loss": self.metrics["val_loss"], "epoch_time_s": epoch_time_s})
         return self.metrics
