@@ -197,7 +197,13 @@ class TrainConfig(_Frozen):
     async_checkpoint: bool = Field(
         False, description="Write checkpoints in a background thread after a host copy."
     )
-    log_every_steps: int = Field(1, gt=0, description="Log loss/lr/throughput every N steps.")
+    log_every_steps: int = Field(
+        1, gt=0, description="Write a progress event (loss, lr, throughput of that step) every "
+        "N optimizer steps (and at the last).")
+    metrics_every_steps: int = Field(
+        10, gt=0, description="Send MLflow train_loss (the mean over the steps since its last "
+        "value), lr and samples_per_s every N optimizer steps (and at the last); 1: a value per "
+        "step. Each value costs rank 0 about 0.08 ms of CPU with the sqlite store.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
     preemption_grace_s: float = Field(
         25.0, gt=0, description="Seconds the runtime has to save after SIGTERM before torchrun "

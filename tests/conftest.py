@@ -134,6 +134,12 @@ def launcher_of(root) -> object | None:
     return None
 
 
+def metric_steps(total_steps: int, every: int = TrainConfig().metrics_every_steps) -> list[int]:
+    """The steps at which MLflow gets train_loss, lr and samples_per_s: every ``every`` steps
+    (train.metrics_every_steps) and the last."""
+    return sorted({*range(every, total_steps + 1, every), total_steps})
+
+
 def last_step(job_dir: Path) -> int:
     return max((e["step"] for e in events(job_dir) if e["event"] == "step"), default=0)
 

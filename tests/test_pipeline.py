@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import metric_steps
 from mlflow import MlflowClient
 
 from stoker.config import load_pipeline_config
@@ -87,7 +88,7 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     [logged] = run.inputs.dataset_inputs  # the Datasets panel: DVC md5 as the digest
     assert logged.dataset.digest == first["dataset"]["md5"].removesuffix(".dir")
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
-    assert steps == list(range(1, 8 * 22 + 1))
+    assert steps == metric_steps(8 * 22)  # every train.metrics_every_steps and the last
     assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 8
     assert {"lr", "samples_per_s"} <= run.data.metrics.keys()
     # Cost and goodput (CPU: the price table's cpu entry, 0 USD), the curves plot, lineage on
@@ -213,7 +214,7 @@ def test_killed_flow_process_leaves_nothing_and_rerun_resumes(harness, tmp_path)
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     run_id = (job_dir / "mlflow_run_id").read_text()
     steps = sorted(m.step for m in client.get_metric_history(run_id, "train_loss"))
-    assert steps == list(range(1, 6 * 22 + 1))
+    assert steps == metric_steps(6 * 22)
     assert len(client.search_runs([client.get_run(run_id).info.experiment_id])) == 1
 
 
