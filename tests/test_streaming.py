@@ -194,3 +194,25 @@ def test_file_names_beyond_ascii(tmp_path):
     splits = image_folder(str(tmp_path / "data"), 0, 0.3, job_dir=str(tmp_path / "job"))
     assert splits.classes == ("café", "日本") and splits.input_shape == (3, 6, 6)
     assert [splits.train[i][0].shape for i in range(len(splits.train))] == [(3, 6, 6)] * 4
+
+
+def test_sample_random_is_a_function_of_seed_epoch_and_index_alone():
+    """Each sample's draws come from (seed, epoch, index) alone, in [0, 1) and [a, b], also past
+    the first block of eight words (a crop that needed several tries)."""
+    from stoker.runtime.imagefolder import SampleRandom
+
+    def draws(seed: int, epoch: int, index: int, n: int = 20) -> list[float]:
+        rng = SampleRandom(seed, epoch, index)
+        return [rng.random() for _ in range(n)]
+
+    assert draws(0, 1, 7) == draws(0, 1, 7)
+    assert len({tuple(draws(*key)) for key in [(0, 1, 7), (1, 1, 7), (0, 2, 7), (0, 1, 8),
+                                                (0, 17, 1), (0, 1, 71)]}) == 6
+    values = [v for i in range(500) for v in draws(3, 0, i)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    assert 0.48 < sum(values) / len(values) < 0.52  # 10,000 uniform draws: sd of the mean 0.003
+    ints = [SampleRandom(3, 0, i).randint(2, 5) for i in range(2000)]
+    assert set(ints) == {2, 3, 4, 5}
+    assert all(400 < ints.count(k) < 600 for k in range(2, 6))
+    rng = SampleRandom(3, 0, 1)
+    assert 1.0 <= rng.uniform(1.0, 3.0) < 3.0

@@ -6,10 +6,10 @@ Each sample is decoded by Pillow in the DataLoader worker that asks for it, conv
 training mode (``L`` or ``RGB``), cropped/resized to ``(height, width)``, optionally flipped,
 scaled to [0, 1] and normalised.
 
-Exactness: a training sample's random crop and flip come from a generator seeded by
-``(seed, epoch, file index)`` alone, never from a worker's RNG stream, so which worker decodes a
-sample, how many workers there are, the world size and the step an attempt resumes at do not
-change its pixels.
+Exactness: a training sample's random crop and flip come from a generator keyed by
+``(seed, epoch, file index)`` alone (:class:`SampleRandom`), never from a worker's RNG stream, so
+which worker decodes a sample, how many workers there are, the world size and the step an attempt
+resumes at do not change its pixels.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import math
 import os
 import random
 import re
+import struct
 from dataclasses import dataclass, replace
+from hashlib import blake2b
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +61,14 @@ class FileList:
 
     def path(self, index: int) -> Path:
         return self.root / self.files[index].decode("utf-8", "surrogateescape")
+
+    def location(self, index: int) -> str:
+        """:meth:`path` as a string, built without a ``Path`` (per sample: ~0.2 µs, not ~2)."""
+        return self._prefix + self.files[index].decode("utf-8", "surrogateescape")
+
+    @functools.cached_property
+    def _prefix(self) -> str:
+        return os.path.join(self.root, "")
 
 
 def _probe(file: Path) -> tuple[tuple[int, int], str]:
@@ -198,7 +208,7 @@ class Preprocessing:
     def random(self) -> bool:
         return self.crop_scale is not None or self.hflip
 
-    @property
+    @functools.cached_property
     def normalises(self) -> bool:
         return any(m != 0.0 for m in self.mean) or any(s != 1.0 for s in self.std)
 
@@ -215,13 +225,53 @@ class Preprocessing:
         return replace(self, crop_scale=None, hflip=False)
 
 
-def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
-    """The generator of one sample's augmentation: a function of (seed, epoch, index) alone
-    (distinct for epoch < 2**24 and index < 2**40; a Mersenne Twister seeded from all bits)."""
-    return random.Random((seed << 64) | (epoch << 40) | index)
+_EIGHT_WORDS = struct.Struct("<8Q")
 
 
-def crop_box(rng: random.Random, width: int, height: int, scale: tuple[float, float],
+class SampleRandom:
+    """The draws of one sample's augmentation: a function of ``(seed, epoch, index)`` alone.
+
+    A counter-mode stream: block k is the BLAKE2b digest (64 bytes, eight 64-bit words) of the
+    key and k. Creating one costs about a microsecond; seeding a Mersenne Twister
+    (``random.Random``) costs ~5 µs, 4 % of decoding a small PNG, paid for every sample. Offers
+    the three draws :func:`crop_box` and the flip use, with ``random.Random``'s meaning.
+    """
+
+    __slots__ = ("_key", "_block", "_words", "_next")
+
+    def __init__(self, seed: int, epoch: int, index: int):
+        self._key = f"{seed}:{epoch}:{index}:".encode()
+        self._block = 0
+        self._words = _EIGHT_WORDS.unpack(blake2b(self._key + b"0", digest_size=64).digest())
+        self._next = 0
+
+    def _word(self) -> int:
+        if self._next == 8:  # a crop that needed several tries: the next block
+            self._block += 1
+            self._words = _EIGHT_WORDS.unpack(
+                blake2b(self._key + str(self._block).encode(), digest_size=64).digest())
+            self._next = 0
+        self._next += 1
+        return self._words[self._next - 1]
+
+    def random(self) -> float:
+        """Uniform in [0, 1), 53 bits."""
+        return (self._word() >> 11) * 2.0 ** -53
+
+    def uniform(self, a: float, b: float) -> float:
+        return a + (b - a) * self.random()
+
+    def randint(self, a: int, b: int) -> int:
+        """Uniform integer in [a, b] (both included; bias below 2**-40 for spans < 2**24)."""
+        return a + self._word() % (b - a + 1)
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> SampleRandom:
+    """The generator of one sample's augmentation (distinct for every (seed, epoch, index))."""
+    return SampleRandom(seed, epoch, index)
+
+
+def crop_box(rng: SampleRandom | random.Random, width: int, height: int, scale: tuple[float, float],
              ratio: tuple[float, float]) -> tuple[int, int, int, int]:
     """A random crop (left, top, right, bottom) of area ``scale`` and aspect ``ratio`` (the
     Inception/RandomResizedCrop rule: 10 tries, then the largest centred crop within ratio)."""
@@ -247,24 +297,32 @@ def crop_box(rng: random.Random, width: int, height: int, scale: tuple[float, fl
     return left, top, left + w, top + h
 
 
-def open_image(path: Path, channels: int):
+@functools.cache
+def _pillow():
+    """(``PIL.Image``, ``PIL.UnidentifiedImageError``), imported on first use (not per sample)."""
+    from PIL import Image, UnidentifiedImageError
+
+    return Image, UnidentifiedImageError
+
+
+def open_image(path: Path | str, channels: int):
     """One image file, decoded and converted to ``L`` (1 channel) or ``RGB`` (3): a PIL image.
 
     Raises:
         DataError: the file is not a readable image (named).
     """
-    from PIL import Image, UnidentifiedImageError
-
+    image_module, unidentified = _pillow()
     try:
-        with Image.open(path) as image:
+        with image_module.open(path) as image:
             return image.convert("L" if channels == 1 else "RGB")
-    except (UnidentifiedImageError, OSError) as e:
+    except (unidentified, OSError) as e:
         raise DataError(f"{path}: not a readable image ({e})") from None
 
 
-def transform(image, prep: Preprocessing, rng: random.Random | None) -> torch.Tensor:
+def transform(image, prep: Preprocessing, rng: SampleRandom | random.Random | None
+              ) -> torch.Tensor:
     """A decoded image -> float32 [C, H, W] (``rng`` drives crop/flip; None: no augmentation)."""
-    from PIL import Image
+    Image = _pillow()[0]  # noqa: N806 - the module's usual name
 
     size = (prep.width, prep.height)
     if rng is not None and prep.crop_scale is not None:
@@ -282,7 +340,8 @@ def transform(image, prep: Preprocessing, rng: random.Random | None) -> torch.Te
     return x
 
 
-def decode(path: Path, prep: Preprocessing, rng: random.Random | None = None) -> torch.Tensor:
+def decode(path: Path | str, prep: Preprocessing,
+           rng: SampleRandom | random.Random | None = None) -> torch.Tensor:
     """One image file -> float32 [C, H, W]: :func:`open_image` then :func:`transform`.
 
     Raises:
@@ -328,7 +387,7 @@ class StreamingImageFolder(Dataset):
             if not self.augment:
                 return kept, label
             return transform(kept, self.prep, sample_rng(self.seed, self.epoch, index)), label
-        image = open_image(self.files.path(index), self.prep.channels)
+        image = open_image(self.files.location(index), self.prep.channels)
         rng = sample_rng(self.seed, self.epoch, index) if self.augment else None
         x = transform(image, self.prep, rng)
         if memo is not None:
