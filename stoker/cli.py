@@ -382,7 +382,7 @@ def status(job: Annotated[str | None, typer.Argument(
            work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
            checkpoint_dir: Annotated[str | None, STORE_OPTION] = None) -> None:
     """Show one job: state, progress and ETA, attempts, owner, MLflow run, where its files are."""
-    from stoker.launch.attempts import AttemptLog
+    from stoker.launch.attempts import AttemptLog, describe_interrupted
     from stoker.launch.retry import describe_exit
     from stoker.launch.status import age, job_summary
 
@@ -413,6 +413,8 @@ def status(job: Annotated[str | None, typer.Argument(
                    f"after {float(a.get('duration_s') or 0):.1f} s on "
                    f"{a.get('capacity_type', '-')} capacity"
                    + (f", {a['steps_lost']} step(s) lost" if a.get("steps_lost") else ""))
+        if why := describe_interrupted(a):  # why it was closed, what its ranks did
+            typer.echo(f"           {why}")
     for a in attempts.open_attempts():  # `jobs` counts these too
         typer.echo(_open_attempt_line(a, training=s.state == "training"))
     typer.echo(f"folder     {folder.resolve()}")

@@ -41,6 +41,7 @@ from stoker.launch.supervisor import (
     TrainingFailed,
     TrainResult,
     capacity_for,
+    close_left_open,
     finish_run,
     lineage_tags,
     nproc,
@@ -114,9 +115,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     client = MlflowClient(config.tracking_uri())
     run_file = job_dir / "mlflow_run_id"
     attempts_log = AttemptLog(job_dir)
-    for closed in attempts_log.close_interrupted():  # a flow run that died mid-attempt left it open
-        logger.warning("attempt %d of an earlier run closed as %s after %.1f s", closed["number"],
-                       closed["outcome"], closed["duration_s"])
+    checkpoints = RunSpec.load(spec_path).checkpoint_location
+    close_left_open(attempts_log, checkpoints, logger.warning)  # a flow run that died mid-attempt
     finished = completed_training(job_dir)  # the orchestrator died after the ranks finished
     if finished is not None:
         logger.info("job %s: training already completed (step %d/%d); going on to registration "
@@ -167,8 +167,6 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         if number not in codes:
             state.result()  # the attempt raised (timeout, cancel): raise it here
         return codes[number]
-
-    checkpoints = RunSpec.load(spec_path).checkpoint_location
 
     def record(attempt: Attempt) -> None:
         nonlocal preempted

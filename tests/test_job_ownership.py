@@ -162,6 +162,18 @@ def test_a_killed_orchestrator_is_taken_over_and_its_attempt_is_billed(api_env, 
     assert history[0]["outcome"] == "interrupted" and history[0]["interrupted"]
     assert history[0]["runtime_outcome"] == "preempted"  # the ranks committed a stop checkpoint
     assert history[0]["duration_s"] > 1.0 and history[1]["outcome"] == "completed"
+    # New-user trial: `stoker status` said only "interrupted after 10.7 s"; it says why and what
+    # the ranks did, and train.log (whose ranks' output stopped with their run) says so too.
+    stop = history[0]["runtime_end_step"]
+    assert history[0]["left_open"] and history[0]["checkpoint_step"] == stop
+    did = f"its ranks committed a stop checkpoint at step {stop}"
+    status = subprocess.run([sys.executable, "-m", "stoker.cli", "status", "killed",
+                             "--work-dir", str(work)], capture_output=True, text=True, timeout=60)
+    assert f"its run's process died (no one recorded the attempt's end; the next run closed " \
+        f"it); {did}" in status.stdout, status.stdout
+    assert "attempt 1 closed as interrupted by this run: the run that started it died" in \
+        (job / "train.log").read_text() and f"progress.jsonl recorded that {did}" in \
+        (job / "train.log").read_text()
     billed = sum(a["duration_s"] for a in history)
     assert run.data.metrics["billed_s"] == pytest.approx(billed, abs=0.01)
     assert run.data.metrics["attempts"] == 2.0

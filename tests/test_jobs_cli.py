@@ -95,6 +95,72 @@ def test_status_shows_an_attempt_left_open_as_jobs_counts_it(work):
     assert "attempt 2: running for 0 s on spot capacity" in live
 
 
+def left_by_a_killed_run(jobs: Path, name: str, reached: int, stop_checkpoint: bool) -> Path:
+    """A job whose `stoker run` got `kill -9` in attempt 1, as the runtime's own writer leaves
+    it: steps from a resume at step 6300 up to ``reached``, a committed checkpoint, and (when its
+    ranks got the parent-death signal in time) the stop checkpoint and `end` outcome preempted;
+    then a torn last line (rank 0 killed mid-write). train.log stops where its run died."""
+    from stoker.runtime.progress import ProgressWriter
+
+    job = jobs / name
+    log = AttemptLog(job)
+    job.mkdir(parents=True)
+    log.start(1, "on_demand", "flow-run-1")
+    (job / "train.log").write_text("attempt 1 on on_demand capacity\n"
+                                   "[rank0] 2026-12-01 11:17:12,374 INFO stoker.runtime: resumed "
+                                   "at step 6300\n")
+    progress = ProgressWriter(job, world_size=2)
+    progress.event("start", 6300, total_steps=8000, resumed=True)
+    checkpoint = reached if stop_checkpoint else 6350
+    for step in range(6301, reached + 1):
+        progress.event("step", step, epoch=3, loss=0.1, lr=0.01, samples_per_s=900.0)
+        if step == checkpoint:
+            (job / "checkpoints" / f"step-{step:09d}").mkdir(parents=True)
+            (job / "checkpoints" / f"step-{step:09d}" / "COMMITTED").touch()
+            progress.event("checkpoint", step, path=str(job / "checkpoints"))
+    if stop_checkpoint:
+        progress.event("end", reached, outcome="preempted")
+    progress.close()
+    with open(job / "progress.jsonl", "a") as f:
+        f.write('{"event": "step", "step": 63')
+    return job
+
+
+def test_status_says_why_a_left_open_attempt_was_closed_and_what_its_ranks_did(tmp_path):
+    """New-user trial: after `kill -9` of `stoker run`, the next run closed the attempt and
+    `stoker status` said only `interrupted after 10.7 s`, though its ranks had committed a stop
+    checkpoint at step 6372 (in progress.jsonl, not in train.log: no one read their output).
+    Now status says why it was closed and what the ranks did, and train.log says so too."""
+    from stoker.launch.supervisor import close_left_open
+
+    jobs = tmp_path / "jobs"
+    for name, reached, stop in (("ffff6666-stopped-ranks", 6372, True),
+                                ("gggg7777-killed-ranks", 6372, False)):
+        job = left_by_a_killed_run(jobs, name, reached, stop)
+        forwarded: list[str] = []
+        [closed] = close_left_open(AttemptLog(job), str(job / "checkpoints"), forwarded.append)
+        assert closed["number"] == 1 and closed["left_open"]
+        result = CliRunner().invoke(app, ["status", name[:4], "--work-dir", str(tmp_path)])
+        assert result.exit_code == 0, result.output
+        lines = result.output.splitlines()
+        head = next(i for i, line in enumerate(lines) if line.startswith("attempt 1: "))
+        assert lines[head].startswith("attempt 1: interrupted after ")
+        why = "its run's process died (no one recorded the attempt's end; the next run closed it)"
+        did = ("its ranks committed a stop checkpoint at step 6372" if stop else
+               "its ranks recorded no end: reached step 6372, last checkpoint at step 6350, "
+               "22 step(s) lost")
+        assert lines[head + 1].strip() == f"{why}; {did}"
+        assert f"steps lost {0 if stop else 22}" in lines
+        log = (job / "train.log").read_text().splitlines()
+        assert len(log) == 3 and log[-1].endswith(
+            f"attempt 1 closed as interrupted by this run: the run that started it died, so no "
+            f"one recorded its end and its output after that is not in this log; progress.jsonl "
+            f"recorded that {did} (runtime outcome {'preempted' if stop else 'interrupted'}; "
+            f"billed {closed['duration_s']:.1f} s)")
+        assert forwarded == [log[-1][-len(forwarded[0]):]]  # the Prefect log says it too
+        assert close_left_open(AttemptLog(job), str(job / "checkpoints"), print) == []
+
+
 def test_logs_prints_whole_lines_and_unknown_jobs_are_one_line(work):
     result = CliRunner().invoke(app, ["logs", "bbbb2222-training", "--work-dir", str(work)])
     assert result.exit_code == 0

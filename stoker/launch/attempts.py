@@ -9,7 +9,10 @@ attempts, preemptions, billed time and cost add up over all of them.
 
 An ended record also has ``steps_lost`` (:func:`lost_steps`): the steps the attempt trained
 past its job's last committed checkpoint, which the next attempt must run again (0 when the
-attempt completed or its stop checkpoint committed).
+attempt completed or its stop checkpoint committed). An interrupted one also says what its ranks
+recorded in ``progress.jsonl`` (``runtime_end_step``, ``checkpoint_step``, ``reached_step``) and,
+with ``left_open``, that no one recorded its end (its run's process died; a later run closed
+it): :func:`describe_interrupted` puts that in words for ``stoker status`` and ``train.log``.
 """
 
 from __future__ import annotations
@@ -47,11 +50,15 @@ def committed_step(location: str) -> int:
     return max(steps, default=0)
 
 
-def reached_step(job_dir: Path, since: float) -> int | None:
+def reached_step(job_dir: Path, since: float,
+                 events: list[dict[str, Any]] | None = None) -> int | None:
     """The highest step rank 0 reported (progress events and heartbeat) at or after ``since``
-    (Unix seconds); None when it reported none."""
+    (Unix seconds); None when it reported none. ``events``: the job's progress events when the
+    caller has read them already (else read from ``progress.jsonl``)."""
     job_dir = Path(job_dir)
-    steps = [e["step"] for e in read_jsonl(job_dir / "progress.jsonl")
+    if events is None:
+        events = read_jsonl(job_dir / "progress.jsonl")
+    steps = [e["step"] for e in events
              if isinstance(e.get("step"), int) and isinstance(e.get("time"), int | float)
              and e["time"] >= since]
     beat = read_json(job_dir / "heartbeat.json", default={}, warn=lambda *_: None)
@@ -140,25 +147,29 @@ class AttemptLog:
                                  "state": "ended"})
         write_through(self.job_dir, ATTEMPTS_FILE)
 
-    def close_interrupted(self, stopped_by: str | None = None) -> list[dict[str, Any]]:
+    def close_interrupted(self, stopped_by: str | None = None, left_open: bool = False,
+                          checkpoint_location: str | None = None) -> list[dict[str, Any]]:
         """Close the attempts a dead flow run left open; returns the records written.
 
         ``stopped_by``: who stopped the run that closes them itself (``"SIGINT (Ctrl-C)"``, a
         Prefect cancel), recorded as the records' ``stopped_by``; None when a later run closes
-        what a dead one left."""
+        what a dead one left. ``left_open``: a later run closes them (their run's process died
+        before recording an end), recorded as ``left_open``. ``checkpoint_location``: the job's
+        checkpoints (folder or fsspec URL), for ``steps_lost``; without it the last
+        ``checkpoint`` event of ``progress.jsonl`` stands for the last committed step."""
         closed = []
         for number, record in sorted(self._latest().items()):
             if record.get("state") != "started":
                 continue
             started = float(record.get("started") or 0.0)
-            runtime_outcome, last_seen = self._runtime_end(started)
+            ranks, last_seen = self._runtime_end(started, checkpoint_location)
             # The orchestrator died or was stopped (Ctrl-C, kill -9, a lost worker): whatever
             # the ranks did then (often a committed stop checkpoint), it is not a preemption.
-            entry = {"exit_code": -1, "outcome": "interrupted", "started": started,
-                     "runtime_outcome": runtime_outcome,
+            entry = {"exit_code": -1, "outcome": "interrupted", "started": started, **ranks,
                      "duration_s": round(max(0.0, last_seen - started), 3),
                      "capacity_type": record.get("capacity_type", "on_demand"),
-                     "interrupted": True, **({"stopped_by": stopped_by} if stopped_by else {})}
+                     "interrupted": True, **({"stopped_by": stopped_by} if stopped_by else {}),
+                     **({"left_open": True} if left_open else {})}
             self.end(number, entry)
             closed.append({**entry, "number": number})
         return closed
@@ -174,15 +185,78 @@ class AttemptLog:
                  and isinstance(e.get("time"), int | float) and e["time"] >= started]
         return {"failed_saves": steps} if steps else {}
 
-    def _runtime_end(self, started: float) -> tuple[str, float]:
-        """(outcome, last time the runtime was seen) for an attempt started at ``started``."""
-        events = [e for e in read_jsonl(self.job_dir / "progress.jsonl")
-                  if isinstance(e.get("time"), int | float) and e["time"] >= started]
+    def _runtime_end(self, started: float, checkpoint_location: str | None = None
+                     ) -> tuple[dict[str, Any], float]:
+        """What the ranks of an attempt started at ``started`` recorded (``runtime_outcome``,
+        ``runtime_end_step``, ``checkpoint_step``, ``reached_step``, ``steps_lost``) and the
+        last time the runtime was seen (Unix seconds)."""
+        every = read_jsonl(self.job_dir / "progress.jsonl")  # a torn last line is skipped
+        events = [e for e in every if isinstance(e.get("time"), int | float)
+                  and e["time"] >= started]
         ends = [e for e in events if e.get("event") == "end"]
-        outcome = _END_OUTCOME.get(ends[-1].get("outcome"), "interrupted") if ends \
-            else "interrupted"
+        ranks: dict[str, Any] = {"runtime_outcome": _END_OUTCOME.get(
+            ends[-1].get("outcome"), "interrupted") if ends else "interrupted"}
+        if ends and isinstance(ends[-1].get("step"), int):
+            ranks["runtime_end_step"] = ends[-1]["step"]
+        saved = [e["step"] for e in events
+                 if e.get("event") == "checkpoint" and isinstance(e.get("step"), int)]
+        if saved:
+            ranks["checkpoint_step"] = saved[-1]
+        reached = reached_step(self.job_dir, started, every)
+        if reached is not None:
+            committed = committed_step(checkpoint_location) if checkpoint_location is not None \
+                else max((e["step"] for e in every if e.get("event") == "checkpoint"
+                          and isinstance(e.get("step"), int)), default=0)
+            ranks.update(reached_step=reached, committed_step=committed,
+                         steps_lost=max(0, reached - committed))
         beat = read_json(self.job_dir / "heartbeat.json", default={})
         times = [e["time"] for e in events]
         if isinstance(beat, dict) and isinstance(beat.get("time"), int | float):
             times.append(beat["time"])
-        return outcome, max([t for t in times if t >= started], default=started)
+        return ranks, max([t for t in times if t >= started], default=started)
+
+
+def describe_interrupted(record: dict[str, Any]) -> str | None:
+    """Why an interrupted attempt (a :meth:`AttemptLog.close_interrupted` record) was closed and
+    what its ranks did, in words, e.g. ``its run's process died (no one recorded the attempt's
+    end; the next run closed it); its ranks committed a stop checkpoint at step 6372``; None for
+    any other record, or an older one without what its ranks did."""
+    if not record.get("interrupted") or "runtime_outcome" not in record:
+        return None
+    parts = []
+    if record.get("left_open"):
+        parts.append("its run's process died (no one recorded the attempt's end; the next run "
+                     "closed it)")
+    parts.append(_ranks_did(record))
+    return "; ".join(parts)
+
+
+def _ranks_did(record: dict[str, Any]) -> str:
+    """What the ranks of an interrupted attempt recorded in ``progress.jsonl``, in words."""
+    outcome, end = record.get("runtime_outcome"), record.get("runtime_end_step")
+    if outcome == "preempted" and end is not None and record.get("checkpoint_step") == end:
+        return f"its ranks committed a stop checkpoint at step {end}"
+    if outcome == "preempted":
+        return f"its ranks stopped at step {end}"
+    if outcome == "completed":
+        return f"its ranks completed training at step {end}"
+    if outcome == "user_error":
+        return f"its ranks failed at step {end}"
+    reached = record.get("reached_step")
+    if reached is None:
+        return "its ranks recorded no step and no end"
+    committed = record.get("committed_step") or 0
+    last = f"last checkpoint at step {committed}" if committed else "no checkpoint committed"
+    return (f"its ranks recorded no end: reached step {reached}, {last}, "
+            f"{record.get('steps_lost', 0)} step(s) lost")
+
+
+def left_open_note(record: dict[str, Any]) -> str:
+    """The line ``train.log`` gets when a run closes an attempt a dead run left open: its own
+    output after that run died was not captured (no one read it), and what ``progress.jsonl``
+    recorded of its ranks."""
+    billed = float(record.get("duration_s") or 0)
+    return (f"attempt {record.get('number')} closed as interrupted by this run: the run that "
+            "started it died, so no one recorded its end and its output after that is not in "
+            f"this log; progress.jsonl recorded that {_ranks_did(record)} (runtime outcome "
+            f"{record.get('runtime_outcome')}; billed {billed:.1f} s)")

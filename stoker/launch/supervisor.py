@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
+from stoker.launch.attempts import AttemptLog, left_open_note
 from stoker.launch.lease import JobBusy
-from stoker.launch.status import WINDOW_STEPS, job_progress
+from stoker.launch.status import JOB_LOG, WINDOW_STEPS, job_progress
 from stoker.launch.stop_request import read_stop_request
 from stoker.launch.store import write_through
 from stoker.runtime.records import JsonlTail
@@ -30,8 +31,8 @@ from stoker.tracking.lineage import code_version
 if TYPE_CHECKING:  # imported by the caller that has a client: MLflow costs seconds to import
     from mlflow import MlflowClient
 
-__all__ = ["JobBusy", "ProgressWatcher", "TrainResult", "TrainingFailed", "finish_run",
-           "lineage_tags", "nproc", "write_spec"]
+__all__ = ["JobBusy", "ProgressWatcher", "TrainResult", "TrainingFailed", "close_left_open",
+           "finish_run", "lineage_tags", "nproc", "write_spec"]
 
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,23 @@ class ProgressWatcher(threading.Thread):
         except Exception as e:  # noqa: BLE001 - progress lines never stop training
             self._last = None  # say it again once it can be said
             log.warning("progress not reported (%s): %s", type(e).__name__, e)
+
+
+def close_left_open(attempts: AttemptLog, checkpoint_location: str,
+                    forward: Callable[[str], None]) -> list[dict]:
+    """Close the attempts a dead run left open (``kill -9`` of ``stoker run``, a lost worker)
+    and say so, one line each, in the job's ``train.log`` and to ``forward`` (the Prefect log):
+    no one captured their output after their run died, and ``progress.jsonl`` says what their
+    ranks did (:func:`stoker.launch.attempts.left_open_note`). Returns the records written."""
+    closed = attempts.close_interrupted(left_open=True, checkpoint_location=checkpoint_location)
+    if closed:
+        lines = LineLog(attempts.job_dir / JOB_LOG, forward)
+        try:
+            for record in closed:
+                lines(left_open_note(record))
+        finally:
+            lines.close()
+    return closed
 
 
 def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
