@@ -1,7 +1,11 @@
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -137,6 +141,58 @@ def test_launcher_choice_and_its_errors():
         make_launcher(k8s, 8, image="registry.example/stoker/train@sha256:abc")
 
 
+# The time every train.log line carries: the ranks' logging format (asctime), local time.
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
+
+
+def unstamped(path: Path) -> list[str]:
+    """The lines of a train.log as they came, each checked to carry one time: a rank's log line
+    its own after `[rankN]`, any other line the time Stoker added in front of it (removed)."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if re.match(rf"\[rank\d+\] {STAMP}", line):
+            assert not re.match(rf"\[rank\d+\] {STAMP}{STAMP}", line), line
+            lines.append(line)
+        else:
+            assert re.match(STAMP, line), f"no time: {line!r}"
+            lines.append(line[len("2026-12-01 11:17:14,374 "):])
+    return lines
+
+
+def test_every_line_of_the_job_log_has_a_time_torchruns_too(tmp_path, make_spec):
+    """New-user trial: torchrun's own lines in train.log had no time (the ranks' lines carry
+    theirs), so no one could tell when torchrun said what. A real attempt stopped by SIGTERM
+    (torchrun logs the death signal and its SIGTERM to the ranks): each line has one time in the
+    ranks' format, and the Prefect log gets the lines as they came."""
+    from stoker.launch.supervisor import LineLog
+
+    spec = make_spec(epochs=200, checkpoint_every_steps=1000, tracking=False)
+    forwarded: list[str] = []
+    log = LineLog(spec.parent / "train.log", forwarded.append)
+    log("attempt 1 on on_demand capacity")
+    launcher = LocalLauncher(2, shutdown_grace_s=20, python=sys.executable)
+    codes: list[int] = []
+    attempt = threading.Thread(target=lambda: codes.append(
+        launcher.run(spec, on_line=log, timeout_s=240)))
+    attempt.start()
+    deadline = time.monotonic() + 180
+    while not (spec.parent / "heartbeat.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # rank 0 writes it at its first step
+    os.kill(launcher.process.pid, signal.SIGTERM)
+    attempt.join(timeout=120)
+    log.close()
+    assert codes == [75]
+    text = (spec.parent / "train.log").read_text()
+    lines = unstamped(spec.parent / "train.log")
+    assert lines[0] == "attempt 1 on on_demand capacity"
+    ranks = [line for line in lines if line.startswith("[rank")]
+    torchrun = [line for line in lines if "torch/distributed/elastic" in line]
+    assert ranks and torchrun, text  # both kinds, each with its time
+    assert all(line in forwarded for line in ranks)
+    assert re.search(rf"(?m)^{STAMP}attempt 1 on on_demand capacity$", text)
+    assert all(not re.match(STAMP, line) for line in forwarded)  # Prefect stamps its own
+
+
 def test_torchruns_stop_lines_stay_in_the_job_log_not_in_prefects(tmp_path):
     """QA: a normal preemption showed torchrun's `Received 15 death signal`, `Sending process
     ... closing signal SIGTERM` and `E... failed (exitcode: 75)` as warnings and errors in the
@@ -160,7 +216,7 @@ def test_torchruns_stop_lines_stay_in_the_job_log_not_in_prefects(tmp_path):
     for line in lines:
         log(line)
     log.close()
-    assert (tmp_path / "train.log").read_text().splitlines() == lines
+    assert unstamped(tmp_path / "train.log") == lines
     assert forwarded == lines[3:]
 
 
@@ -197,5 +253,5 @@ def test_torchruns_stop_lines_with_forked_ranks_stay_in_the_job_log(tmp_path):
     for line in noise + kept:
         log(line)
     log.close()
-    assert (tmp_path / "train.log").read_text().splitlines() == noise + kept
+    assert unstamped(tmp_path / "train.log") == noise + kept
     assert forwarded == kept

@@ -106,7 +106,7 @@ def job_progress(events: list[dict]) -> JobProgress | None:
                        eta_s=eta if eta is None or math.isfinite(eta) else None)
 
 
-JOB_LOG = "train.log"  # every line the attempts printed (torchrun and ranks), appended
+JOB_LOG = "train.log"  # every line the attempts printed (torchrun, ranks), appended, each timed
 
 
 @dataclass(frozen=True)

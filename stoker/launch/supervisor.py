@@ -10,6 +10,7 @@ import collections
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,11 +268,23 @@ def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
         client.set_terminated(run_id, status=status)
 
 
+def log_time(unix_s: float) -> str:
+    """``unix_s`` as the ranks' log lines write their time (Python logging's ``asctime``: local
+    time, milliseconds after a comma), e.g. ``2026-12-01 11:17:14,374``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s)) + \
+        f",{int((unix_s - int(unix_s)) * 1000):03d}"
+
+
 class LineLog:
     """Appends every output line of the attempts to ``path`` (what ``stoker logs`` shows) and
     passes it on to ``forward`` (the Prefect task log), except torchrun's own lines about a stop
     (``AGENT_NOISE``). A full disk or a closed file never fails the attempt: the line still
-    reaches ``forward``."""
+    reaches ``forward``.
+
+    Every line in the file carries a time (:func:`log_time`): a rank's log line has its own after
+    its ``[rankN]`` prefix (``RANK_STAMPED``) and is written as it is; any other line (torchrun's
+    own, Stoker's, a rank's traceback or print) starts with the time it was read. ``forward``
+    gets the line as it came: the Prefect log stamps its lines itself."""
 
     # What a rank logs for a named user error (exit 2): ``[rank0] <time> ERROR stoker.runtime: ...``
     RANK_ERROR = re.compile(r"^\[rank\d+\] .*? ERROR stoker\.runtime[\w.]*: (.+)$")
@@ -285,6 +298,10 @@ class LineLog:
         r"recent call last\)|\s|torch\.multiprocessing\.spawn\.Process\w*Exception: )"
         r"|torch/multiprocessing/spawn\.py:\d+\] Terminating process \d+ via signal")
 
+    # A rank's log line (stoker.runtime.__main__'s format), in a container after "[node N] ".
+    RANK_STAMPED = re.compile(r"^(\[node \d+\] )?\[rank\d+\] \d{4}-\d\d-\d\d "
+                              r"\d\d:\d\d:\d\d,\d{3} ")
+
     def __init__(self, path: Path, forward: Callable[[str], None]):
         self.path, self.forward = Path(path), forward
         self._file = None
@@ -296,7 +313,8 @@ class LineLog:
         try:
             if self._file is None:
                 self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
-            self._file.write(line + "\n")
+            stamped = line if self.RANK_STAMPED.match(line) else f"{log_time(time.time())} {line}"
+            self._file.write(stamped + "\n")
         except OSError:
             pass
         if not self.AGENT_NOISE.search(line):
