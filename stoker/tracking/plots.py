@@ -6,8 +6,9 @@ from pathlib import Path
 
 
 def plot_curves(tracking_uri: str, run_id: str, out: Path) -> Path:
-    """Draw train loss per step and validation loss/accuracy per epoch from the run's metric
-    history into a PNG at ``out`` (1200x450 px). Returns ``out``."""
+    """Draw train loss (as logged: every ``train.metrics_every_steps`` steps) and validation
+    loss/accuracy per epoch from the run's metric history into a PNG at ``out`` (1200x450 px).
+    Returns ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
