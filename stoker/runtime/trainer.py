@@ -31,7 +31,7 @@ from stoker.runtime.checkpoint import Checkpointer, CheckpointError, Loaded
 from stoker.runtime.data import DataError, StepBatchSampler, build_splits, check_divisible
 from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from stoker.runtime.models import build_model
-from stoker.runtime.preemption import StopFlag, ignore_stop_signals
+from stoker.runtime.preemption import StopFlag, ignore_stop_signals, loader_iter
 from stoker.runtime.profiling import ProfilingMixin
 from stoker.runtime.progress import ProgressWriter
 from stoker.runtime.records import read_text
@@ -312,7 +312,7 @@ class Trainer(ProfilingMixin):
         while self.step < self.total_steps:
             epoch, first = divmod(self.step, self.steps_per_epoch)
             epoch_started = time.perf_counter()
-            batches = iter(self._loader(epoch, first))
+            batches = loader_iter(self._loader(epoch, first))
             for _ in range(first, self.steps_per_epoch):
                 t0 = time.perf_counter()
                 micro = [next(batches) for _ in range(self.cfg.grad_accum_steps)]
@@ -462,9 +462,10 @@ class Trainer(ProfilingMixin):
         val = self.splits.val
         indices = list(range(self.env.rank, len(val), self.env.world_size))
         sums = torch.zeros(3, dtype=torch.float64, device=self.env.device)
-        batches = DataLoader(val, batch_size=512, sampler=indices,  # decoded in the workers
-                             num_workers=self.cfg.num_workers if len(indices) > 512 else 0,
-                             worker_init_fn=ignore_stop_signals)
+        batches = loader_iter(DataLoader(  # decoded in the workers
+            val, batch_size=512, sampler=indices,
+            num_workers=self.cfg.num_workers if len(indices) > 512 else 0,
+            worker_init_fn=ignore_stop_signals))
         with torch.no_grad(), self._autocast():
             for x, y in batches:
                 logits = self.module(self._to_device(x)).float()
