@@ -235,9 +235,13 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
             return 128 + int(e.sigval)
         if marker.exists():
             return EXIT_PREEMPTED
+        # No marker: a rank failed while stopping (its error is in the lines above), or the
+        # ranks ran out of the grace torchrun gives them; both lose the steps since the last
+        # committed checkpoint.
         print(f"stoker.runtime.launch: stopped by {signal.Signals(e.sigval).name} but the "
-              "workers ended before their stop checkpoint committed (raise "
-              "train.preemption_grace_s): exit 137", file=sys.stderr, flush=True)
+              "workers ended before their stop checkpoint committed (a rank failed while "
+              "stopping, see its error above; or they ran out of train.preemption_grace_s): "
+              "exit 137", file=sys.stderr, flush=True)
         return 137
     return 0
 
