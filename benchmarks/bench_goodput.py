@@ -150,8 +150,8 @@ def explain(timed: dict[str, list], world: int, nfiles: int, args) -> dict:
                for side, key in (("bare torchrun", "base_parts"),
                                  ("stoker attempt", "cand_parts"))}
     notes = [f"{'1 epoch' if args.quick else 'the default 12 epochs'} of {nfiles} images, "
-             f"{world} processes; Stoker tracks to MLflow (every step, system metrics) and runs "
-             "the flow process beside the ranks"]
+             f"{world} processes; Stoker tracks to MLflow (every 10 steps, system metrics) and "
+             "runs the flow process beside the ranks"]
     for side, m in medians.items():
         total = sum(m.values())
         notes.append(f"{side} (median s): start-up {m['start_up_s']:.2f}, steps "

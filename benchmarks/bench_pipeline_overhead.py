@@ -246,7 +246,7 @@ def explain(result: dict, timed: dict[str, list], epochs: int, world: int, nfile
     notes = [f"{epochs} epoch(s) of {nfiles} images, {world} processes",
              f"training itself (the runtime's start to end event) takes {train['median']:.1f} s "
              f"bare and {cand_train['median']:.1f} s inside the pipeline; both track to MLflow "
-             "(every step, system metrics); the pipeline also runs the Prefect server and the "
+             "(every 10 steps, system metrics); the pipeline also runs the Prefect server and the "
              "flow process on the same cores",
              f"outside its torchrun attempt the flow spends {outside:.1f} s (Python and Prefect "
              "start, reaching the reused local Prefect server, the warm pull, MLflow "
