@@ -205,6 +205,11 @@ class TrainConfig(_Frozen):
         "value), lr and samples_per_s every N optimizer steps (and at the last); 1: a value per "
         "step. Each value costs rank 0 about 0.08 ms of CPU with the sqlite store.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    data_timeout_s: float = Field(
+        300.0, ge=0, description="Seconds a rank waits for one batch from its DataLoader "
+        "workers (num_workers > 0) before the attempt ends as an infrastructure failure and is "
+        "retried from the last checkpoint: a hung worker does not freeze the job. 0: wait "
+        "forever.")
     preemption_grace_s: float = Field(
         25.0, gt=0, description="Seconds the runtime has to save after SIGTERM before torchrun "
         "kills it (torchrun --shutdown-timeout)."

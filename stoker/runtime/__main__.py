@@ -49,7 +49,7 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
     from stoker.runtime.bucket import attach, caused_by_lost_lease
     from stoker.runtime.checkpoint import CheckpointError
-    from stoker.runtime.data import DataError
+    from stoker.runtime.data import DataError, DataStall
     from stoker.runtime.distributed import init_distributed, teardown
     from stoker.runtime.lease import watch_lease
     from stoker.runtime.spec import RunSpec
@@ -89,6 +89,16 @@ def run(spec_path: Path, stop: StopFlag) -> int:
             return EXIT_PREEMPTED
         log.error("%s", e)
         return 2
+    except DataStall as e:
+        # Not the user's data (that fails with DataError, named): a hung worker or stalled
+        # storage. Infrastructure: the attempt is retried from the last checkpoint.
+        log.error("%s at step %s: ending this attempt as an infrastructure failure (exit %d; "
+                  "retried from the last checkpoint)", e, trainer.step if trainer else 0,
+                  EXIT_STOP_LOST)
+        if trainer is not None:
+            trainer.close_data()  # (else torch's SIGCHLD handler raises at the kill below)
+        kill_children()
+        return EXIT_STOP_LOST
     except (ConfigError, DataError) as e:
         log.error("%s", e)
         return 2
@@ -128,6 +138,17 @@ def peer_lost_reason(error: Exception) -> str | None:
     file, line and remote address of its raw message; None when ``error`` is something else."""
     text = str(error)
     return next((s for s in PEER_LOST if s in text), None)
+
+
+def kill_children() -> None:
+    """SIGKILL this process's descendants (its DataLoader workers): a worker that hangs in
+    ``fork()`` has the stop signals held and no watchdog yet, so it would outlive the rank."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
 
 
 def exit_now(code: int) -> None:

@@ -195,6 +195,101 @@ class StepBatchSampler(Sampler[list[int]]):
                 yield batch[shard * self.micro:(shard + 1) * self.micro].tolist()
 
 
+TRAIN, VAL = "train", "val"
+VAL_BATCH_SIZE = 512  # validation samples per batch (evaluation needs no gradients)
+
+
+def val_batches(n: int, rank: int, world_size: int,
+                batch_size: int = VAL_BATCH_SIZE) -> list[list[int]]:
+    """This rank's validation batches: every ``world_size``-th sample of ``n`` from ``rank``, in
+    batches of up to ``batch_size`` (none where the rank has no sample)."""
+    mine = list(range(rank, n, world_size))
+    return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
+class AttemptBatches(Sampler[list[tuple[str, int, int]]]):
+    """Every batch one rank reads in one attempt, in the order the trainer reads them: from
+    ``start_step`` on, each step's ``grad_accum_steps`` micro-batches (as
+    :class:`StepBatchSampler`), and after an epoch's last step that epoch's validation batches
+    (:func:`val_batches`). Items are lists of :class:`AttemptData` keys: ``("train", epoch, i)``
+    and ``("val", epoch, i)``.
+
+    One DataLoader iterator over it serves the whole attempt, so its worker processes are forked
+    once, when the attempt starts, not again for every epoch and every evaluation: a fork in a
+    rank whose other threads are busy can hang the child forever (CPython gh-112275, before
+    3.11.8), and a trial saw one hang in about 1,900 such forks.
+    """
+
+    def __init__(self, n_train: int, n_val: int, seed: int, start_step: int, epochs: int,
+                 global_batch_size: int, grad_accum_steps: int, rank: int, world_size: int):
+        self.n_train, self.n_val, self.seed, self.epochs = n_train, n_val, seed, epochs
+        self.start_step, self.global_batch, self.accum = start_step, global_batch_size, \
+            grad_accum_steps
+        self.rank, self.world = rank, world_size
+        self.steps_per_epoch = n_train // global_batch_size
+        self.val = val_batches(n_val, rank, world_size)
+
+    def __len__(self) -> int:
+        epoch, first = divmod(self.start_step, self.steps_per_epoch)
+        epochs_left = max(0, self.epochs - epoch)
+        return max(0, self.epochs * self.steps_per_epoch - self.start_step) * self.accum \
+            + epochs_left * len(self.val)
+
+    def __iter__(self) -> Iterator[list[tuple[str, int, int]]]:
+        epoch, first = divmod(self.start_step, self.steps_per_epoch)
+        for e in range(epoch, self.epochs):
+            steps = StepBatchSampler(self.n_train, self.seed, e, first if e == epoch else 0,
+                                     self.global_batch, self.accum, self.rank, self.world)
+            for batch in steps:
+                yield [(TRAIN, e, i) for i in batch]
+            for batch in self.val:
+                yield [(VAL, e, i) for i in batch]
+
+
+class AttemptData(Dataset):
+    """The train and validation splits behind :class:`AttemptBatches`' keys. A training sample
+    of epoch ``e`` comes from ``train.for_epoch(e)`` where the split has that method (its
+    augmentation is seeded by (seed, epoch, sample)), else from ``train`` itself."""
+
+    def __init__(self, train: Dataset, val: Dataset):
+        self.train, self.val = train, val
+        self._epoch: int | None = None
+        self._view = train
+
+    def __len__(self) -> int:
+        return len(self.train) + len(self.val)
+
+    def __getitem__(self, key: tuple[str, int, int]):
+        split, epoch, i = key
+        if split == VAL:
+            return self.val[i]
+        if epoch != self._epoch and hasattr(self.train, "for_epoch"):
+            self._view, self._epoch = self.train.for_epoch(epoch), epoch
+        return self._view[i]
+
+
+class DataStall(RuntimeError):
+    """No batch came from the DataLoader workers within ``train.data_timeout_s``: a worker hangs
+    (or the storage under it does). The attempt ends as an infrastructure failure."""
+
+
+def next_batch(batches: Iterator, timeout_s: float):
+    """``next(batches)``; a DataLoader's timeout becomes :class:`DataStall` (named).
+
+    Raises:
+        DataStall: no batch within ``timeout_s`` seconds (``train.data_timeout_s``).
+        StopIteration: ``batches`` is exhausted.
+    """
+    try:
+        return next(batches)
+    except RuntimeError as e:
+        if not str(e).startswith("DataLoader timed out"):
+            raise
+        raise DataStall(
+            f"no batch from the DataLoader workers in {timeout_s:g} s (train.data_timeout_s): "
+            "a data worker hangs, or the storage it reads from stalls") from None
+
+
 def check_divisible(global_batch_size: int, grad_accum_steps: int, world_size: int) -> None:
     """Refuse a world size that cannot split the global batch into equal shards.
 

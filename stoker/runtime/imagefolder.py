@@ -380,7 +380,8 @@ class StreamingImageFolder(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         index = int(self.indices[i])
         label = int(self.files.labels[index])
-        # Only the main process memoises: a worker's memo would die with it at the epoch's end.
+        # Only the main process memoises: each worker would keep its own copy, for the samples
+        # it happens to get, until the attempt ends.
         memo = self.memo if self.memo is not None and get_worker_info() is None else None
         if memo is not None and index in memo:
             kept = memo[index]  # the sample itself, or (augmented) the decoded image

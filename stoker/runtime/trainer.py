@@ -13,6 +13,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,15 @@ from stoker.config import ConfigError
 from stoker.runtime import EXIT_PREEMPTED
 from stoker.runtime.background_tracking import BackgroundTracker
 from stoker.runtime.checkpoint import Checkpointer, CheckpointError, Loaded
-from stoker.runtime.data import DataError, StepBatchSampler, build_splits, check_divisible
+from stoker.runtime.data import (
+    AttemptBatches,
+    AttemptData,
+    DataError,
+    build_splits,
+    check_divisible,
+    next_batch,
+    val_batches,
+)
 from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from stoker.runtime.models import build_model
 from stoker.runtime.preemption import StopFlag, ignore_stop_signals, loader_iter
@@ -142,6 +151,8 @@ class Trainer(ProfilingMixin):
         self.resume = resume_point(self.ckpt, env, self.cfg.on_no_usable_checkpoint, env.device)
         self._restore(self.resume.loaded)
         self.model = self._wrap()  # load the snapshot before wrapping in DDP
+        # Its workers fork now, before tracking and checkpoint threads exist (see _open_data).
+        self._batches = self._open_data()
         self.progress = ProgressWriter(spec.job_dir, env.world_size) if env.is_main else None
         self.tracker = self._open_tracker() if env.is_main and spec.tracking_uri else None
         if self.tracker is not None:
@@ -283,20 +294,42 @@ class Trainer(ProfilingMixin):
         return "cpu"
 
     # -- the loop -----------------------------------------------------------------------------
-    def _loader(self, epoch: int, start_step: int) -> DataLoader:
-        sampler = StepBatchSampler(len(self.splits.train), self.cfg.seed, epoch, start_step,
-                                   self.cfg.global_batch_size, self.cfg.grad_accum_steps,
-                                   self.env.rank, self.env.world_size)
-        workers = self.cfg.num_workers
-        dataset = self.splits.train
-        if hasattr(dataset, "for_epoch"):  # augmentation seeded by (seed, epoch, sample)
-            dataset = dataset.for_epoch(epoch)
+    def _open_data(self) -> Iterator | None:
+        """The attempt's one DataLoader iterator: every training micro-batch from this step on
+        and each epoch's validation batches (:class:`AttemptBatches`), in the order the loop
+        reads them. Its ``num_workers`` workers are forked here, once per attempt: not again
+        per epoch and per evaluation, and before the rank starts its other threads (a fork
+        while another thread holds an interpreter lock can hang the child: CPython gh-112275).
+        A worker that delivers nothing for ``train.data_timeout_s`` ends the attempt
+        (:class:`DataStall`). None when no step is left."""
+        if self.step >= self.total_steps:
+            return None
+        cfg, env = self.cfg, self.env
+        sampler = AttemptBatches(len(self.splits.train), len(self.splits.val), cfg.seed,
+                                 self.step, cfg.epochs, cfg.global_batch_size,
+                                 cfg.grad_accum_steps, env.rank, env.world_size)
+        workers = cfg.num_workers
         # Its own generator: creating an iterator draws a worker seed, which must not advance
         # the global RNG (a resumed run creates one more iterator than an uninterrupted one).
-        generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + epoch)
-        return DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
-                          pin_memory=self.env.device.type == "cuda", generator=generator,
-                          worker_init_fn=ignore_stop_signals)
+        generator = torch.Generator().manual_seed(cfg.seed * 7919 + self.step)
+        loader = DataLoader(AttemptData(self.splits.train, self.splits.val),
+                            batch_sampler=sampler, num_workers=workers,
+                            pin_memory=env.device.type == "cuda", generator=generator,
+                            worker_init_fn=ignore_stop_signals,
+                            timeout=cfg.data_timeout_s if workers else 0)
+        return loader_iter(loader)
+
+    def close_data(self) -> None:
+        """End the data workers now (what the iterator does when collected: a worker that
+        does not end within 5 s gets SIGTERM). The rank ends with ``os._exit``, and a worker
+        left behind would notice only seconds later. Idempotent."""
+        batches, self._batches = self._batches, None
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def _next_batch(self):
+        return next_batch(self._batches, self.cfg.data_timeout_s)
 
     def train(self) -> str:
         """Run until done or preempted. Returns ``"completed"`` or ``"preempted"``."""
@@ -312,10 +345,9 @@ class Trainer(ProfilingMixin):
         while self.step < self.total_steps:
             epoch, first = divmod(self.step, self.steps_per_epoch)
             epoch_started = time.perf_counter()
-            batches = loader_iter(self._loader(epoch, first))
             for _ in range(first, self.steps_per_epoch):
                 t0 = time.perf_counter()
-                micro = [next(batches) for _ in range(self.cfg.grad_accum_steps)]
+                micro = [self._next_batch() for _ in range(self.cfg.grad_accum_steps)]
                 self.timings["data"] += time.perf_counter() - t0
                 lr = self.scheduler.get_last_lr()[0]
                 loss = self.train_step(micro)
@@ -459,15 +491,12 @@ class Trainer(ProfilingMixin):
         ``val_accuracy`` (0..1) and ``val_loss`` (mean cross-entropy)."""
         t0 = time.perf_counter()
         self.module.eval()
-        val = self.splits.val
-        indices = list(range(self.env.rank, len(val), self.env.world_size))
+        # This epoch's validation batches follow its last step in the attempt's one iterator.
+        n_batches = len(val_batches(len(self.splits.val), self.env.rank, self.env.world_size))
         sums = torch.zeros(3, dtype=torch.float64, device=self.env.device)
-        batches = loader_iter(DataLoader(  # decoded in the workers
-            val, batch_size=512, sampler=indices,
-            num_workers=self.cfg.num_workers if len(indices) > 512 else 0,
-            worker_init_fn=ignore_stop_signals))
         with torch.no_grad(), self._autocast():
-            for x, y in batches:
+            for _ in range(n_batches):
+                x, y = self._next_batch()
                 logits = self.module(self._to_device(x)).float()
                 y = y.to(self.env.device)
                 sums[0] += (logits.argmax(1) == y).sum()
@@ -602,6 +631,7 @@ class Trainer(ProfilingMixin):
         """Flush tracking and progress; mark the run FINISHED, KILLED (preempted) or FAILED."""
         with contextlib.suppress(CheckpointError):
             self.ckpt.wait()
+        self.close_data()
         status = {"completed": "FINISHED", "preempted": "KILLED"}.get(outcome, "FAILED")
         if self.progress is not None:  # on record first: closing MLflow can take seconds
             self.progress.event("end", self.step, outcome=outcome)
