@@ -1,7 +1,9 @@
 """A dataset factory for ``train.dataset = "data_worker_probe:splits"``: the built-in image folder,
 whose samples, when read in a DataLoader worker, leave that worker's PID in ``$PROBE_DIR/pids/``,
 and where a file ``$PROBE_DIR/hang`` makes the first worker that sees it hang for good (signals
-held, like a child stuck in ``fork()``), naming itself in ``$PROBE_DIR/hung``."""
+held, like a child stuck in ``fork()``), naming itself in ``$PROBE_DIR/hung``; a file
+``$PROBE_DIR/kill`` makes the first worker that sees it SIGKILL itself (as the OOM killer would),
+naming itself in ``$PROBE_DIR/killed``."""
 
 from __future__ import annotations
 
@@ -31,7 +33,14 @@ class Probe(Dataset):
             probe = Path(os.environ["PROBE_DIR"])
             (probe / "pids" / str(os.getpid())).touch()
             try:
-                (probe / "hang").rename(probe / "hung")  # one worker claims it
+                (probe / "kill").rename(probe / "killed")  # one worker claims it
+            except FileNotFoundError:
+                pass
+            else:
+                (probe / "killed").write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                (probe / "hang").rename(probe / "hung")
             except FileNotFoundError:
                 pass
             else:

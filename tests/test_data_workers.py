@@ -26,9 +26,9 @@ pytestmark = pytest.mark.integration
 TESTS = Path(__file__).parent
 
 
-def run_job(spec: Path, probe: Path, hang_at_step: int | None = None):
-    """Run ``spec`` to its end with retries; ``hang_at_step``: once the job passes that step,
-    the next sample a data worker reads hangs it for good."""
+def run_job(spec: Path, probe: Path, at_step: int | None = None, fault: str = "hang"):
+    """Run ``spec`` to its end with retries; ``at_step``: once the job passes that step, the
+    next sample a data worker reads makes it ``fault`` ("hang" for good, or "kill" itself)."""
     (probe / "pids").mkdir(parents=True, exist_ok=True)
     env = {"PROBE_DIR": str(probe),
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
@@ -37,11 +37,11 @@ def run_job(spec: Path, probe: Path, hang_at_step: int | None = None):
 
     def arm() -> None:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and last_step(spec.parent) < hang_at_step:
+        while time.monotonic() < deadline and last_step(spec.parent) < at_step:
             time.sleep(0.05)
-        (probe / "hang").touch()
+        (probe / fault).touch()
 
-    if hang_at_step is not None:
+    if at_step is not None:
         threading.Thread(target=arm, daemon=True).start()
     attempts = run_with_retries(lambda n: launcher.run(spec, on_line=output.append),
                                 RetryConfig(backoff_s=0), sleep=lambda s: None)
@@ -98,7 +98,7 @@ def test_a_hung_data_worker_ends_the_attempt_as_an_infrastructure_failure(uninte
     spec = make_spec("hang", tracking=False, epochs=3, num_workers=2, data_timeout_s=5,
                      dataset="data_worker_probe:splits")
     started = time.monotonic()
-    attempts, output = run_job(spec, tmp_path / "probe", hang_at_step=12)
+    attempts, output = run_job(spec, tmp_path / "probe", at_step=12)
     assert [a.outcome for a in attempts] == [Outcome.INFRASTRUCTURE, Outcome.COMPLETED], output
     assert attempts[0].exit_code == 137
     assert "no batch from the DataLoader workers in 5 s (train.data_timeout_s)" in output
@@ -108,6 +108,24 @@ def test_a_hung_data_worker_ends_the_attempt_as_an_infrastructure_failure(uninte
     resumed = [e for e in events(spec.parent) if e["event"] == "start" and e.get("resumed")]
     assert len(resumed) == 1 and resumed[0]["step"] >= 10
     assert time.monotonic() - started < 120
-    job, _ = uninterrupted
-    a, b = torch.load(spec.parent / "final/model.pt"), torch.load(job / "final/model.pt")
+    assert_same_weights(spec.parent, uninterrupted[0])
+
+
+def test_a_data_worker_killed_by_sigkill_is_an_infrastructure_failure(uninterrupted, make_spec,
+                                                                      tmp_path):
+    """The OOM killer's usual victim is a data worker. Its rank used to fail as a bug (exit 1,
+    "training failed", not retried); it is an infrastructure failure (137) that resumes."""
+    spec = make_spec("oom", tracking=False, epochs=3, num_workers=2,
+                     dataset="data_worker_probe:splits")
+    attempts, output = run_job(spec, tmp_path / "probe", at_step=12, fault="kill")
+    assert [a.outcome for a in attempts] == [Outcome.INFRASTRUCTURE, Outcome.COMPLETED], output
+    assert attempts[0].exit_code == 137
+    killed = int((tmp_path / "probe" / "killed").read_text())
+    assert f"DataLoader worker (pid {killed}) was killed by SIGKILL" in output, output
+    assert "training failed" not in output
+    assert_same_weights(spec.parent, uninterrupted[0])
+
+
+def assert_same_weights(job: Path, reference: Path) -> None:
+    a, b = torch.load(job / "final/model.pt"), torch.load(reference / "final/model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

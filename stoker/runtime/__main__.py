@@ -49,7 +49,7 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
     from stoker.runtime.bucket import attach, caused_by_lost_lease
     from stoker.runtime.checkpoint import CheckpointError
-    from stoker.runtime.data import DataError, DataStall
+    from stoker.runtime.data import DataError, DataStall, data_worker_killed
     from stoker.runtime.distributed import init_distributed, teardown
     from stoker.runtime.lease import watch_lease
     from stoker.runtime.spec import RunSpec
@@ -92,17 +92,14 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     except DataStall as e:
         # Not the user's data (that fails with DataError, named): a hung worker or stalled
         # storage. Infrastructure: the attempt is retried from the last checkpoint.
-        log.error("%s at step %s: ending this attempt as an infrastructure failure (exit %d; "
-                  "retried from the last checkpoint)", e, trainer.step if trainer else 0,
-                  EXIT_STOP_LOST)
-        if trainer is not None:
-            trainer.close_data()  # (else torch's SIGCHLD handler raises at the kill below)
-        kill_children()
-        return EXIT_STOP_LOST
+        return data_workers_lost(str(e), trainer)
     except (ConfigError, DataError) as e:
         log.error("%s", e)
         return 2
     except Exception as e:
+        if killed := data_worker_killed(e):
+            # The OOM killer's usual victim: infrastructure, as a rank killed by it would be.
+            return data_workers_lost(f"{killed} (the OOM killer? see dmesg)", trainer)
         if stop.requested and is_peer_lost(e):
             # A coordinated stop whose peer was killed first (grace ran out): not a bug here.
             # (The stop may be torchrun's SIGTERM after that peer died: it is named, not judged.)
@@ -138,6 +135,19 @@ def peer_lost_reason(error: Exception) -> str | None:
     file, line and remote address of its raw message; None when ``error`` is something else."""
     text = str(error)
     return next((s for s in PEER_LOST if s in text), None)
+
+
+def data_workers_lost(reason: str, trainer) -> int:
+    """Log ``reason``, end the rank's data workers (all of them: one may hang with the stop
+    signals held) and return EXIT_STOP_LOST: an infrastructure failure, which the launcher
+    retries from the last checkpoint."""
+    log.error("%s at step %s: ending this attempt as an infrastructure failure (exit %d; "
+              "retried from the last checkpoint)", reason, trainer.step if trainer else 0,
+              EXIT_STOP_LOST)
+    if trainer is not None:
+        trainer.close_data()  # (else torch's SIGCHLD handler raises at the kill below)
+    kill_children()
+    return EXIT_STOP_LOST
 
 
 def kill_children() -> None:

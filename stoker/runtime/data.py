@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,6 +272,14 @@ class AttemptData(Dataset):
 class DataStall(RuntimeError):
     """No batch came from the DataLoader workers within ``train.data_timeout_s``: a worker hangs
     (or the storage under it does). The attempt ends as an infrastructure failure."""
+
+
+def data_worker_killed(error: BaseException) -> str | None:
+    """``"DataLoader worker (pid N) was killed by SIGKILL"`` when ``error`` is the DataLoader's
+    report of a worker killed by SIGKILL (the OOM killer's usual victim, or a ``kill -9``);
+    None for anything else (a worker that raised, or died of another signal)."""
+    found = re.search(r"DataLoader worker \(pid (\d+)\) is killed by signal: Killed", str(error))
+    return f"DataLoader worker (pid {found[1]}) was killed by SIGKILL" if found else None
 
 
 def next_batch(batches: Iterator, timeout_s: float):
