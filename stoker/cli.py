@@ -209,8 +209,7 @@ def _prestart_launcher(config: PipelineConfig) -> None:
 
 
 def _say_stopped() -> None:
-    typer.echo(f"stoker run: stopped by {stopping.stop_reason() or 'an interrupt'}; run the "
-               "same command to resume", err=True)
+    typer.echo(stopping.stopped_line(), err=True)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

@@ -25,6 +25,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _received: list[int] = []
 _installed: list[bool] = []  # install() was called in this process (``stoker run``)
+_outcome: list[str] = []  # what the stop left of the job (note_outcome)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -43,6 +44,20 @@ def stop_reason() -> str | None:
         return None
     name = signal.Signals(_received[0]).name
     return {"SIGINT": "SIGINT (Ctrl-C)", "SIGHUP": "SIGHUP (terminal closed)"}.get(name, name)
+
+
+def note_outcome(what: str) -> None:
+    """Record what the stop left of the job (``"job digits-3f2a: its ranks committed a stop
+    checkpoint at step 120"``): ``stoker run``'s last line says it (:func:`stopped_line`)."""
+    _outcome[:] = [what]
+
+
+def stopped_line() -> str:
+    """``stoker run``'s last line after a stop: the signal, what the ranks did (steps lost, if
+    any: see :func:`note_outcome`), and how to resume."""
+    what = f"; {_outcome[0]}" if _outcome else ""
+    return (f"stoker run: stopped by {stop_reason() or 'an interrupt'}{what}; run the same "
+            "command to resume")
 
 
 def kill_descendants() -> list[int]:
@@ -74,6 +89,7 @@ def install() -> None:
     """Route SIGINT, SIGTERM and SIGHUP of this process to the stop sequence (main thread
     only)."""
     _received.clear()
+    _outcome.clear()
     _installed[:] = [True]
     for sig in STOP_SIGNALS:
         signal.signal(sig, _handle)

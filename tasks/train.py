@@ -21,7 +21,12 @@ from prefect.transactions import CommitMode, transaction
 from stoker.config import ConfigError, PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
-from stoker.launch.attempts import AttemptLog, lost_steps, total_steps_lost
+from stoker.launch.attempts import (
+    AttemptLog,
+    describe_interrupted,
+    lost_steps,
+    total_steps_lost,
+)
 from stoker.launch.factory import make_launcher
 from stoker.launch.job import JobClaim, check_resumable, completed_training, job_store
 from stoker.launch.lease import JobBusy, held_lease
@@ -51,7 +56,7 @@ from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import ensure_store
-from stoker.stopping import stop_reason
+from stoker.stopping import note_outcome, stop_reason
 from stoker.tracking.cost import cost_report
 from stoker.tracking.events import training_event
 from tasks.stopping import attempt_state, crash_orphaned_flow_run
@@ -218,7 +223,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         # The attempt is recorded now (billed time, what the ranks did), not by the next run,
         # with who stopped it (`stoker jobs` then says stopped, not unfinished).
         with contextlib.suppress(Exception):
-            attempts_log.close_interrupted(stopped_by=_stopped_by(e))
+            closed = attempts_log.close_interrupted(stopped_by=_stopped_by(e))
+            if closed and (what := describe_interrupted(closed[-1])):
+                note_outcome(f"job {job_dir.name}: {what}")  # stoker run's last line says it
         if read_text(run_file):
             finish_run(client, read_text(run_file), "KILLED")
         raise

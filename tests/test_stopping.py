@@ -134,6 +134,8 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
     end = [e for e in read_events(job_dir) if e["event"] == "end"][-1]
     assert end["outcome"] == "preempted"
     assert Checkpointer(str(job_dir / "checkpoints"), 0, 1).committed_steps()[-1] == end["step"]
+    assert log.rstrip().endswith(f"its ranks committed a stop checkpoint at step {end['step']}; "
+                                 "run the same command to resume"), log[-3000:]
     assert mlflow_status(work, job_dir) == "KILLED"
     last = max(e["step"] for e in read_events(job_dir) if e["event"] == "step")
     assert last < 40 * 22  # it stopped, it did not train to the end
@@ -178,11 +180,14 @@ def test_sigterm_or_sighup_to_stoker_run_is_the_same_stop(tmp_path, sig, code, r
     exit_code = process.wait(timeout=120)
     log = (tmp_path / "stoker-run.log").read_text()
     assert exit_code == code, log[-3000:]
-    assert log.rstrip().endswith(
-        f"stoker run: stopped by {reason}; run the same command to resume"), log[-3000:]
     assert wait_gone(work) == []
     ends = [e for e in read_events(job_dir) if e["event"] == "end"]
     assert ends and ends[-1]["outcome"] == "preempted", log[-3000:]
+    # The last line says what the stop kept (new-user trial: it said the same after a stop
+    # that lost 29 steps).
+    assert log.rstrip().endswith(
+        f"stoker run: stopped by {reason}; job {job_dir.name}: its ranks committed a stop "
+        f"checkpoint at step {ends[-1]['step']}; run the same command to resume"), log[-3000:]
     assert mlflow_status(work, job_dir) == "KILLED"
     # Stoker's stop, not Prefect's SIGTERM bridge: a stop, not a crash or a restart.
     assert "Crash detected" not in log and "restarting" not in log, log[-3000:]
@@ -246,3 +251,28 @@ def test_a_killed_local_server_is_started_again_and_the_run_finishes(tmp_path):
     assert (job_dir / "pipeline_done.json").is_file()
     versions = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").search_model_versions()
     assert [v.run_id for v in versions] == [(job_dir / "mlflow_run_id").read_text().strip()]
+
+
+def test_the_last_line_after_a_stop_says_the_steps_it_lost():
+    """A stop whose checkpoint did not commit (the grace ran out, a data worker hung): the last
+    line names the steps lost instead of implying nothing was (new-user trial: 29 steps)."""
+    from stoker import stopping
+    from stoker.launch.attempts import describe_interrupted
+
+    record = {"interrupted": True, "runtime_outcome": "interrupted", "reached_step": 69,
+              "committed_step": 40, "steps_lost": 29}
+    stopping.install()
+    try:
+        stopping.note_outcome(f"job digits-1: {describe_interrupted(record)}")
+        assert stopping.stopped_line() == (
+            "stoker run: stopped by an interrupt; job digits-1: its ranks recorded no end: "
+            "reached step 69, last checkpoint at step 40, 29 step(s) lost; run the same command "
+            "to resume")
+        stopping.install()  # a new run of the command forgets it
+        assert stopping.stopped_line() == (
+            "stoker run: stopped by an interrupt; run the same command to resume")
+    finally:  # this test process's own handlers back
+        for sig in stopping.STOP_SIGNALS:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+
