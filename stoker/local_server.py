@@ -227,6 +227,12 @@ class LocalServer:
                 # Open websockets (Prefect's event clients) would hold a graceful stop open.
                 "--timeout-graceful-shutdown", "2"]
 
+    def prefer_port(self, port: int) -> None:
+        """Start this home's server on ``port`` from now on (``stoker server start --port``),
+        when it is free at the start (else as :meth:`_port` says)."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / PORT_FILE).write_text(f"{port}\n")
+
     def _port(self) -> int:
         """The port this home's server had before (so that links recorded elsewhere, such as
         MLflow's ``prefect.flow_run_url`` tags, keep reaching this home's server), else

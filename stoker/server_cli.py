@@ -40,13 +40,30 @@ def _server(work_dir: Path, create: bool = True):
 
 
 @server_app.command()
-def start(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
+def start(work_dir: Annotated[Path, WORK_DIR] = Path("work"),
+          port: Annotated[int | None, typer.Option(
+              "--port", min=1, max=65535, help="Listen on this port (127.0.0.1); kept for "
+              "later starts of this work folder's server. Default: the port it had before, "
+              "else 4200, else a free one")] = None) -> None:
     """Start the local server in the background (nothing to do if it runs); print its UI address.
 
-    Exit codes: 0 running, 1 it did not start (its log is named)."""
-    from stoker.local_server import ServerError
+    Exit codes: 0 running, 1 it did not start (its log is named), 2 ``--port`` cannot be had
+    (another process listens there, or this server runs on another port)."""
+    from stoker.local_server import ServerError, free_port
 
     server = _server(work_dir)
+    if port is not None:
+        running = server.running()
+        if running is not None and running.get("port") != port:
+            typer.echo(f"error: --port {port}: this work folder's server already runs on port "
+                       f"{running.get('port')}; `stoker server stop` it first", err=True)
+            raise typer.Exit(2)
+        if running is None:
+            if free_port(preferred=port) != port:
+                typer.echo(f"error: --port {port}: another process listens on 127.0.0.1:{port}",
+                           err=True)
+                raise typer.Exit(2)
+            server.prefer_port(port)
     try:
         api_url, started = server.ensure()
     except ServerError as e:

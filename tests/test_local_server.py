@@ -84,6 +84,35 @@ def test_server_start_status_stop(work):
     assert again.stdout.startswith(f"started: http://127.0.0.1:{port}"), again.stdout
 
 
+def test_server_start_on_a_chosen_port(work):
+    """``--port`` (new-user trial: the only way was the undocumented ``server.port`` file):
+    the server listens there, later starts keep it, and a port it cannot have is refused
+    with one line and exit 2, before anything starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = stoker("server", "start", "-w", str(work), "--port", str(port))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.startswith(f"started: http://127.0.0.1:{port} ")
+    assert record(work)["port"] == port
+    other = stoker("server", "start", "-w", str(work), "--port", str(port + 1))
+    assert other.returncode == 2 and other.stderr.strip().splitlines() == [
+        f"error: --port {port + 1}: this work folder's server already runs on port {port}; "
+        "`stoker server stop` it first"]
+    assert stoker("server", "stop", "-w", str(work)).returncode == 0
+    assert stoker("server", "start", "-w", str(work)).stdout.startswith(  # kept
+        f"started: http://127.0.0.1:{port} ")
+    assert stoker("server", "stop", "-w", str(work)).returncode == 0
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        refused = stoker("server", "start", "-w", str(work), "--port", str(busy))
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: --port {busy}: another process listens on 127.0.0.1:{busy}"]
+    assert stoker("server", "status", "-w", str(work)).returncode == 1  # nothing started
+
+
 def test_a_killed_server_is_replaced(work):
     own_port(work)
     assert stoker("server", "start", "-w", str(work)).returncode == 0
