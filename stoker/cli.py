@@ -295,11 +295,24 @@ class _UserErrorOnce(logging.Filter):
         return record.levelno < logging.ERROR  # the exception's own lines
 
 
+def _with_subclasses(classes: tuple[type, ...]) -> list[str]:
+    """The names of ``classes`` and of all their subclasses (Prefect's lines name the raised
+    class: ``RegistryUnreachableError(...)``, an ``ImageError``), longest first."""
+    names: set[str] = set()
+    todo = list(classes)
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ not in names:
+            names.add(cls.__name__)
+            todo.extend(cls.__subclasses__())
+    return sorted(names, key=len, reverse=True)
+
+
 def quiet_console_tracebacks() -> None:
     """Prefect's terminal lines keep their message but not the traceback: a failed task repeats
     it several times. A user error is said once (:class:`_UserErrorOnce`). The Prefect UI's task
     log (the API handler) keeps every traceback and line."""
-    names = tuple(cls.__name__ for cls in _user_errors())
+    names = tuple(_with_subclasses(_user_errors()))
     for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler) \

@@ -155,6 +155,11 @@ def test_the_cli_finds_the_built_image_and_names_a_dead_registry(request_fields,
         assert dead.returncode == 2, dead.stderr[-3000:]
         errors = [line for line in dead.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and "127.0.0.1:1" in errors[0], dead.stderr[-3000:]
+        # Said once (new-user trial: 4 ERROR lines repeated it before the error line).
+        assert [line for line in dead.stderr.splitlines() if "127.0.0.1:1/" in line] \
+            == errors, dead.stderr[-3000:]
+        assert "Finished in state Failed (RegistryUnreachableError: see the error line)" \
+            in dead.stderr, dead.stderr[-3000:]
         assert "Traceback" not in dead.stderr
         with sqlite3.connect(work / ".prefect" / "prefect.db") as db:
             states = sorted(row[0] for row in db.execute(
