@@ -207,9 +207,9 @@ class TrainConfig(_Frozen):
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
     data_timeout_s: float = Field(
         300.0, ge=0, description="Seconds a rank waits for one batch from its DataLoader "
-        "workers (num_workers > 0) before the attempt ends as an infrastructure failure and is "
-        "retried from the last checkpoint: a hung worker does not freeze the job. 0: wait "
-        "forever.")
+        "workers (num_workers > 0) before it kills them and the attempt ends as an "
+        "infrastructure failure, retried from the last checkpoint: a hung or frozen worker does "
+        "not freeze the job. 0: wait forever.")
     preemption_grace_s: float = Field(
         25.0, gt=0, description="Seconds the runtime has to save after SIGTERM before torchrun "
         "kills it (torchrun --shutdown-timeout)."

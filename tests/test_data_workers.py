@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import events, last_step
+from conftest import events, last_step, rank_processes
 
 from stoker.config import RetryConfig
 from stoker.launch.local import LocalLauncher
@@ -28,7 +28,8 @@ TESTS = Path(__file__).parent
 
 def run_job(spec: Path, probe: Path, at_step: int | None = None, fault: str = "hang"):
     """Run ``spec`` to its end with retries; ``at_step``: once the job passes that step, the
-    next sample a data worker reads makes it ``fault`` ("hang" for good, or "kill" itself)."""
+    next sample a data worker reads makes it ``fault`` ("hang" for good, or "kill" itself), or
+    ("freeze") a worker of rank 0 is sent SIGSTOP."""
     (probe / "pids").mkdir(parents=True, exist_ok=True)
     env = {"PROBE_DIR": str(probe),
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
@@ -39,7 +40,14 @@ def run_job(spec: Path, probe: Path, at_step: int | None = None, fault: str = "h
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and last_step(spec.parent) < at_step:
             time.sleep(0.05)
-        (probe / fault).touch()
+        if fault != "freeze":
+            (probe / fault).touch()
+            return
+        # From outside, as SIGSTOP, a cgroup freezer or a debugger would: a worker of rank 0.
+        rank0 = rank_processes(psutil.Process(launcher.process.pid))[0]
+        worker = rank0.children()[0]
+        worker.suspend()
+        (probe / "frozen").write_text(str(worker.pid))
 
     if at_step is not None:
         threading.Thread(target=arm, daemon=True).start()
@@ -107,6 +115,25 @@ def test_a_hung_data_worker_ends_the_attempt_as_an_infrastructure_failure(uninte
     assert not alive(hung), "the hung worker outlived its rank"
     resumed = [e for e in events(spec.parent) if e["event"] == "start" and e.get("resumed")]
     assert len(resumed) == 1 and resumed[0]["step"] >= 10
+    assert time.monotonic() - started < 120
+    assert_same_weights(spec.parent, uninterrupted[0])
+
+
+def test_a_frozen_data_worker_ends_the_attempt_too(uninterrupted, make_spec, tmp_path):
+    """A worker frozen from outside (SIGSTOP) with batches in flight: the rank blocked in reading
+    a batch's shared-memory descriptor from it, which the DataLoader's own timeout does not
+    cover (new-user trial: hung with no message for 80 s, 2 of 2 tries). The watchdog ends the
+    wait after ``train.data_timeout_s`` all the same, kills the frozen worker, and the retry
+    resumes to the uninterrupted run's weights."""
+    spec = make_spec("frozen", tracking=False, epochs=3, num_workers=2, data_timeout_s=5,
+                     dataset="data_worker_probe:splits")
+    started = time.monotonic()
+    attempts, output = run_job(spec, tmp_path / "probe", at_step=12, fault="freeze")
+    assert [a.outcome for a in attempts] == [Outcome.INFRASTRUCTURE, Outcome.COMPLETED], output
+    assert attempts[0].exit_code == 137
+    assert "no batch from the DataLoader workers in 5 s (train.data_timeout_s)" in output
+    assert "training failed" not in output and "OOM killer" not in output
+    assert not alive(int((tmp_path / "probe" / "frozen").read_text()))
     assert time.monotonic() - started < 120
     assert_same_weights(spec.parent, uninterrupted[0])
 

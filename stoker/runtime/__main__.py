@@ -97,6 +97,10 @@ def run(spec_path: Path, stop: StopFlag) -> int:
         log.error("%s", e)
         return 2
     except Exception as e:
+        if trainer is not None and (stall := trainer.data_stalled) is not None:
+            # The watchdog killed the workers: whatever that raised (here, or in a collective
+            # a step later), the cause is the stall.
+            return data_workers_lost(str(stall), trainer)
         if killed := data_worker_killed(e):
             # The OOM killer's usual victim: infrastructure, as a rank killed by it would be.
             return data_workers_lost(f"{killed} (the OOM killer? see dmesg)", trainer)
@@ -144,21 +148,12 @@ def data_workers_lost(reason: str, trainer) -> int:
     log.error("%s at step %s: ending this attempt as an infrastructure failure (exit %d; "
               "retried from the last checkpoint)", reason, trainer.step if trainer else 0,
               EXIT_STOP_LOST)
+    from stoker.runtime.data import kill_children
+
     if trainer is not None:
         trainer.close_data()  # (else torch's SIGCHLD handler raises at the kill below)
     kill_children()
     return EXIT_STOP_LOST
-
-
-def kill_children() -> None:
-    """SIGKILL this process's descendants (its DataLoader workers): a worker that hangs in
-    ``fork()`` has the stop signals held and no watchdog yet, so it would outlive the rank."""
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                child.kill()
 
 
 def exit_now(code: int) -> None:

@@ -271,7 +271,89 @@ class AttemptData(Dataset):
 
 class DataStall(RuntimeError):
     """No batch came from the DataLoader workers within ``train.data_timeout_s``: a worker hangs
-    (or the storage under it does). The attempt ends as an infrastructure failure."""
+    or is frozen (or the storage under it stalls). The attempt ends as an infrastructure
+    failure."""
+
+
+class DataWatchdog:
+    """Ends a rank's wait for a batch that does not come.
+
+    The rank marks each wait (:meth:`next_batch`); a thread checks about once a second, and a
+    wait longer than ``timeout_s`` SIGKILLs the rank's child processes (its DataLoader workers),
+    which breaks the wait wherever it blocks: on the batch queue, or in the read of a shared
+    tensor's file descriptor from a worker, which a frozen worker (SIGSTOP, a cgroup freezer)
+    never answers and which the DataLoader's own ``timeout`` does not cover. :meth:`next_batch`
+    then raises :class:`DataStall`, whatever the DataLoader raised. Start it after the workers
+    are forked (a thread that exists at a fork is what gh-112275 needs).
+
+    Args:
+        timeout_s: seconds one wait may take (``train.data_timeout_s``); 0: no watchdog.
+    """
+
+    def __init__(self, timeout_s: float):
+        import threading
+
+        self.timeout_s = timeout_s
+        self.stalled = False  # it fired: the workers were killed for a stalled wait
+        self._since: float | None = None  # when the current wait began (monotonic s)
+        self._closed = threading.Event()
+        self._thread = None
+        if timeout_s > 0:
+            self._thread = threading.Thread(target=self._watch, name="data-watchdog",
+                                            daemon=True)
+            self._thread.start()
+
+    def next_batch(self, batches: Iterator):
+        """``next(batches)``, watched.
+
+        Raises:
+            DataStall: the wait took longer than ``timeout_s`` (names train.data_timeout_s).
+            StopIteration: ``batches`` is exhausted.
+        """
+        import time
+
+        self._since = time.monotonic()
+        try:
+            return next(batches)
+        except Exception:
+            if self.stalled:
+                raise self.error() from None
+            raise
+        finally:
+            self._since = None
+
+    def error(self) -> DataStall:
+        return DataStall(
+            f"no batch from the DataLoader workers in {self.timeout_s:g} s "
+            "(train.data_timeout_s): a data worker hangs or is frozen, or the storage it reads "
+            "from stalls")
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        import time
+
+        while not self._closed.wait(min(1.0, self.timeout_s / 4)):
+            since = self._since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                self.stalled = True
+                kill_children()
+                return
+
+
+def kill_children() -> None:
+    """SIGKILL this process's descendants (a rank's DataLoader workers): a worker that hangs in
+    ``fork()`` has the stop signals held and no watchdog of its own, and a frozen one takes
+    nothing else, so either would outlive the rank."""
+    import contextlib
+
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
 
 
 def data_worker_killed(error: BaseException) -> str | None:
@@ -280,23 +362,6 @@ def data_worker_killed(error: BaseException) -> str | None:
     None for anything else (a worker that raised, or died of another signal)."""
     found = re.search(r"DataLoader worker \(pid (\d+)\) is killed by signal: Killed", str(error))
     return f"DataLoader worker (pid {found[1]}) was killed by SIGKILL" if found else None
-
-
-def next_batch(batches: Iterator, timeout_s: float):
-    """``next(batches)``; a DataLoader's timeout becomes :class:`DataStall` (named).
-
-    Raises:
-        DataStall: no batch within ``timeout_s`` seconds (``train.data_timeout_s``).
-        StopIteration: ``batches`` is exhausted.
-    """
-    try:
-        return next(batches)
-    except RuntimeError as e:
-        if not str(e).startswith("DataLoader timed out"):
-            raise
-        raise DataStall(
-            f"no batch from the DataLoader workers in {timeout_s:g} s (train.data_timeout_s): "
-            "a data worker hangs, or the storage it reads from stalls") from None
 
 
 def check_divisible(global_batch_size: int, grad_accum_steps: int, world_size: int) -> None:

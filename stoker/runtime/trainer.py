@@ -33,9 +33,10 @@ from stoker.runtime.data import (
     AttemptBatches,
     AttemptData,
     DataError,
+    DataStall,
+    DataWatchdog,
     build_splits,
     check_divisible,
-    next_batch,
     val_batches,
 )
 from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier
@@ -153,6 +154,7 @@ class Trainer(ProfilingMixin):
         self.model = self._wrap()  # load the snapshot before wrapping in DDP
         # Its workers fork now, before tracking and checkpoint threads exist (see _open_data).
         self._batches = self._open_data()
+        self._watchdog = DataWatchdog(self.cfg.data_timeout_s if self.cfg.num_workers else 0)
         self.progress = ProgressWriter(spec.job_dir, env.world_size) if env.is_main else None
         self.tracker = self._open_tracker() if env.is_main and spec.tracking_uri else None
         if self.tracker is not None:
@@ -300,8 +302,8 @@ class Trainer(ProfilingMixin):
         reads them. Its ``num_workers`` workers are forked here, once per attempt: not again
         per epoch and per evaluation, and before the rank starts its other threads (a fork
         while another thread holds an interpreter lock can hang the child: CPython gh-112275).
-        A worker that delivers nothing for ``train.data_timeout_s`` ends the attempt
-        (:class:`DataStall`). None when no step is left."""
+        A wait for a batch longer than ``train.data_timeout_s`` ends the attempt
+        (:class:`DataWatchdog`). None when no step is left."""
         if self.step >= self.total_steps:
             return None
         cfg, env = self.cfg, self.env
@@ -315,21 +317,26 @@ class Trainer(ProfilingMixin):
         loader = DataLoader(AttemptData(self.splits.train, self.splits.val),
                             batch_sampler=sampler, num_workers=workers,
                             pin_memory=env.device.type == "cuda", generator=generator,
-                            worker_init_fn=ignore_stop_signals,
-                            timeout=cfg.data_timeout_s if workers else 0)
+                            worker_init_fn=ignore_stop_signals)
         return loader_iter(loader)
 
     def close_data(self) -> None:
         """End the data workers now (what the iterator does when collected: a worker that
         does not end within 5 s gets SIGTERM). The rank ends with ``os._exit``, and a worker
         left behind would notice only seconds later. Idempotent."""
+        self._watchdog.close()
         batches, self._batches = self._batches, None
         shutdown = getattr(batches, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
 
     def _next_batch(self):
-        return next_batch(self._batches, self.cfg.data_timeout_s)
+        return self._watchdog.next_batch(self._batches)
+
+    @property
+    def data_stalled(self) -> DataStall | None:
+        """The stall that ended this attempt's data (its workers were killed), else None."""
+        return self._watchdog.error() if self._watchdog.stalled else None
 
     def train(self) -> str:
         """Run until done or preempted. Returns ``"completed"`` or ``"preempted"``."""
