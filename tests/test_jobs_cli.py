@@ -268,3 +268,25 @@ def test_jobs_and_status_name_the_work_folder_they_read(work, monkeypatch):
     status = CliRunner().invoke(app, ["status", "aaaa", "--work-dir", work.name])
     assert status.exit_code == 0, status.output
     assert f"folder     {work.resolve() / 'jobs' / 'aaaa1111-done'}" in status.output.splitlines()
+
+
+def test_a_stopped_hung_attempt_is_billed_until_its_run_closed_it(work, monkeypatch):
+    """New-user trial: an attempt whose data worker hung wrote nothing for 110 s, then Ctrl-C:
+    it was billed 23.7 s (start to its last trace) for 134 s held. The run that stops an
+    attempt was there until the end and bills it to then; an attempt left open by a dead run
+    is still billed to its last trace (nothing else is known)."""
+    import json
+    import time
+
+    for name, left_open in (("ffff6666-hung", False), ("ffff7777-dead", True)):
+        job = work / "jobs" / name
+        job.mkdir()
+        log = AttemptLog(job)
+        monkeypatch.setattr(time, "time", lambda: 1_000.0)
+        log.start(1, "on_demand")
+        (job / "progress.jsonl").write_text(json.dumps(
+            {"event": "step", "step": 5, "time": 1_020.0, "attempt": 1}) + "\n")
+        monkeypatch.setattr(time, "time", lambda: 1_134.0)
+        (closed,) = log.close_interrupted(stopped_by=None if left_open else "SIGINT (Ctrl-C)",
+                                          left_open=left_open)
+        assert closed["duration_s"] == (20.0 if left_open else 134.0), name

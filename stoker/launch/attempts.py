@@ -165,8 +165,11 @@ class AttemptLog:
             ranks, last_seen = self._runtime_end(started, checkpoint_location)
             # The orchestrator died or was stopped (Ctrl-C, kill -9, a lost worker): whatever
             # the ranks did then (often a committed stop checkpoint), it is not a preemption.
+            # The run that stopped it held the machine until now (a hung attempt writes no
+            # heartbeat: its last one would under-bill it); a dead run's end is its last trace.
+            ended = last_seen if left_open else max(last_seen, time.time())
             entry = {"exit_code": -1, "outcome": "interrupted", "started": started, **ranks,
-                     "duration_s": round(max(0.0, last_seen - started), 3),
+                     "duration_s": round(max(0.0, ended - started), 3),
                      "capacity_type": record.get("capacity_type", "on_demand"),
                      "interrupted": True, **({"stopped_by": stopped_by} if stopped_by else {}),
                      **({"left_open": True} if left_open else {})}
