@@ -31,7 +31,13 @@ from stoker.launch.factory import make_launcher
 from stoker.launch.job import JobClaim, check_resumable, completed_training, job_store
 from stoker.launch.lease import JobBusy, held_lease
 from stoker.launch.local import discard_standby
-from stoker.launch.retry import Attempt, Outcome, describe_exit, run_with_retries
+from stoker.launch.retry import (
+    Attempt,
+    Outcome,
+    budget_spent,
+    describe_exit,
+    run_with_retries,
+)
 from stoker.launch.status import JOB_LOG
 from stoker.launch.stop_request import (
     clear_stop_request,
@@ -249,7 +255,12 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         if attempts[-1].exit_code == 2 and error:  # the ranks named bad input: say it
             raise ConfigError(f"{error} (job {job_dir.name}; its output: stoker logs "
                               f"{job_dir.name})")
-        raise TrainingFailed(f"job {job_dir.name} did not complete: {summary}")
+        spent = budget_spent(config.retry, attempts)
+        raise TrainingFailed(
+            f"job {job_dir.name} did not complete: {summary}" + (
+                f"; no retry left ({spent}); once its cause is fixed, the same command "
+                "resumes from the last checkpoint"
+                if spent else ""))
 
     result = read_json(job_dir / "result.json")
     if not isinstance(result, dict) or "run_id" not in result:

@@ -180,3 +180,16 @@ def test_prefect_crash_lines_of_a_stop_read_as_what_happened(monkeypatch):
         assert not StopLogFilter().filter(record(message))
     other = record("Finished in state Failed('boom')")
     assert StopLogFilter().filter(other) and other.levelno == logging.ERROR
+
+
+def test_the_spent_retry_budget_is_named():
+    from stoker.config import RetryConfig
+    from stoker.launch.retry import budget_spent, run_with_retries
+
+    codes = iter([75, 137, 137, 137])
+    policy = RetryConfig(backoff_s=0, max_infra_failures=2)
+    attempts = run_with_retries(lambda n: next(codes), policy, sleep=lambda s: None)
+    assert budget_spent(policy, attempts) == (
+        "3 infrastructure_failure attempts, more than retry.max_infra_failures=2")
+    assert budget_spent(policy, run_with_retries(lambda n: 0, policy)) is None
+    assert budget_spent(policy, run_with_retries(lambda n: 1, policy)) is None  # a bug: its own

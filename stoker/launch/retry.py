@@ -80,6 +80,23 @@ def budget_for(policy: RetryConfig, outcome: Outcome) -> int:
             Outcome.USER_ERROR: policy.max_user_errors}.get(outcome, 0)
 
 
+BUDGET_FIELDS = {Outcome.PREEMPTED: "retry.max_preemptions",
+                 Outcome.INFRASTRUCTURE: "retry.max_infra_failures"}
+
+
+def budget_spent(policy: RetryConfig, attempts: list[Attempt]) -> str | None:
+    """Why retrying stopped, when the last attempt's outcome ran out of its budget, in words:
+    ``"3 infrastructure_failure attempts, more than retry.max_infra_failures=2"``; None when the
+    last outcome is not one that retries (completed, stopped, a failure in user code)."""
+    if not attempts or attempts[-1].outcome not in BUDGET_FIELDS:
+        return None
+    outcome = attempts[-1].outcome
+    used = sum(a.outcome == outcome for a in attempts)
+    field = BUDGET_FIELDS[outcome]
+    return (f"{used} {outcome} attempts, more than {field}={budget_for(policy, outcome)}"
+            if used > budget_for(policy, outcome) else None)
+
+
 def run_with_retries(launch: Callable[[int], int], policy: RetryConfig,
                      on_attempt: Callable[[Attempt], None] = lambda a: None,
                      sleep: Callable[[float], None] = time.sleep,
