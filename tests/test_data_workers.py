@@ -134,6 +134,9 @@ def test_a_frozen_data_worker_ends_the_attempt_too(uninterrupted, make_spec, tmp
     assert "no batch from the DataLoader workers in 5 s (train.data_timeout_s)" in output
     assert "training failed" not in output and "OOM killer" not in output
     assert not alive(int((tmp_path / "probe" / "frozen").read_text()))
+    # What the ranks recorded: an infrastructure end, not a failure of the user's (trial).
+    ends = [e["outcome"] for e in events(spec.parent) if e["event"] == "end"]
+    assert ends == ["infrastructure", "completed"], ends
     assert time.monotonic() - started < 120
     assert_same_weights(spec.parent, uninterrupted[0])
 
@@ -156,3 +159,30 @@ def test_a_data_worker_killed_by_sigkill_is_an_infrastructure_failure(uninterrup
 def assert_same_weights(job: Path, reference: Path) -> None:
     a, b = torch.load(job / "final/model.pt"), torch.load(reference / "final/model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Slow(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(3)
+        return i
+
+
+def test_a_worker_killed_while_its_rank_waits_is_named_as_killed():
+    """Killed while the rank waits for its batch, the DataLoader says "exited unexpectedly",
+    raised from its SIGCHLD report (second trial: that rank failed as a bug, exit 1, not
+    retried). The report is found in the causes."""
+    from stoker.runtime.data import data_worker_killed
+
+    batches = iter(torch.utils.data.DataLoader(_Slow(), batch_size=1, num_workers=2))
+    workers = psutil.Process().children()
+    threading.Timer(1.0, lambda: workers[0].kill()).start()
+    with pytest.raises(RuntimeError) as raised:
+        next(batches)
+    del batches
+    assert data_worker_killed(raised.value) == \
+        f"DataLoader worker (pid {workers[0].pid}) was killed by SIGKILL", repr(raised.value)
+    assert data_worker_killed(RuntimeError("DataLoader worker (pid 5) exited unexpectedly "
+                                           "with exit code 1")) is None  # not a SIGKILL

@@ -290,3 +290,16 @@ def test_a_stopped_hung_attempt_is_billed_until_its_run_closed_it(work, monkeypa
         (closed,) = log.close_interrupted(stopped_by=None if left_open else "SIGINT (Ctrl-C)",
                                           left_open=left_open)
         assert closed["duration_s"] == (20.0 if left_open else 134.0), name
+
+
+def test_an_attempt_ended_by_a_lost_data_worker_is_not_called_a_failure():
+    """Second trial: Ctrl-C while a data worker was frozen; the ranks ended the attempt as
+    infrastructure (the stall), and the line said "its ranks failed at step 30"."""
+    from stoker.launch.attempts import describe_interrupted
+
+    record = {"interrupted": True, "runtime_outcome": "infrastructure_failure",
+              "runtime_end_step": 30, "reached_step": 30, "committed_step": 30,
+              "steps_lost": 0}
+    assert describe_interrupted(record) == (
+        "its ranks ended at step 30 without a stop checkpoint (a data worker or a peer rank was "
+        "lost), last checkpoint at step 30, 0 step(s) lost")

@@ -82,7 +82,7 @@ def test_a_stop_that_does_not_commit_counts_the_steps_it_lost(server, tmp_path):
     assert code == 1, output[-3000:]
     # The last line says why no attempt followed (new-user trial: it did not name the budget).
     assert output.rstrip().splitlines()[-1].endswith(
-        "; no retry left (1 infrastructure_failure attempts, more than "
+        "; no retry left (1 infrastructure_failure attempt, more than "
         "retry.max_infra_failures=0); once its cause is fixed, the same command resumes from "
         f"the last checkpoint (its output: stoker logs {job.name})"), output[-3000:]
 

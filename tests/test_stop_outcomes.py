@@ -191,5 +191,8 @@ def test_the_spent_retry_budget_is_named():
     attempts = run_with_retries(lambda n: next(codes), policy, sleep=lambda s: None)
     assert budget_spent(policy, attempts) == (
         "3 infrastructure_failure attempts, more than retry.max_infra_failures=2")
+    once = run_with_retries(lambda n: 137, RetryConfig(max_infra_failures=0))
+    assert budget_spent(RetryConfig(max_infra_failures=0), once) == (
+        "1 infrastructure_failure attempt, more than retry.max_infra_failures=0")
     assert budget_spent(policy, run_with_retries(lambda n: 0, policy)) is None
     assert budget_spent(policy, run_with_retries(lambda n: 1, policy)) is None  # a bug: its own

@@ -29,7 +29,8 @@ from stoker.runtime.records import append_jsonl, read_json, read_jsonl
 
 ATTEMPTS_FILE = "attempts.jsonl"
 # What the runtime's last `end` event says, as an attempt outcome (stoker.launch.retry.Outcome).
-_END_OUTCOME = {"completed": "completed", "preempted": "preempted", "failed": "user_error"}
+_END_OUTCOME = {"completed": "completed", "preempted": "preempted", "failed": "user_error",
+                "infrastructure": "infrastructure_failure"}
 # The checkpointer's layout (stoker.runtime.checkpoint, which imports torch): a step counts once
 # its folder holds the commit marker.
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
@@ -245,6 +246,11 @@ def _ranks_did(record: dict[str, Any]) -> str:
         return f"its ranks completed training at step {end}"
     if outcome == "user_error":
         return f"its ranks failed at step {end}"
+    if outcome == "infrastructure_failure":  # a data worker or a peer rank lost: no stop
+        committed = record.get("committed_step") or 0
+        last = f"last checkpoint at step {committed}" if committed else "no checkpoint committed"
+        return (f"its ranks ended at step {end} without a stop checkpoint (a data worker or a "
+                f"peer rank was lost), {last}, {record.get('steps_lost', 0)} step(s) lost")
     reached = record.get("reached_step")
     if reached is None:
         return "its ranks recorded no step and no end"

@@ -93,7 +93,8 @@ def budget_spent(policy: RetryConfig, attempts: list[Attempt]) -> str | None:
     outcome = attempts[-1].outcome
     used = sum(a.outcome == outcome for a in attempts)
     field = BUDGET_FIELDS[outcome]
-    return (f"{used} {outcome} attempts, more than {field}={budget_for(policy, outcome)}"
+    return (f"{used} {outcome} attempt{'s' if used != 1 else ''}, more than "
+            f"{field}={budget_for(policy, outcome)}"
             if used > budget_for(policy, outcome) else None)
 
 

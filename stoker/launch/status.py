@@ -90,7 +90,8 @@ def job_progress(events: list[dict]) -> JobProgress | None:
             return JobProgress("completed", attempt, total, total, outcome=outcome)
         checkpoints = [int(e["step"]) for e in events if e.get("event") == "checkpoint"]
         resume = max(checkpoints) if checkpoints else 0
-        state = "restarting" if outcome == "preempted" else "ended"
+        # Preempted and infrastructure failures resume from the last checkpoint.
+        state = "restarting" if outcome in ("preempted", "infrastructure") else "ended"
         return JobProgress(state, attempt, int(ends[-1].get("step") or step), total,
                            resume_step=resume, outcome=outcome)
     if len(steps) < MIN_STEPS_FOR_ETA:

@@ -92,6 +92,7 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     except DataStall as e:
         # Not the user's data (that fails with DataError, named): a hung worker or stalled
         # storage. Infrastructure: the attempt is retried from the last checkpoint.
+        outcome = "infrastructure"
         return data_workers_lost(str(e), trainer)
     except (ConfigError, DataError) as e:
         log.error("%s", e)
@@ -100,9 +101,11 @@ def run(spec_path: Path, stop: StopFlag) -> int:
         if trainer is not None and (stall := trainer.data_stalled) is not None:
             # The watchdog killed the workers: whatever that raised (here, or in a collective
             # a step later), the cause is the stall.
+            outcome = "infrastructure"
             return data_workers_lost(str(stall), trainer)
         if killed := data_worker_killed(e):
             # The OOM killer's usual victim: infrastructure, as a rank killed by it would be.
+            outcome = "infrastructure"
             return data_workers_lost(f"{killed} (the OOM killer? see dmesg)", trainer)
         if stop.requested and is_peer_lost(e):
             # A coordinated stop whose peer was killed first (grace ran out): not a bug here.
@@ -110,12 +113,14 @@ def run(spec_path: Path, stop: StopFlag) -> int:
             log.warning("a peer rank is gone at step %s (%s) while this rank was stopping "
                         "(%s): no stop checkpoint", trainer.step if trainer else 0,
                         peer_lost_reason(e), stop.reason)
+            outcome = "infrastructure"
             return EXIT_STOP_LOST
         if is_peer_lost(e):
             # Another rank died (OOM killer, node loss, kill -9): this rank is not at fault, and
             # the attempt is an infrastructure failure that resumes from the last checkpoint.
             log.warning("a peer rank is gone at step %s (%s): stopping this rank",
                         trainer.step if trainer else 0, peer_lost_reason(e))
+            outcome = "infrastructure"
             return EXIT_STOP_LOST
         log.exception("training failed at step %s", trainer.step if trainer else 0)
         return 1
@@ -145,8 +150,8 @@ def data_workers_lost(reason: str, trainer) -> int:
     """Log ``reason``, end the rank's data workers (all of them: one may hang with the stop
     signals held) and return EXIT_STOP_LOST: an infrastructure failure, which the launcher
     retries from the last checkpoint."""
-    log.error("%s at step %s: ending this attempt as an infrastructure failure (exit %d; "
-              "retried from the last checkpoint)", reason, trainer.step if trainer else 0,
+    log.error("%s at step %s: ending this attempt as an infrastructure failure (exit %d; the "
+              "job resumes from the last checkpoint)", reason, trainer.step if trainer else 0,
               EXIT_STOP_LOST)
     from stoker.runtime.data import kill_children
 

@@ -360,8 +360,15 @@ def data_worker_killed(error: BaseException) -> str | None:
     """``"DataLoader worker (pid N) was killed by SIGKILL"`` when ``error`` is the DataLoader's
     report of a worker killed by SIGKILL (the OOM killer's usual victim, or a ``kill -9``);
     None for anything else (a worker that raised, or died of another signal)."""
-    found = re.search(r"DataLoader worker \(pid (\d+)\) is killed by signal: Killed", str(error))
-    return f"DataLoader worker (pid {found[1]}) was killed by SIGKILL" if found else None
+    seen = set()
+    while error is not None and id(error) not in seen:  # its causes too: killed mid-wait, the
+        seen.add(id(error))  # DataLoader raises "exited unexpectedly" from the SIGCHLD report
+        found = re.search(r"DataLoader worker \(pid (\d+)\) is killed by signal: Killed",
+                          str(error))
+        if found:
+            return f"DataLoader worker (pid {found[1]}) was killed by SIGKILL"
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def check_divisible(global_batch_size: int, grad_accum_steps: int, world_size: int) -> None:
