@@ -7,12 +7,14 @@
 so far, all threads; with tracking, ``tracking_open``: whether the MLflow run is open yet,
 ``tracking_sent_step``: the last step of the last batch MLflow confirmed, and ``tracking_cpu_s``:
 the CPU seconds the MLflow threads had used once it was confirmed);
-``end`` lines add ``outcome``. Every line also has ``attempt`` (1 for
-the job's first runtime start, counted from the ``start`` lines already in the file), and a
-``step`` line for a step an earlier attempt already reported (re-run after resuming from an
-older checkpoint) has ``rerun: true``: readers that want one line per step drop those, nothing
-else to de-duplicate. Lines are appended whole; a torn last line (a crash mid-write) is skipped
-by readers with a warning and ended by the next writer.
+``start`` lines add ``total_steps``, ``resumed`` and ``intra_op_threads`` (rank 0's
+``torch.get_num_threads()``); ``end`` lines add ``outcome`` (``completed``, ``preempted``,
+``failed``, or ``infrastructure``: a data worker or a peer rank lost). Every line also has
+``attempt`` (1 for the job's first runtime start, counted from the ``start`` lines already in the
+file), and a ``step`` line for a step an earlier attempt already reported (re-run after resuming
+from an older checkpoint) has ``rerun: true``: readers that want one line per step drop those,
+nothing else to de-duplicate. Lines are appended whole; a torn last line (a crash mid-write) is
+skipped by readers with a warning and ended by the next writer.
 
 ``<job_dir>/heartbeat.json``: rewritten atomically at most once per second with
 ``{"time", "step", "epoch", "pid", "pid_started", "world_size", "outcome"}`` (``pid_started``:

@@ -341,6 +341,7 @@ class Trainer(ProfilingMixin):
     def train(self) -> str:
         """Run until done or preempted. Returns ``"completed"`` or ``"preempted"``."""
         self._event("start", total_steps=self.total_steps, resumed=self.step > 0,
+                    intra_op_threads=torch.get_num_threads(),
                     restarted_from_zero=self.resume.restarted_from_zero)
         started, self._cpu_started = time.perf_counter(), time.process_time()
         self._tracking_cpu_started = self.tracker.cpu_s() if self.tracker is not None else 0.0
