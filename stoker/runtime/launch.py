@@ -35,6 +35,7 @@ and ``top`` show), so one rank can be found and signalled.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -174,6 +175,10 @@ def _launch_forked(args) -> None:
     config, _cmd, _cmd_args = config_from_args(args)
     config.start_method = "fork"
     _warm_up()
+    # The imported modules' objects into the permanent generation: a forked rank's collections
+    # no longer walk them (and copy their pages). Bare training, forked / exec'd ranks, 4 pairs
+    # on 2 cores: 0.966 without, 0.987 with.
+    gc.freeze()
     elastic_launch(config=config, entrypoint=forked_rank)(*args.training_script_args)
 
 
