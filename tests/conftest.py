@@ -89,10 +89,15 @@ def make_spec(dataset, tmp_path):
 
 
 def events(job_dir: Path) -> list[dict]:
+    """The job's progress events so far. Tests poll this while ranks append: a last line without
+    its newline is a record still being written and is left for the next poll; every whole line
+    must parse (our writers end a torn line before appending, so a bad whole line is a bug)."""
     path = Path(job_dir) / "progress.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    whole = text[:text.rfind("\n") + 1]
+    return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
 
 def rank_of(proc) -> int | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from stoker.runtime.records import JsonlAppender, append_jsonl, read_json, read_jsonl
 
 
@@ -35,3 +37,15 @@ def test_a_truncated_json_file_reads_as_the_default_with_a_warning(tmp_path):
     assert read_json(path, default={}, warn=warnings.append) == {}
     assert "not valid JSON" in warnings[0]
     assert read_json(tmp_path / "missing.json", default=None) is None
+
+
+def test_the_tests_own_poller_leaves_a_line_being_written_for_the_next_poll(tmp_path):
+    """CI once failed a stop test because the poller parsed a progress line mid-append; the
+    polling helper must take only whole lines (and still fail on a bad whole one)."""
+    from conftest import events
+
+    (tmp_path / "progress.jsonl").write_text('{"event": "step", "step": 1}\n{"event": "ev')
+    assert events(tmp_path) == [{"event": "step", "step": 1}]
+    (tmp_path / "progress.jsonl").write_text('{"event": "step", "step": 1}\nnot json\n')
+    with pytest.raises(json.JSONDecodeError):  # a bad whole line must not pass silently
+        events(tmp_path)
