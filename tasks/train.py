@@ -25,7 +25,6 @@ from stoker.launch.attempts import (
     AttemptLog,
     describe_interrupted,
     lost_steps,
-    total_steps_lost,
 )
 from stoker.launch.factory import make_launcher
 from stoker.launch.job import JobClaim, check_resumable, completed_training, job_store
@@ -63,7 +62,7 @@ from stoker.runtime.records import read_json, read_text
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import ensure_store
 from stoker.stopping import note_outcome, stop_reason
-from stoker.tracking.cost import cost_report
+from stoker.tracking.cost import cost_report, steps_lost
 from stoker.tracking.events import training_event
 from tasks.stopping import attempt_state, crash_orphaned_flow_run
 
@@ -193,7 +192,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             try:  # the job's total so far, on the job's run
                 if read_text(run_file):
                     client.log_metric(read_text(run_file), "steps_lost",
-                                      total_steps_lost(attempts_log.history()), step=reached)
+                                      steps_lost(attempts_log.history(), read_events(job_dir)),
+                                      step=reached)
             except Exception as e:  # tracking must not mask the attempt's outcome
                 logger.warning("could not log steps_lost to MLflow: %s", e)
         if attempt.outcome == Outcome.PREEMPTED:

@@ -92,13 +92,16 @@ def test_concurrent_runs_lose_no_metrics(server, dataset, tmp_path):
 
 
 def test_cost_and_goodput():
-    events = [{"event": "start", "step": 0}, {"event": "step", "step": 30},
-              {"event": "start", "step": 20}, {"event": "step", "step": 50},
-              {"event": "end", "step": 50}]
-    assert steps_lost(events) == 10
+    events = [{"event": "start", "step": 0, "time": 100.0}, {"event": "step", "step": 30,
+                                                             "time": 150.0},
+              {"event": "start", "step": 20, "time": 200.0}, {"event": "step", "step": 50,
+                                                              "time": 250.0},
+              {"event": "end", "step": 50, "time": 260.0}]
     attempts = [{"duration_s": 1800, "outcome": "infrastructure_failure",
-                 "capacity_type": "spot"},
-                {"duration_s": 1800, "outcome": "completed", "capacity_type": "on_demand"}]
+                 "capacity_type": "spot", "started": 99.0, "steps_lost": 10},
+                {"duration_s": 1800, "outcome": "completed", "capacity_type": "on_demand",
+                 "started": 199.0, "steps_lost": 0}]
+    assert steps_lost(attempts, events) == 10
     report = cost_report(attempts, events, useful_train_s=2700, devices=8,
                          gpu_model="NVIDIA H100 80GB HBM3", prices=PriceTable())
     assert report.gpu_hours == 8.0
@@ -109,6 +112,44 @@ def test_cost_and_goodput():
     assert summary["attempts"] == 2 and isinstance(summary["attempts"], int)
     assert isinstance(summary["devices"], int) and summary["capacity_types"] == ["spot",
                                                                                  "on_demand"]
+
+
+def test_steps_lost_is_one_figure_from_the_records_with_events_for_older_records(tmp_path):
+    """New-user trial: on a job whose attempt records predate ``steps_lost`` (before 2620b4f),
+    ``stoker status`` said 0 steps lost (it summed the records) while the job summary and MLflow
+    said 81 (they read the progress events). Both now take the records' figure, and the events
+    only for a record without one."""
+    from stoker.launch.status import job_summary
+
+    job = tmp_path / "jobs" / "old-job"
+    job.mkdir(parents=True)
+    records = [  # attempt 1 reached 131 with step 50 committed, attempt 2 completed
+        {"number": 1, "exit_code": 137, "outcome": "infrastructure_failure", "started": 1000.0,
+         "duration_s": 60.0, "capacity_type": "spot"},
+        {"number": 2, "exit_code": 0, "outcome": "completed", "started": 1100.0,
+         "duration_s": 90.0, "capacity_type": "spot"}]
+    events = [{"event": "start", "step": 0, "time": 1005.0, "total_steps": 300},
+              {"event": "checkpoint", "step": 50, "time": 1020.0},
+              {"event": "step", "step": 131, "time": 1050.0},
+              {"event": "start", "step": 50, "time": 1105.0, "total_steps": 300},
+              {"event": "end", "step": 300, "time": 1180.0, "outcome": "completed"}]
+    (job / "attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (job / "progress.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events)
+                                        + '{"event": "st')  # a torn last line
+    assert steps_lost(records, events) == 81
+    assert job_summary(job).steps_lost == 81  # stoker status: 0 before
+    report = cost_report(records, events, useful_train_s=100, devices=1, gpu_model="cpu",
+                         prices=PriceTable())
+    assert report.steps_lost == 81
+
+    # Newer records carry their own figure (from the heartbeat, which can be past the last
+    # step event): it wins over the events, and a last attempt that lost steps counts too.
+    records[0]["steps_lost"] = 83
+    records.append({"number": 3, "exit_code": 75, "outcome": "preempted", "started": 1200.0,
+                    "duration_s": 5.0, "capacity_type": "spot", "steps_lost": 4})
+    assert steps_lost(records, events) == 87
+    # Damaged values count 0, and a negative one is not subtracted.
+    assert steps_lost([{"steps_lost": True}, {"steps_lost": -5}, {"started": "x"}], events) == 0
 
 
 def test_capacity_types_are_distinct_in_first_seen_order():

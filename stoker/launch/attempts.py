@@ -79,12 +79,6 @@ def lost_steps(job_dir: Path, since: float, checkpoint_location: str) -> tuple[i
     return max(0, reached - committed), reached, committed
 
 
-def total_steps_lost(history: list[dict[str, Any]]) -> int:
-    """The ``steps_lost`` of every attempt record, summed (records without it count 0)."""
-    return sum(a["steps_lost"] for a in history
-               if isinstance(a.get("steps_lost"), int) and not isinstance(a["steps_lost"], bool))
-
-
 def is_closed(record: dict[str, Any]) -> bool:
     """Whether an attempt record (:meth:`AttemptLog.records`) is closed (``state`` ``ended``,
     or no state: older files)."""

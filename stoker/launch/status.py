@@ -120,7 +120,8 @@ class JobSummary:
     same command resumes a stopped or unfinished job (a stall the guard stopped needs
     ``--resume-stalled``). ``heartbeat_age_s``
     is the seconds since rank 0's last heartbeat; ``cost_usd`` is known once the job is done;
-    ``steps_lost`` sums the attempts' steps trained past the last committed checkpoint.
+    ``steps_lost``: :func:`stoker.tracking.cost.steps_lost` (the figure the job summary and
+    MLflow show).
     ``stopped_by`` says who stopped a ``stopped`` job (``stopped by cost-guard: stalled ...``,
     ``stopped by Ctrl-C``; None otherwise); ``stalled``: the guard stopped it for a stall."""
 
@@ -146,12 +147,13 @@ def job_summary(job_dir: Path, now: float | None = None,
                 bucket_lease: dict | None = None) -> JobSummary:
     """Summarise one job folder from its records (never raises on a torn or missing record);
     ``bucket_lease``: the job's lease object in the bucket, when it lives in one."""
-    from stoker.launch.attempts import AttemptLog, closed, is_closed, total_steps_lost
+    from stoker.launch.attempts import AttemptLog, closed, is_closed
     from stoker.launch.job import done_summary
     from stoker.launch.lease import holder_alive
     from stoker.launch.stop_request import read_stop_request
     from stoker.runtime.progress import read_events
     from stoker.runtime.records import read_json, read_text
+    from stoker.tracking.cost import steps_lost
 
     now = time.time() if now is None else now
     quiet = lambda *_: None  # noqa: E731 - a listing must not print a warning per torn line
@@ -201,7 +203,7 @@ def job_summary(job_dir: Path, now: float | None = None,
         cost_usd=float(cost) if isinstance(cost, int | float) else None,
         mlflow_run_id=read_text(job_dir / "mlflow_run_id", warn=quiet),
         heartbeat_age_s=now - beat_time if isinstance(beat_time, int | float) else None,
-        progress=progress, owner=owner, steps_lost=total_steps_lost(history),
+        progress=progress, owner=owner, steps_lost=steps_lost(history, events),
         failed_saves=failed, stopped_by=stopped_by if state == "stopped" else None,
         stalled=state == "stopped" and request is not None and request.stalled)
 

@@ -4,7 +4,8 @@
   start-up, evaluation, checkpoints and work later lost), times the devices the job held.
 * Goodput is the time spent in training steps that count (restored from the last committed
   checkpoint on every resume, so lost steps are excluded) divided by billed wall time.
-* Steps lost: per attempt, the highest step it reached minus the step the next attempt resumed at.
+* Steps lost: per attempt, the step it reached minus the job's committed checkpoint step when it
+  closed, as its record says (:func:`steps_lost`).
 """
 
 from __future__ import annotations
@@ -44,18 +45,44 @@ class CostReport:
         return {**asdict(self), "capacity_types": list(self.capacity_types)}
 
 
-def steps_lost(events: list[dict]) -> int:
-    """Steps that had to be run again, from ``progress.jsonl`` events (``start`` then ``step``)."""
-    lost, reached = 0, None
-    for event in events:
-        if not isinstance(event.get("step"), int):
-            continue  # a foreign or damaged record
-        if event.get("event") == "start":
-            if reached is not None:
-                lost += max(0, reached - event["step"])
-            reached = event["step"]
-        elif event.get("event") in ("step", "checkpoint", "end") and reached is not None:
-            reached = max(reached, event["step"])
+def steps_lost(attempts: list[dict], events: list[dict]) -> int:
+    """Steps a job trained past its last committed checkpoint and had to run again: the one
+    figure ``stoker status``, the job summary and the ``steps_lost`` MLflow metric show.
+
+    Args:
+        attempts: the job's closed attempt records, oldest first. Each counts its own
+            ``steps_lost``, written when it closed (the step rank 0 reached minus the job's
+            committed checkpoint step; ``stoker.launch.attempts.lost_steps``).
+        events: the job's progress events (``progress.jsonl``), for a record written before
+            attempts recorded it: the highest step reported between its start and the next
+            attempt's, minus the step the next attempt resumed at (0 for the last attempt).
+
+    Returns:
+        The sum over the attempts (never negative); damaged records and events count 0.
+    """
+    def started(record: dict) -> float | None:
+        value = record.get("started")
+        return float(value) if isinstance(value, int | float) \
+            and not isinstance(value, bool) else None
+
+    timed = [e for e in events if isinstance(e.get("step"), int)
+             and not isinstance(e.get("step"), bool) and isinstance(e.get("time"), int | float)]
+    lost = 0
+    for i, record in enumerate(attempts):
+        own = record.get("steps_lost")
+        if isinstance(own, int) and not isinstance(own, bool):
+            lost += max(0, own)
+            continue
+        begin = started(record)
+        after = next((t for r in attempts[i + 1:] if (t := started(r)) is not None), None)
+        if begin is None or after is None:
+            continue  # no window, or the last attempt: no resume to measure against
+        reached = [e["step"] for e in timed if begin <= e["time"] < after
+                   and e.get("event") in ("start", "step", "checkpoint", "end")]
+        resumed = next((e["step"] for e in timed if e["time"] >= after
+                        and e.get("event") == "start"), None)
+        if reached and resumed is not None:
+            lost += max(0, max(reached) - resumed)
     return lost
 
 
@@ -65,7 +92,8 @@ def cost_report(attempts: list[dict], events: list[dict], useful_train_s: float,
 
     Args:
         attempts: dicts with ``duration_s``, ``outcome`` and ``capacity_type`` per attempt.
-        events: the job's progress events (for steps lost).
+        events: the job's progress events (for steps lost of records without it:
+            :func:`steps_lost`).
         useful_train_s: seconds in committed training steps (the runtime's ``train_time_s``).
         devices: GPUs (or CPU worker processes) held per attempt.
         gpu_model: NVML/CUDA device name, or ``cpu``.
@@ -79,6 +107,6 @@ def cost_report(attempts: list[dict], events: list[dict], useful_train_s: float,
         gpu_hours=round(devices * billed_s / 3600, 6), cost_usd=round(cost, 6),
         goodput=round(min(1.0, useful_train_s / billed_s), 4) if billed_s else 0.0,
         attempts=len(attempts), preemptions=sum(a["outcome"] == "preempted" for a in attempts),
-        steps_lost=steps_lost(events),
+        steps_lost=steps_lost(attempts, events),
         capacity_types=tuple(dict.fromkeys(a["capacity_type"] for a in attempts)),
     )
