@@ -20,7 +20,7 @@ import pytest
 from local_servers import stop_local_servers
 from mlflow import MlflowClient
 
-from stoker.local_server import PORT_FILE, LocalServer, server_pids
+from stoker.local_server import PORT_FILE, SERVER_NICE, LocalServer, server_pids
 
 pytestmark = pytest.mark.integration
 
@@ -69,6 +69,10 @@ def test_server_start_status_stop(work):
     assert httpx.get(f"{record(work)['api_url']}/health", timeout=5).status_code == 200
     assert psutil.Process(pid).ppid() != os.getpid()  # detached: not a child of the command
     assert os.getsid(pid) != os.getsid(0)  # its own session: Ctrl-C at the terminal misses it
+    # Niced, every thread: ranks training on all cores preempt it (the nice of this test's own
+    # process plus SERVER_NICE, capped at 19).
+    assert {psutil.Process(t.id).nice() for t in psutil.Process(pid).threads()} == \
+        {min(19, os.nice(0) + SERVER_NICE)}
     again = stoker("server", "start", "-w", str(work))
     assert again.stdout.startswith("already running") and record(work)["pid"] == pid
     status = stoker("server", "status", "-w", str(work))
