@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Callable, Iterator
 
 import psutil
 
@@ -26,6 +27,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _received: list[int] = []
 _installed: list[bool] = []  # install() was called in this process (``stoker run``)
 _outcome: list[str] = []  # what the stop left of the job (note_outcome)
+_hooks: list[Callable[[str], None]] = []  # on_stop: run before the training tree is signalled
 
 
 class Interrupted(KeyboardInterrupt):
@@ -74,9 +76,24 @@ def kill_descendants() -> list[int]:
     return [c.pid for c in children]
 
 
+@contextlib.contextmanager
+def on_stop(hook: Callable[[str], None]) -> Iterator[None]:
+    """While inside, call ``hook(stop_reason())`` when the first stop signal arrives, before
+    :class:`Interrupted` unwinds to the launcher that signals the training tree (e.g. to record
+    for the ranks who stops them). A hook that raises is ignored."""
+    _hooks.append(hook)
+    try:
+        yield
+    finally:
+        _hooks.remove(hook)
+
+
 def _handle(signum: int, _frame) -> None:
     _received.append(signum)
     if len(_received) == 1:
+        for hook in list(_hooks):
+            with contextlib.suppress(Exception):
+                hook(stop_reason() or signal.Signals(signum).name)
         raise Interrupted(signum)
     # Second signal: the user does not want to wait for the stop checkpoint.
     kill_descendants()

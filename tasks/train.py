@@ -57,11 +57,12 @@ from stoker.launch.supervisor import (
     nproc,
     write_spec,
 )
+from stoker.runtime.preemption import record_stop_sender
 from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import ensure_store
-from stoker.stopping import note_outcome, stop_reason
+from stoker.stopping import note_outcome, on_stop, stop_reason
 from stoker.tracking.cost import cost_report, steps_lost
 from stoker.tracking.events import training_event
 from tasks.stopping import attempt_state, crash_orphaned_flow_run
@@ -222,9 +223,12 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     if sync is not None:  # attempts, heartbeat, MLflow run id reach the bucket while training
         sync.start()
     try:
-        attempts = [] if finished is not None else run_with_retries(
-            launch, config.retry, on_attempt=record,
-            stop_requested=lambda: read_stop_request(job_dir) is not None)
+        # Ctrl-C, SIGTERM or SIGHUP to stoker run: the ranks' stop line says so (they see a
+        # SIGTERM from the launcher).
+        with on_stop(lambda reason: record_stop_sender(job_dir, f"stoker run got {reason}")):
+            attempts = [] if finished is not None else run_with_retries(
+                launch, config.retry, on_attempt=record,
+                stop_requested=lambda: read_stop_request(job_dir) is not None)
     except BaseException as e:  # cancelled or timed out: the tree is already gone, close the run
         # The attempt is recorded now (billed time, what the ranks did), not by the next run,
         # with who stopped it (`stoker jobs` then says stopped, not unfinished).

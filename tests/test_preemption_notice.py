@@ -138,3 +138,33 @@ def test_an_erroring_notice_endpoint_is_warned_about_once(caplog):
         assert len(warnings) == 1 and url in warnings[0].getMessage()
     finally:
         server.shutdown()
+
+
+def test_the_stop_line_names_who_sent_the_signal(tmp_path):
+    """The ranks only see the launcher's SIGTERM: after Ctrl-C to stoker run, or a stoker stop,
+    they said "stop requested (SIGTERM)". The sender's record names it; an older record (an
+    earlier stop's) or a damaged one does not."""
+    import json
+    import time
+
+    from stoker.runtime.preemption import STOP_SENDER_FILE, record_stop_sender
+
+    flag = StopFlag()
+    assert flag.describe(tmp_path, 0.0) == "another rank"  # learned from its peers
+    flag.request("SIGTERM")
+    assert flag.describe(tmp_path, 0.0) == "SIGTERM"  # a spot reclaim, docker stop: no record
+    since = time.time()
+    (tmp_path / STOP_SENDER_FILE).write_text(json.dumps({"sender": "old", "time": since - 60}))
+    assert flag.describe(tmp_path, since) == "SIGTERM"  # an earlier stop's record
+    (tmp_path / STOP_SENDER_FILE).write_text('{"sender": "stoker run got SIGINT (Ctr')  # torn
+    assert flag.describe(tmp_path, since) == "SIGTERM"
+    record_stop_sender(tmp_path, "stoker run got SIGINT (Ctrl-C)")
+    assert flag.describe(tmp_path, since) == "SIGTERM: stoker run got SIGINT (Ctrl-C)"
+    # A stop request (stoker stop, the cost guard) is what the signal carries out: it wins.
+    (tmp_path / "stop-requested.json").write_text(json.dumps(
+        {"by": "user", "reason": "maintenance", "time": time.time()}))
+    assert flag.describe(tmp_path, since) == "SIGTERM: stopped by user: maintenance"
+    record_stop_sender(tmp_path / "missing-folder", "x")  # never raises
+    notice = StopFlag()
+    notice.request("preemption notice (terminate) from http://169.254.169.254/")
+    assert notice.describe(tmp_path, since).startswith("preemption notice")  # not a signal

@@ -122,6 +122,13 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     messages = [log.message for log in sorted(logs, key=lambda r: r.timestamp)]
     second = next(i for i, m in enumerate(messages) if m.startswith("attempt 2 on "))
     assert not [m for m in messages[second:] if "(attempt 1)" in m], messages[second:]
+    # The ranks' stop lines name who asked: a bare SIGTERM for the preemption, the guard's
+    # request for the second stop (they said "stop requested (SIGTERM)" for both).
+    first = {m.split("stop requested (", 1)[1].split("): ", 1)[0]
+             for m in messages[:second] if "stop requested (" in m}
+    assert first and first <= {"SIGTERM", "another rank"}, first
+    assert [m for m in messages[second:] if "stop requested (SIGTERM: stopped by cost-guard: "
+            "stalled: no progress for 600 s): checkpoint committed at step" in m], messages[second:]
 
 
 def test_a_requested_stop_is_not_retried_whatever_the_exit_code():

@@ -136,6 +136,9 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
     assert Checkpointer(str(job_dir / "checkpoints"), 0, 1).committed_steps()[-1] == end["step"]
     assert log.rstrip().endswith(f"its ranks committed a stop checkpoint at step {end['step']}; "
                                  "run the same command to resume"), log[-3000:]
+    # The ranks name the Ctrl-C, not only the SIGTERM the launcher passed on.
+    assert "stop requested (SIGTERM: stoker run got SIGINT (Ctrl-C)): checkpoint committed at " \
+        f"step {end['step']}" in log, log[-3000:]
     assert mlflow_status(work, job_dir) == "KILLED"
     last = max(e["step"] for e in read_events(job_dir) if e["event"] == "step")
     assert last < 40 * 22  # it stopped, it did not train to the end

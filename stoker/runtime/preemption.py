@@ -12,6 +12,8 @@ import logging
 import os
 import signal
 import threading
+import time
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,44 @@ def record_stop_committed(step: int) -> None:
             f.write(f"{step}\n")
 
 
+STOP_SENDER_FILE = "stop-sender.json"  # stoker run's record of why it signalled the ranks
+_STOP_REQUEST_FILE = "stop-requested.json"  # stoker.launch.stop_request: stoker stop, the guard
+
+
+def record_stop_sender(job_dir: str | os.PathLike, sender: str) -> None:
+    """Before signalling a job's ranks, say who asks them to stop (``"stoker run got SIGINT
+    (Ctrl-C)"``), so their stop line names it and not only the SIGTERM they receive. Never
+    raises (a stop must not fail on a record)."""
+    from stoker.runtime.records import write_json
+
+    with contextlib.suppress(OSError):
+        write_json(Path(job_dir) / STOP_SENDER_FILE, {"sender": sender, "time": time.time()})
+
+
+def stop_sender(job_dir: str | os.PathLike, since: float) -> str | None:
+    """Who asked the ranks of ``job_dir`` to stop, as the sender recorded it at or after
+    ``since`` (Unix seconds: the attempt's start; older records are an earlier stop's): a stop
+    request (``stopped by user: ...``, ``stopped by cost-guard: ...``) or ``stoker run``'s own
+    signal (:func:`record_stop_sender`). None when neither says; damaged records count as
+    none."""
+    from stoker.runtime.records import read_json
+
+    quiet = lambda *_: None  # noqa: E731 - a torn record is simply not a sender
+    request = read_json(Path(job_dir) / _STOP_REQUEST_FILE, default=None, warn=quiet)
+    if isinstance(request, dict) and _at_or_after(request.get("time"), since) \
+            and isinstance(request.get("by"), str):
+        return f"stopped by {request['by']}: {request.get('reason') or 'no reason given'}"
+    record = read_json(Path(job_dir) / STOP_SENDER_FILE, default=None, warn=quiet)
+    if isinstance(record, dict) and _at_or_after(record.get("time"), since) \
+            and isinstance(record.get("sender"), str):
+        return record["sender"]
+    return None
+
+
+def _at_or_after(value: object, since: float) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value >= since
+
+
 class StopFlag:
     """Set once a stop was requested; ``reason`` says by whom (e.g. ``SIGTERM``)."""
 
@@ -112,6 +152,18 @@ class StopFlag:
         if not self._event.is_set():
             self.reason = reason
             self._event.set()
+
+    def describe(self, job_dir: str | os.PathLike, since: float) -> str:
+        """Why the stop came, for the rank's stop line: the signal, and who sent it when the
+        sender recorded that (:func:`stop_sender`), e.g. ``SIGTERM: stoker run got SIGINT
+        (Ctrl-C)``; ``another rank`` when this rank only learned it from its peers."""
+        if self.reason is None:
+            return "another rank"
+        if self.reason in ("SIGTERM", "SIGINT"):
+            sender = stop_sender(job_dir, since)
+            if sender:
+                return f"{self.reason}: {sender}"
+        return self.reason
 
     def install(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)):
         """Route ``signals`` to this flag (main thread only). Only sets the flag: safe anywhere."""

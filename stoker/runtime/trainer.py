@@ -105,6 +105,7 @@ class Trainer(ProfilingMixin):
 
     def __init__(self, spec: RunSpec, env: DistEnv, stop: StopFlag):
         self.spec, self.cfg, self.env, self.stop = spec, spec.train, env, stop
+        self.created = time.time()  # this attempt's start, for who asked it to stop
         self.timings = dict.fromkeys(("data", "forward_backward", "optimizer", "sync", "eval",
                                       "checkpoint"), 0.0)
         self.agreements = 0  # collectives of loss and flags this attempt (see _agree)
@@ -401,8 +402,8 @@ class Trainer(ProfilingMixin):
                 if stop:
                     self._finish_attempt()
                     log.warning("stop requested (%s): checkpoint committed at step %d; exiting "
-                                "with %d", self.stop.reason or "another rank", self.step,
-                                EXIT_PREEMPTED)
+                                "with %d", self.stop.describe(self.spec.job_dir, self.created),
+                                self.step, EXIT_PREEMPTED)
                     return "preempted"
         self._finish_attempt()
         self._write_result(time.perf_counter() - started, self.step - start_step)
