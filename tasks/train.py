@@ -179,6 +179,17 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             state.result()  # the attempt raised (timeout, cancel): raise it here
         return codes[number]
 
+    def log_steps_lost(reached: int) -> None:
+        """The job's steps lost so far (:func:`steps_lost`) on its MLflow run, at the step the
+        attempt that lost them reached."""
+        try:
+            if read_text(run_file):
+                client.log_metric(read_text(run_file), "steps_lost",
+                                  steps_lost(attempts_log.history(), read_events(job_dir)),
+                                  step=reached)
+        except Exception as e:  # tracking must not mask the attempt's outcome
+            logger.warning("could not log steps_lost to MLflow: %s", e)
+
     def record(attempt: Attempt) -> None:
         nonlocal preempted
         preempted += attempt.outcome == Outcome.PREEMPTED
@@ -190,13 +201,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         if lost:
             logger.warning("attempt %d lost %d step(s): it reached step %d, the last committed "
                            "checkpoint is step %d", number, lost, reached, committed)
-            try:  # the job's total so far, on the job's run
-                if read_text(run_file):
-                    client.log_metric(read_text(run_file), "steps_lost",
-                                      steps_lost(attempts_log.history(), read_events(job_dir)),
-                                      step=reached)
-            except Exception as e:  # tracking must not mask the attempt's outcome
-                logger.warning("could not log steps_lost to MLflow: %s", e)
+            log_steps_lost(reached)
         if attempt.outcome == Outcome.PREEMPTED:
             emit_event(**training_event("preempted", job_dir.name, read_text(run_file),
                                         attempt=number, exit_code=attempt.exit_code))
@@ -236,6 +241,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             closed = attempts_log.close_interrupted(stopped_by=_stopped_by(e))
             if closed and (what := describe_interrupted(closed[-1])):
                 note_outcome(f"job {job_dir.name}: {what}")  # stoker run's last line says it
+            if closed and closed[-1].get("steps_lost"):  # a stop whose checkpoint did not commit
+                log_steps_lost(closed[-1].get("reached_step", 0))
         if read_text(run_file):
             finish_run(client, read_text(run_file), "KILLED")
         raise

@@ -4,6 +4,7 @@ a job the cost guard stopped for a stall is not resumed into the same stall with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -104,6 +105,37 @@ def test_a_stop_that_does_not_commit_counts_the_steps_it_lost(server, tmp_path):
                              "--work-dir", str(work)], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert f"steps lost {attempt['steps_lost']}" in status.stdout, status.stdout + status.stderr
+
+
+def test_a_ctrl_c_whose_stop_does_not_commit_logs_the_steps_it_lost(server, tmp_path):
+    """New-user trial: Ctrl-C while the ranks could not save (a frozen data worker) lost 48
+    steps; the record, the last line and the final figure said so, but the ``steps_lost``
+    metric was only logged by attempts that ended on their own, not by a stop."""
+    work = tmp_path / "work"
+    process = stoker(server, "run", f"work_dir={work}", "train.epochs=50",
+                     "train.checkpoint_every_steps=1000", "train.preemption_grace_s=2",
+                     "tracking.system_metrics_interval_s=null")
+    job, torchrun = training(process, work, min_step=3)
+    ranks = list(rank_processes(torchrun).values())
+    for rank in ranks:  # they cannot commit a stop checkpoint within the grace
+        rank.suspend()
+    try:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C
+        code, output = finish(process, timeout_s=120)
+    finally:
+        for rank in ranks:
+            with contextlib.suppress(psutil.Error):
+                rank.kill()
+    assert code == 130, output[-3000:]
+    (attempt,) = AttemptLog(job).history()
+    assert attempt["stopped_by"] == "SIGINT (Ctrl-C)" and attempt["steps_lost"] > 0, attempt
+    assert f"{attempt['steps_lost']} step(s) lost" in output.rstrip().splitlines()[-1]
+    run_id = (job / "mlflow_run_id").read_text().strip()
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    history = client.get_metric_history(run_id, "steps_lost")
+    assert [(m.step, m.value) for m in history] == [(attempt["reached_step"],
+                                                     attempt["steps_lost"])]
+    assert client.get_run(run_id).info.status == "KILLED"
 
 
 def test_a_stalled_job_is_not_resumed_into_the_stall_without_the_override(server, tmp_path):
