@@ -78,9 +78,10 @@ def kill_descendants() -> list[int]:
 
 @contextlib.contextmanager
 def on_stop(hook: Callable[[str], None]) -> Iterator[None]:
-    """While inside, call ``hook(stop_reason())`` when the first stop signal arrives, before
-    :class:`Interrupted` unwinds to the launcher that signals the training tree (e.g. to record
-    for the ranks who stops them). A hook that raises is ignored."""
+    """While inside (the training task, while ranks run), call ``hook(stop_reason())`` when the
+    first stop signal arrives, before :class:`Interrupted` unwinds to the launcher that signals
+    the training tree (e.g. to record for the ranks who stops them). A hook that raises is
+    ignored. While one is registered, the line printed at once says the ranks save first."""
     _hooks.append(hook)
     try:
         yield
@@ -91,9 +92,16 @@ def on_stop(hook: Callable[[str], None]) -> Iterator[None]:
 def _handle(signum: int, _frame) -> None:
     _received.append(signum)
     if len(_received) == 1:
+        # At once: the stop checkpoint can take a while (a slow save, a stalled rank), and a
+        # user who sees nothing presses Ctrl-C again, which gives it up.
+        training = ": the ranks commit a stop checkpoint first (up to " \
+            "train.preemption_grace_s); a second Ctrl-C (any stop signal) stops at once " \
+            "without it" if _hooks else ""  # on_stop: the training task is waiting on them
+        with contextlib.suppress(OSError):
+            os.write(2, f"\nstoker run: stopping ({stop_reason()}){training}\n".encode())
         for hook in list(_hooks):
             with contextlib.suppress(Exception):
-                hook(stop_reason() or signal.Signals(signum).name)
+                hook(stop_reason())
         raise Interrupted(signum)
     # Second signal: the user does not want to wait for the stop checkpoint.
     kill_descendants()

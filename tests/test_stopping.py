@@ -136,6 +136,12 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
     assert Checkpointer(str(job_dir / "checkpoints"), 0, 1).committed_steps()[-1] == end["step"]
     assert log.rstrip().endswith(f"its ranks committed a stop checkpoint at step {end['step']}; "
                                  "run the same command to resume"), log[-3000:]
+    # Said at once, before the ranks' lines (new-user trial: nothing for 17 s while a stalled
+    # rank could not save, so a second Ctrl-C looked necessary).
+    said = log.index("stoker run: stopping (SIGINT (Ctrl-C)): the ranks commit a stop "
+                     "checkpoint first (up to train.preemption_grace_s); a second Ctrl-C (any "
+                     "stop signal) stops at once without it")
+    assert said < log.index("stop requested (SIGTERM: stoker run got SIGINT"), log[-3000:]
     # The ranks name the Ctrl-C, not only the SIGTERM the launcher passed on.
     assert "stop requested (SIGTERM: stoker run got SIGINT (Ctrl-C)): checkpoint committed at " \
         f"step {end['step']}" in log, log[-3000:]
