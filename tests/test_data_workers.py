@@ -7,6 +7,7 @@ New-user trial: a worker forked for a new epoch hung in ``fork()`` (CPython gh-1
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -40,6 +41,19 @@ def run_job(spec: Path, probe: Path, at_step: int | None = None, fault: str = "h
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and last_step(spec.parent) < at_step:
             time.sleep(0.05)
+        if fault == "kill-rank1":  # from outside, as the OOM killer would: rank 1 itself
+            rank1 = rank_processes(psutil.Process(launcher.process.pid))[1]
+            workers = rank1.children()
+            names = [w.name() for w in workers]
+            rank1.kill()
+            killed = time.monotonic()
+            while any(alive(w.pid) for w in workers) and time.monotonic() - killed < 10:
+                time.sleep(0.01)  # dead once a zombie: who reaps an orphan is not theirs
+            (probe / "rank1").write_text(json.dumps({
+                "pid": rank1.pid, "names": names, "left": [w.pid for w in workers
+                                                           if alive(w.pid)],
+                "workers_gone_s": time.monotonic() - killed}))
+            return
         if fault != "freeze":
             (probe / fault).touch()
             return
@@ -153,6 +167,27 @@ def test_a_data_worker_killed_by_sigkill_is_an_infrastructure_failure(uninterrup
     killed = int((tmp_path / "probe" / "killed").read_text())
     assert f"DataLoader worker (pid {killed}) was killed by SIGKILL" in output, output
     assert "training failed" not in output
+    assert_same_weights(spec.parent, uninterrupted[0])
+
+
+def test_a_killed_ranks_data_workers_die_with_it_and_torchrun_names_that_rank(
+        uninterrupted, make_spec, tmp_path):
+    """New-user trial: ``kill -9`` of rank 1 (``num_workers: 1``) was reported as rank 0's
+    failure (torchrun: ``failed (exitcode: 137) local_rank: 0``), 5 s later. Rank 1's workers
+    outlived it, holding its sockets and torchrun's exit pipe open until their own parent check.
+    They now die with their rank, so torchrun sees rank 1's SIGKILL first; and they are named
+    ``stoker-r1-data<N>``, not ``stoker-rank1`` like the rank (``pgrep stoker-rank1`` found
+    them too)."""
+    spec = make_spec("rank1", tracking=False, epochs=3, num_workers=2,
+                     dataset="data_worker_probe:splits")
+    attempts, output = run_job(spec, tmp_path / "probe", at_step=12, fault="kill-rank1")
+    assert [a.outcome for a in attempts] == [Outcome.INFRASTRUCTURE, Outcome.COMPLETED], output
+    rank1 = json.loads((tmp_path / "probe" / "rank1").read_text())
+    assert rank1["names"] == ["stoker-r1-data0", "stoker-r1-data1"], rank1
+    assert rank1["left"] == [] and rank1["workers_gone_s"] < 1.0, rank1  # not up to 5 s later
+    failures = [line for line in output.splitlines() if "failed (exitcode:" in line]
+    assert failures and f"failed (exitcode: -9) local_rank: 1 (pid: {rank1['pid']})" in \
+        failures[0], failures
     assert_same_weights(spec.parent, uninterrupted[0])
 
 

@@ -121,6 +121,11 @@ def run(spec_path: Path, stop: StopFlag) -> int:
             log.warning("a peer rank is gone at step %s (%s): stopping this rank",
                         trainer.step if trainer else 0, peer_lost_reason(e))
             outcome = "infrastructure"
+            # Give torchrun, which polls its ranks every 0.1 s, the time to see the peer that
+            # died first: it names the first failure it sees, and SIGTERMs this rank, which
+            # ends the wait. Exiting at once raced it, and this rank's 137 was named instead
+            # of the killed rank (new-user trial).
+            stop.wait(PEER_LOST_WAIT_S)
             return EXIT_STOP_LOST
         log.exception("training failed at step %s", trainer.step if trainer else 0)
         return 1
@@ -130,6 +135,7 @@ def run(spec_path: Path, stop: StopFlag) -> int:
         teardown()
 
 
+PEER_LOST_WAIT_S = 2.0  # at most, before a rank whose peer is gone exits (torchrun's turn)
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "NCCL communicator was aborted")
 

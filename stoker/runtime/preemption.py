@@ -58,6 +58,23 @@ def ignore_stop_signals(_worker_id: int = 0) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+def data_worker_init(worker_id: int, rank_pid: int | None = None) -> None:
+    """DataLoader ``worker_init_fn`` of a rank's workers (``rank_pid``: the rank's pid).
+
+    The worker ignores the stop signals (:func:`ignore_stop_signals`), names itself
+    ``stoker-r<RANK>-data<ID>`` (``ps -o comm``; a rank is ``stoker-rank<RANK>``, which workers
+    were too), and dies with its rank (PR_SET_PDEATHSIG, SIGKILL). A worker that outlived a
+    SIGKILLed rank kept the rank's sockets and torchrun's exit pipe open for up to 5 s (the
+    DataLoader's own check of its parent): the other ranks and torchrun noticed only once it
+    went, and torchrun blamed the peer that exited 137 first, not the killed rank.
+    """
+    ignore_stop_signals(worker_id)
+    name_process(f"stoker-r{os.environ.get('RANK', '0')}-data{worker_id}")
+    die_with_parent(signal.SIGKILL)
+    if rank_pid is not None and os.getppid() != rank_pid:  # the rank died before that
+        os._exit(1)
+
+
 @contextlib.contextmanager
 def stop_signals_held():
     """Hold SIGTERM/SIGINT back from the calling thread (``pthread_sigmask``) for the block.

@@ -7,6 +7,7 @@ metrics and results; every rank takes part in every collective.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ from stoker.runtime.data import (
 )
 from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier
 from stoker.runtime.models import build_model
-from stoker.runtime.preemption import StopFlag, ignore_stop_signals, loader_iter
+from stoker.runtime.preemption import StopFlag, data_worker_init, loader_iter
 from stoker.runtime.profiling import ProfilingMixin
 from stoker.runtime.progress import ProgressWriter
 from stoker.runtime.records import read_text
@@ -318,7 +319,8 @@ class Trainer(ProfilingMixin):
         loader = DataLoader(AttemptData(self.splits.train, self.splits.val),
                             batch_sampler=sampler, num_workers=workers,
                             pin_memory=env.device.type == "cuda", generator=generator,
-                            worker_init_fn=ignore_stop_signals)
+                            worker_init_fn=functools.partial(data_worker_init,
+                                                             rank_pid=os.getpid()))
         return loader_iter(loader)
 
     def close_data(self) -> None:
