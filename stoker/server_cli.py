@@ -88,6 +88,22 @@ def status(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
 
 
 @server_app.command()
+def env(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
+    """Print the shell line that points Prefect's own CLI and clients at the local server
+    (``export PREFECT_API_URL=...``), for ``eval "$(stoker server env)"``; then ``prefect
+    flow-run ls`` lists this work folder's runs. Exit codes: 0 running, 1 not (nothing
+    printed on stdout)."""
+    import shlex
+
+    record = _server(work_dir, create=False).running()
+    if record is None:
+        typer.echo(f"error: no local server running for {work_dir} (`stoker server start` "
+                   "starts it)", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"export PREFECT_API_URL={shlex.quote(record['api_url'])}")
+
+
+@server_app.command()
 def stop(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
     """End the local server (SIGTERM, then SIGKILL after 10 s). Exit code 0 also when none ran."""
     server = _server(work_dir, create=False)

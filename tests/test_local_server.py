@@ -78,10 +78,25 @@ def test_server_start_status_stop(work):
     status = stoker("server", "status", "-w", str(work))
     assert status.returncode == 0 and f"pid {pid}" in status.stdout
     assert (work / ".prefect" / "server.pid").read_text() == str(pid)  # `prefect server stop`
+    # Prefect's own CLI, pointed at it (new-user trial: `prefect flow-run ls` started a
+    # temporary server of ~/.prefect and said "No flow runs found").
+    shell = stoker("server", "env", "-w", str(work))
+    assert shell.returncode == 0 and shell.stdout == \
+        f"export PREFECT_API_URL={record(work)['api_url']}\n", shell.stdout + shell.stderr
+    pointed = {**os.environ, "PREFECT_HOME": str(work / "cli-home"),
+               "PREFECT_API_URL": shell.stdout.strip().split("=", 1)[1]}
+    made = subprocess.run([str(Path(sys.executable).parent / "prefect"), "work-pool", "create",
+                           "env-probe", "--type", "process"], env=pointed, capture_output=True,
+                          text=True, timeout=120)
+    assert made.returncode == 0, made.stdout + made.stderr
+    pools = httpx.post(f"{record(work)['api_url']}/work_pools/filter", json={}, timeout=10)
+    assert "env-probe" in {p["name"] for p in pools.json()}, pools.text
     stopped = stoker("server", "stop", "-w", str(work))
     assert stopped.returncode == 0 and f"stopped (pid {pid})" in stopped.stdout
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert stoker("server", "status", "-w", str(work)).returncode == 1
+    gone = stoker("server", "env", "-w", str(work))
+    assert gone.returncode == 1 and gone.stdout == "" and "no local server running" in gone.stderr
     assert "no local server running" in stoker("server", "stop", "-w", str(work)).stdout
     port = re.search(r"127\.0\.0\.1:(\d+)", first.stdout).group(1)
     again = stoker("server", "start", "-w", str(work))  # a restart keeps its address
