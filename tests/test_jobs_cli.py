@@ -4,6 +4,7 @@ done, training (a live lease), stopped, unfinished with a torn record; odd value
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -74,8 +75,13 @@ def test_status_of_one_job_by_prefix(work):
     assert f"training (host {socket.gethostname()} pid {os.getpid()})" in result.output
     assert "step 40/100 (attempt 1)" in result.output and "ETA" in result.output
     assert "attempt 1: preempted (exit 75) after 30.0 s on spot capacity" in result.output
+    assert re.search(r"^heartbeat  \d+ s ago$", result.output, re.M), result.output  # alive
     unfinished = CliRunner().invoke(app, ["status", "dddd4444-torn", "--work-dir", str(work)])
     assert "resume it: run the same command again" in unfinished.output
+    # A done job's heartbeat is its last, not a sign of life (new-user trial).
+    done = CliRunner().invoke(app, ["status", "aaaa", "--work-dir", str(work)]).output
+    assert re.search(r"^heartbeat  \d+ s ago \(its last: nothing trains a done job\)$", done,
+                     re.M), done
 
 
 def test_status_shows_an_attempt_left_open_as_jobs_counts_it(work):
