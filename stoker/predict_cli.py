@@ -18,8 +18,9 @@ def predict(
     images: Annotated[list[Path], typer.Argument(
         help="Image files, or folders of them (read with their subfolders, in name order); "
         "each is resized to the model's size")],
-    model_uri: Annotated[str, typer.Option(help="MLflow model URI")] =
-        "models:/stoker-digits@champion",
+    model_uri: Annotated[str | None, typer.Option(
+        help="MLflow model URI [default: models:/stoker-digits@champion (the demo's) when the "
+        "store has it, else the champion of the store's only registered model]")] = None,
     tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] =
         "sqlite:///work/mlflow.db",
     logits: Annotated[bool, typer.Option(help="Also print the logits per class")] = False,
@@ -41,6 +42,8 @@ def predict(
     from stoker.tracking.pyfunc import preprocess_images
 
     mlflow.set_tracking_uri(tracking_uri)
+    if model_uri is None:
+        model_uri = default_model_uri(where)
     try:
         model = mlflow.pyfunc.load_model(model_uri)
     except MlflowException as e:
@@ -82,6 +85,29 @@ def expand_images(paths: list[Path]) -> list[Path]:
             fail(f"{path}: a folder with no image file in it or its subfolders")
         files += found
     return files
+
+
+DEMO_MODEL = "stoker-digits"
+
+
+def default_model_uri(where: str) -> str:
+    """Without ``--model-uri``: the demo's champion when the store has the demo's model, else
+    the champion of the store's only registered model (said on stderr). Exits 2 (one line
+    listing them) when the store holds none, or several and not the demo's."""
+    from mlflow import MlflowClient
+
+    try:
+        names = sorted(m.name for m in MlflowClient().search_registered_models(max_results=20))
+    except Exception as e:  # noqa: BLE001 - the store itself failed: say where
+        fail(f"the registered models could not be listed: {e} ({where})")
+    if DEMO_MODEL in names or not names:
+        return f"models:/{DEMO_MODEL}@champion"  # none: loading it says so, with the hint
+    if len(names) > 1:
+        fail(f"no --model-uri, and the store holds {len(names)} registered models: "
+             f"{', '.join(names)}; e.g. --model-uri models:/{names[0]}@champion ({where})")
+    typer.echo(f"model: models:/{names[0]}@champion (the store's only registered model)",
+               err=True)
+    return f"models:/{names[0]}@champion"
 
 
 def registered_models() -> str:

@@ -206,6 +206,14 @@ def test_predict_names_a_missing_model_in_one_line(tmp_path):
     assert "registered models there: shapes-data" in result.output
     assert "--model-uri models:/shapes-data@champion" in result.output
 
+    # No --model-uri, several models and not the demo's: which one is not guessed.
+    MlflowClient(uri).create_registered_model("colours-data")
+    several = CliRunner().invoke(app, ["predict", str(image), "--tracking-uri", uri])
+    assert several.exit_code == 2 and several.output.strip().splitlines() == [
+        "error: no --model-uri, and the store holds 2 registered models: colours-data, "
+        f"shapes-data; e.g. --model-uri models:/colours-data@champion (tracking URI {uri}; "
+        "point --tracking-uri at your store)"]
+
     missing = CliRunner().invoke(app, ["predict", str(tmp_path / "nope.png"), "--tracking-uri",
                                        uri, "--model-uri", "models:/nope@champion"])
     assert missing.exit_code == 2  # named before the model is looked up

@@ -92,3 +92,13 @@ def test_stoker_predict_prints_class_names(champion, tmp_path):
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert [line.split("\t")[0] for line in whole.stdout.strip().splitlines()] == files
+    # Without --model-uri: the store's only registered model (new-user trial: the demo's name
+    # was the default, so a user's own model always needed the flag).
+    alone = subprocess.run(
+        [str(BIN / "stoker"), "predict", *files, "--tracking-uri", uri], capture_output=True,
+        text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert [line.split("\t")[:2] for line in alone.stdout.strip().splitlines()] == \
+        [line.split("\t")[:2] for line in lines]
+    assert f"model: models:/{name}@champion (the store's only registered model)" in alone.stderr
