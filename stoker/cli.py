@@ -408,7 +408,7 @@ def status(job: Annotated[str | None, typer.Argument(
         typer.echo(f"progress   {s.progress.describe()}")
     # A done or stopped job's heartbeat is its last one, not a sign of life (new-user trial).
     typer.echo(f"heartbeat  {age(s.heartbeat_age_s)}" + (
-        f" (its last: nothing trains a {s.state} job)"
+        f" (its last: nothing trains {'an' if s.state[0] in 'aeiou' else 'a'} {s.state} job)"
         if s.state != "training" and s.heartbeat_age_s is not None else ""))
     typer.echo(f"mlflow run {s.mlflow_run_id or '-'}")
     typer.echo(f"steps lost {s.steps_lost}")

@@ -78,6 +78,7 @@ def test_status_of_one_job_by_prefix(work):
     assert re.search(r"^heartbeat  \d+ s ago$", result.output, re.M), result.output  # alive
     unfinished = CliRunner().invoke(app, ["status", "dddd4444-torn", "--work-dir", str(work)])
     assert "resume it: run the same command again" in unfinished.output
+    assert "(its last: nothing trains an unfinished job)" in unfinished.output
     # A done job's heartbeat is its last, not a sign of life (new-user trial).
     done = CliRunner().invoke(app, ["status", "aaaa", "--work-dir", str(work)]).output
     assert re.search(r"^heartbeat  \d+ s ago \(its last: nothing trains a done job\)$", done,

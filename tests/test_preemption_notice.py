@@ -158,6 +158,9 @@ def test_the_stop_line_names_who_sent_the_signal(tmp_path):
     assert flag.describe(tmp_path, since) == "SIGTERM"  # an earlier stop's record
     (tmp_path / STOP_SENDER_FILE).write_text('{"sender": "stoker run got SIGINT (Ctr')  # torn
     assert flag.describe(tmp_path, since) == "SIGTERM"
+    (tmp_path / STOP_SENDER_FILE).write_text(json.dumps({"sender": "forged",  # trial
+                                                          "time": 9999999999}))
+    assert flag.describe(tmp_path, since) == "SIGTERM"  # a future time is no stop of this one
     record_stop_sender(tmp_path, "stoker run got SIGINT (Ctrl-C)")
     assert flag.describe(tmp_path, since) == "SIGTERM: stoker run got SIGINT (Ctrl-C)"
     # A stop request (stoker stop, the cost guard) is what the signal carries out: it wins.

@@ -146,7 +146,10 @@ def stop_sender(job_dir: str | os.PathLike, since: float) -> str | None:
 
 
 def _at_or_after(value: object, since: float) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value >= since
+    """A record time between ``since`` and now (a few seconds of slack): a future time is a
+    forged record or another clock's, never this stop's."""
+    return isinstance(value, int | float) and not isinstance(value, bool) \
+        and since <= value <= time.time() + 5
 
 
 class StopFlag:
