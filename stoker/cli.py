@@ -455,6 +455,43 @@ def _open_attempt_line(attempt: dict, training: bool) -> str:
 
 
 @app.command()
+def stop(job: Annotated[str, typer.Argument(help="Job folder name (or a unique prefix)")],
+         reason: Annotated[str | None, typer.Option(
+             help="Why, recorded with the request [default: stoker stop by <user>]")] = None,
+         timeout_s: Annotated[float, typer.Option(
+             "--timeout", help="Seconds to wait for the job to stop")] = 120.0,
+         work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work")) -> None:
+    """Stop a job this machine trains, on purpose: the ranks commit a stop checkpoint, the
+    attempt is not retried, its flow run ends Cancelled and its ``stoker run`` exits 3; the
+    same ``stoker run`` command resumes it.
+
+    Exit codes: 0 stopped (or it was not training), 1 it did not stop within ``--timeout``
+    (the request stays), 2 no such job, or another host trains it."""
+    import getpass
+
+    from stoker.launch.status import job_summary
+    from stoker.launch.stop_request import StopFailed, TrainedElsewhere, stop_job
+
+    folder = _job_folder(work_dir, job)
+    if reason is None:
+        try:
+            reason = f"stoker stop by {getpass.getuser()}"
+        except (KeyError, OSError):  # no user name in a bare container
+            reason = "stoker stop"
+    try:
+        state = stop_job(folder, reason, timeout_s=timeout_s)
+    except StopFailed as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2 if isinstance(e, TrainedElsewhere) else 1) from None
+    summary = job_summary(folder)
+    if state is None:
+        typer.echo(f"job {folder.name} is not training ({summary.state}); nothing to stop")
+        return
+    progress = f"; {summary.progress.describe()}" if summary.progress else ""
+    typer.echo(f"job {folder.name} {summary.state}: stopped by user: {reason}{progress}")
+
+
+@app.command()
 def logs(job: Annotated[str | None, typer.Argument(
         help="Job folder name (or a unique prefix); default: the newest job")] = None,
          follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines "

@@ -138,6 +138,46 @@ def test_a_ctrl_c_whose_stop_does_not_commit_logs_the_steps_it_lost(server, tmp_
     assert client.get_run(run_id).info.status == "KILLED"
 
 
+def test_stoker_stop_stops_a_training_job_on_purpose(server, tmp_path):
+    """Second new-user trial: the docs named ``stoker stop``, which did not exist; a user stop
+    took Python (``request_stop``) and a signal to a pid the docs did not name. Now: the ranks
+    commit a stop checkpoint and name who stopped them, the attempt is stopped (not retried),
+    ``stoker run`` exits 3, the MLflow run is KILLED, and ``stoker stop`` says what it left."""
+    work = tmp_path / "work"
+    process = stoker(server, "run", f"work_dir={work}", "train.epochs=50",
+                     "tracking.system_metrics_interval_s=null")
+    job, _torchrun = training(process, work, min_step=3)
+    stop = subprocess.run([sys.executable, "-m", "stoker.cli", "stop", job.name[:8],
+                           "--reason", "maintenance", "--work-dir", str(work)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**server.env, "PYTHONPATH": str(REPO)})
+    code, output = finish(process, timeout_s=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr + output[-3000:]
+    assert code == 3, output[-3000:]
+    end = [e for e in events(job) if e["event"] == "end"][-1]
+    assert end["outcome"] == "preempted"  # the ranks committed their stop checkpoint
+    assert committed_step(str(job / "checkpoints")) == end["step"]
+    assert stop.stdout.startswith(f"job {job.name} stopped: stopped by user: maintenance; "
+                                  "not running: reached step "), stop.stdout
+    assert stop.stdout.rstrip().endswith(
+        f"resumes at step {end['step']} (run the same command)"), stop.stdout
+    assert f"stop requested (SIGTERM: stopped by user: maintenance): checkpoint committed at " \
+        f"step {end['step']}" in output, output[-3000:]
+    assert [a["outcome"] for a in AttemptLog(job).history()] == ["stopped"]
+    run_id = (job / "mlflow_run_id").read_text().strip()
+    assert MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id).info.status == \
+        "KILLED"
+    again = subprocess.run([sys.executable, "-m", "stoker.cli", "stop", job.name,
+                            "--work-dir", str(work)], capture_output=True, text=True,
+                           timeout=120, cwd=REPO, env={**server.env, "PYTHONPATH": str(REPO)})
+    assert again.returncode == 0 and again.stdout.strip() == \
+        f"job {job.name} is not training (stopped); nothing to stop"
+    unknown = subprocess.run([sys.executable, "-m", "stoker.cli", "stop", "nope",
+                              "--work-dir", str(work)], capture_output=True, text=True,
+                             timeout=120, cwd=REPO, env={**server.env, "PYTHONPATH": str(REPO)})
+    assert unknown.returncode == 2 and unknown.stderr.startswith("error: job 'nope'")
+
+
 def test_a_stalled_job_is_not_resumed_into_the_stall_without_the_override(server, tmp_path):
     """Input 6 (tail): the guard stops a stalled job; the next ``stoker run`` of it refuses in
     one line (exit 3) naming the step, who and the override, and changes nothing;

@@ -10,12 +10,17 @@ job stopped until the run says ``retry.resume_stalled=true`` (``stoker run --res
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
+import re
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import psutil
 
 STOP_FILE = "stop-requested.json"
 
@@ -121,3 +126,94 @@ def stopped(client, run_file: Path, request: StopRequest | None, job: str) -> No
         finish_run(client, run_file.read_text().strip(), "KILLED")
     reason = request.describe() if request else "stopped on request"
     raise TrainingStopped(f"job {job} {reason}; run the same command to resume it")
+
+
+class StopFailed(RuntimeError):
+    """``stoker stop`` could not stop the job (one line: why, and what to do)."""
+
+
+class TrainedElsewhere(StopFailed):
+    """The job's lease is held on another host: this one cannot signal its processes."""
+
+
+RANK_NAME = re.compile(r"^stoker-rank\d+$")  # what a rank names itself (stoker.runtime)
+
+
+def launcher_below(holder: psutil.Process) -> psutil.Process | None:
+    """The launcher (torchrun's process) of the attempt running below ``holder`` (the process
+    that holds the job's lease): the parent of the processes named ``stoker-rank<N>``. None
+    while no rank runs there (an attempt starting, a retry's back-off, ranks in a container)."""
+    try:
+        below = holder.children(recursive=True)
+    except psutil.Error:
+        return None
+    for proc in below:
+        with contextlib.suppress(psutil.Error):
+            if RANK_NAME.match(proc.name()):
+                return proc.parent()
+    return None
+
+
+def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
+             poll_s: float = 0.2) -> str | None:
+    """Stop a job this host trains, on purpose: record a user stop request, then SIGTERM the
+    attempt's launcher (as ``docker stop`` or a spot reclaim would). The ranks commit a stop
+    checkpoint, the attempt ends **stopped** (not retried), the flow run ends Cancelled and
+    ``stoker run`` exits 3; the same command resumes the job.
+
+    Args:
+        job_dir: the job's folder.
+        reason: recorded in the request; the ranks' stop line and the flow run's state say it.
+        timeout_s: how long to wait for a rank to appear (an attempt starting) and then for the
+            job to stop training, in seconds.
+
+    Returns:
+        None when the job was not training (nothing done), else the job's state afterwards
+        (``stopped``).
+
+    Raises:
+        TrainedElsewhere: another host trains it (nothing is recorded).
+        StopFailed: no launcher showed up below its process within
+            ``timeout_s`` (the request stays: the attempt stops when it ends), or it still
+            trains after ``timeout_s``.
+    """
+    import socket
+
+    from stoker.launch.lease import holder_alive
+    from stoker.launch.status import job_summary
+    from stoker.runtime.records import read_json
+
+    job_dir = Path(job_dir)
+    lease = read_json(job_dir / "lease.json", default=None, warn=lambda *_: None)
+    if not (isinstance(lease, dict) and holder_alive(lease)):
+        return None
+    host, pid = lease.get("host"), lease.get("pid")
+    if host != socket.gethostname():
+        raise TrainedElsewhere(f"job {job_dir.name} trains on host {host} (pid {pid}), not this "
+                         "one: run `stoker stop` there")
+    try:
+        holder = psutil.Process(pid)  # holder_alive checked 0 < pid < 2**31
+    except psutil.Error:
+        return None  # it ended meanwhile
+    request_stop(job_dir, "user", reason)
+    deadline = time.monotonic() + timeout_s
+    while (launcher := launcher_below(holder)) is None:
+        if not holder.is_running():
+            break
+        if time.monotonic() > deadline:
+            raise StopFailed(
+                f"job {job_dir.name}: no training process below pid {pid} within "
+                f"{timeout_s:g} s (ranks in a container or on Kubernetes?); the stop request "
+                "is recorded, so the job stops when its attempt ends (stop its container to "
+                "end it now)")
+        time.sleep(poll_s)
+    if launcher is not None:
+        with contextlib.suppress(psutil.Error):
+            launcher.send_signal(signal.SIGTERM)
+    while (state := job_summary(job_dir).state) == "training":
+        if time.monotonic() > deadline:
+            raise StopFailed(f"job {job_dir.name} still trains {timeout_s:g} s after the stop "
+                             "request (a long stop checkpoint?); `stoker status "
+                             f"{job_dir.name}` shows when it stops")
+        time.sleep(poll_s)
+    return state
