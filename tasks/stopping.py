@@ -128,13 +128,30 @@ class StopLogFilter(logging.Filter):
     """Prefect's engine logs a stop as a crash ("Crash detected! ...", "Finished in state
     Crashed(...)", then "Running()" while the state is being replaced) just before Stoker records
     the run Cancelled: after a stop the first says what happened instead, at INFO, once per run;
-    the "Finished in state ..." lines are dropped."""
+    the "Finished in state ..." lines are dropped. A stop request's :class:`TrainingStopped`
+    (logged as a failed task and flow run, then recorded Cancelled) reads ``stopped on request:
+    recorded as Cancelled``, at INFO, without a traceback."""
 
     CRASH_LINE = "Crash detected!"
     FINISHED_LINES = ("Finished in state Crashed", "Finished in state Running")
 
+    FAILED_LINES = ("Task run failed with exception", "Encountered exception during execution")
+    STOPPED_STATES = ("Finished in state StoppedByUser", "Finished in state StoppedByGuard")
+
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
+        if message.startswith("Finished in state Failed") and TrainingStopped.__name__ in message:
+            return False  # said once already, by the line below
+        if message.startswith(self.FAILED_LINES) and TrainingStopped.__name__ in message \
+                or message.startswith(self.STOPPED_STATES):
+            # A stop request (the cost guard, stoker stop) ends the task by raising; its hook
+            # records the runs Cancelled. Not an ERROR with a traceback on the terminal (second
+            # new-user trial); stoker run's last line says who stopped it.
+            record.msg, record.args = ("stopped on request: recorded as Cancelled"
+                                       if TrainingStopped.__name__ in message else message), ()
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+            return True
         if not message.startswith((self.CRASH_LINE, *self.FINISHED_LINES)):
             return True
         reason = _stop_in_progress()

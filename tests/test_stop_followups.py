@@ -164,6 +164,11 @@ def test_stoker_stop_stops_a_training_job_on_purpose(server, tmp_path):
     assert f"stop requested (SIGTERM: stopped by user: maintenance): checkpoint committed at " \
         f"step {end['step']}" in output, output[-3000:]
     assert [a["outcome"] for a in AttemptLog(job).history()] == ["stopped"]
+    # On the terminal too a stop, not an ERROR with a traceback and "Failed" (second trial).
+    assert "stopped on request: recorded as Cancelled" in output, output[-3000:]
+    assert not [line for line in output.splitlines()
+                if "TrainingStopped" in line or "| ERROR" in line
+                or line.startswith("Traceback")], output[-3000:]
     run_id = (job / "mlflow_run_id").read_text().strip()
     assert MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id).info.status == \
         "KILLED"

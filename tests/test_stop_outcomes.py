@@ -115,6 +115,11 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     assert train.type.value == "CANCELLED"
     # Attempt 1's progress lines all come before attempt 2 starts (a late "step N/M (attempt
     # 1)" line used to follow "attempt 2 on ...": the watcher polls every 5 s).
+    # The flow's last lines are still on their way to the server (Prefect sends logs in the
+    # background): every line this process logged is sent first.
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30, at_exit=False)
     logs = []
     with get_client(sync_client=True) as client:
         while page := client.read_logs(limit=200, offset=len(logs)):
