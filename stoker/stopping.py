@@ -106,7 +106,8 @@ def _handle(signum: int, _frame) -> None:
     # Second signal: the user does not want to wait for the stop checkpoint.
     kill_descendants()
     with contextlib.suppress(OSError):
-        os.write(2, b"\nstopped at once (second signal): no stop checkpoint\n")
+        os.write(2, b"\nstoker run: stopped at once (second signal): no stop checkpoint; run "
+                    b"the same command to resume from the last committed checkpoint\n")
     os._exit(128 + _received[0])
 
 

@@ -57,7 +57,7 @@ from stoker.launch.supervisor import (
     nproc,
     write_spec,
 )
-from stoker.runtime.preemption import record_stop_sender
+from stoker.runtime.preemption import SENDER_PREFIX, record_stop_sender
 from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.spec import RunSpec
@@ -127,7 +127,14 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     run_file = job_dir / "mlflow_run_id"
     attempts_log = AttemptLog(job_dir)
     checkpoints = RunSpec.load(spec_path).checkpoint_location
-    close_left_open(attempts_log, checkpoints, logger.warning)  # a flow run that died mid-attempt
+    # A flow run that died mid-attempt (kill -9, a second Ctrl-C): its steps lost go on the
+    # job's MLflow run now, at the step it reached, as a live run's would have.
+    left = close_left_open(attempts_log, checkpoints, logger.warning)
+    if left and left[-1].get("steps_lost") and read_text(run_file):
+        with contextlib.suppress(Exception):  # tracking must not stop the resume
+            client.log_metric(read_text(run_file), "steps_lost",
+                              steps_lost(attempts_log.history(), read_events(job_dir)),
+                              step=left[-1].get("reached_step", 0))
     finished = completed_training(job_dir)  # the orchestrator died after the ranks finished
     if finished is not None:
         logger.info("job %s: training already completed (step %d/%d); going on to registration "
@@ -230,7 +237,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     try:
         # Ctrl-C, SIGTERM or SIGHUP to stoker run: the ranks' stop line says so (they see a
         # SIGTERM from the launcher).
-        with on_stop(lambda reason: record_stop_sender(job_dir, f"stoker run got {reason}")):
+        with on_stop(lambda reason: record_stop_sender(job_dir, f"{SENDER_PREFIX}{reason}")):
             attempts = [] if finished is not None else run_with_retries(
                 launch, config.retry, on_attempt=record,
                 stop_requested=lambda: read_stop_request(job_dir) is not None)

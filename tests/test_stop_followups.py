@@ -138,6 +138,48 @@ def test_a_ctrl_c_whose_stop_does_not_commit_logs_the_steps_it_lost(server, tmp_
     assert client.get_run(run_id).info.status == "KILLED"
 
 
+def test_a_second_ctrl_c_leaves_a_stopped_job_whose_lost_steps_the_next_run_logs(server,
+                                                                                 tmp_path):
+    """Second new-user trial: after a second Ctrl-C (no stop checkpoint) the last line named no
+    job and no way on, ``stoker status`` said ``unfinished`` (as after a crash), and the steps
+    it lost reached MLflow only when the job completed. Now the job reads as stopped by the
+    Ctrl-C, and the run that resumes it logs ``steps_lost`` at once."""
+    work = tmp_path / "work"
+    args = ("run", f"work_dir={work}", "train.epochs=50", "train.checkpoint_every_steps=1000",
+            "tracking.system_metrics_interval_s=null")
+    process = stoker(server, *args)
+    job, torchrun = training(process, work, min_step=3)
+    for rank in rank_processes(torchrun).values():  # no stop checkpoint can commit
+        rank.suspend()
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(1)
+    os.killpg(process.pid, signal.SIGINT)  # the second: at once
+    code, output = finish(process, timeout_s=60)
+    assert code == 130, output[-3000:]
+    assert output.rstrip().splitlines()[-1] == (
+        "stoker run: stopped at once (second signal): no stop checkpoint; run the same "
+        "command to resume from the last committed checkpoint")
+    summary = job_summary(job)
+    assert summary.state == "stopped" and summary.stopped_by == "stopped by SIGINT (Ctrl-C)", \
+        summary
+
+    again = stoker(server, *args)  # resumes; it closes the attempt left open first
+    try:
+        run_id = (job / "mlflow_run_id").read_text().strip()
+        client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+        deadline = time.monotonic() + 120
+        while not (history := client.get_metric_history(run_id, "steps_lost")):
+            assert again.poll() is None and time.monotonic() < deadline, "no steps_lost"
+            time.sleep(0.2)
+        first = AttemptLog(job).history()[0]
+        assert first["stopped_by"] == "SIGINT (Ctrl-C)" and first["steps_lost"] > 0, first
+        assert [(m.step, m.value) for m in history] == [(first["reached_step"],
+                                                         first["steps_lost"])]
+    finally:
+        os.killpg(again.pid, signal.SIGINT)  # a clean stop of the resumed run
+        finish(again, timeout_s=120)
+
+
 def test_stoker_stop_stops_a_training_job_on_purpose(server, tmp_path):
     """Second new-user trial: the docs named ``stoker stop``, which did not exist; a user stop
     took Python (``request_stop``) and a signal to a pid the docs did not name. Now: the ranks

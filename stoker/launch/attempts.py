@@ -148,10 +148,12 @@ class AttemptLog:
 
         ``stopped_by``: who stopped the run that closes them itself (``"SIGINT (Ctrl-C)"``, a
         Prefect cancel), recorded as the records' ``stopped_by``; None when a later run closes
-        what a dead one left. ``left_open``: a later run closes them (their run's process died
-        before recording an end), recorded as ``left_open``. ``checkpoint_location``: the job's
-        checkpoints (folder or fsspec URL), for ``steps_lost``; without it the last
-        ``checkpoint`` event of ``progress.jsonl`` stands for the last committed step."""
+        what a dead one left, unless that run recorded its stop signal before it died (a second
+        Ctrl-C: ``stop-sender.json``). ``left_open``: a later run closes them (their run's
+        process died before recording an end), recorded as ``left_open``.
+        ``checkpoint_location``: the job's checkpoints (folder or fsspec URL), for
+        ``steps_lost``; without it the last ``checkpoint`` event of ``progress.jsonl`` stands
+        for the last committed step."""
         closed = []
         for number, record in sorted(self._latest().items()):
             if record.get("state") != "started":
@@ -163,10 +165,15 @@ class AttemptLog:
             # The run that stopped it held the machine until now (a hung attempt writes no
             # heartbeat: its last one would under-bill it); a dead run's end is its last trace.
             ended = last_seen if left_open else max(last_seen, time.time())
+            by = stopped_by
+            if left_open and by is None:  # did its run die while stopping (a second Ctrl-C)?
+                from stoker.runtime.preemption import stop_signal_reason
+
+                by = stop_signal_reason(self.job_dir, started)
             entry = {"exit_code": -1, "outcome": "interrupted", "started": started, **ranks,
                      "duration_s": round(max(0.0, ended - started), 3),
                      "capacity_type": record.get("capacity_type", "on_demand"),
-                     "interrupted": True, **({"stopped_by": stopped_by} if stopped_by else {}),
+                     "interrupted": True, **({"stopped_by": by} if by else {}),
                      **({"left_open": True} if left_open else {})}
             self.end(number, entry)
             closed.append({**entry, "number": number})

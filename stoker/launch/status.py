@@ -151,6 +151,7 @@ def job_summary(job_dir: Path, now: float | None = None,
     from stoker.launch.job import done_summary
     from stoker.launch.lease import holder_alive
     from stoker.launch.stop_request import read_stop_request
+    from stoker.runtime.preemption import stop_signal_reason
     from stoker.runtime.progress import read_events
     from stoker.runtime.records import read_json, read_text
     from stoker.tracking.cost import steps_lost
@@ -177,6 +178,11 @@ def job_summary(job_dir: Path, now: float | None = None,
     elif records and is_closed(records[-1]) and records[-1].get("stopped_by"):
         # Ctrl-C, SIGTERM, a Prefect cancel
         stopped_by = f"stopped by {records[-1]['stopped_by']}"
+    elif records and not is_closed(records[-1]) and not live and isinstance(
+            started := records[-1].get("started"), int | float) and (
+            signal_reason := stop_signal_reason(job_dir, started)):
+        # Its run died while stopping (a second Ctrl-C): stopped, not lost
+        stopped_by = f"stopped by {signal_reason}"
     if done is not None:
         state = "done"
     elif live:

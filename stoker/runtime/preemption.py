@@ -145,6 +145,24 @@ def stop_sender(job_dir: str | os.PathLike, since: float) -> str | None:
     return None
 
 
+def stop_signal_reason(job_dir: str | os.PathLike, since: float) -> str | None:
+    """The signal ``stoker run`` recorded (:func:`record_stop_sender`) at or after ``since``,
+    as :func:`stoker.stopping.stop_reason` words it (``SIGINT (Ctrl-C)``); None when it
+    recorded none. For an attempt whose run died while stopping (a second Ctrl-C): it was
+    stopped, not lost."""
+    from stoker.runtime.records import read_json
+
+    record = read_json(Path(job_dir) / STOP_SENDER_FILE, default=None, warn=lambda *_: None)
+    if isinstance(record, dict) and _at_or_after(record.get("time"), since) \
+            and isinstance(record.get("sender"), str) \
+            and record["sender"].startswith(SENDER_PREFIX):
+        return record["sender"][len(SENDER_PREFIX):] or None
+    return None
+
+
+SENDER_PREFIX = "stoker run got "  # tasks.train's record: "stoker run got SIGINT (Ctrl-C)"
+
+
 def _at_or_after(value: object, since: float) -> bool:
     """A record time between ``since`` and now (a few seconds of slack): a future time is a
     forged record or another clock's, never this stop's."""
