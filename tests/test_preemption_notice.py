@@ -168,6 +168,10 @@ def test_the_stop_line_names_who_sent_the_signal(tmp_path):
         {"by": "user", "reason": "maintenance", "time": time.time()}))
     assert flag.describe(tmp_path, since) == "SIGTERM: stopped by user: maintenance"
     record_stop_sender(tmp_path / "missing-folder", "x")  # never raises
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / STOP_SENDER_FILE).mkdir()  # second trial: a folder in its place
+    record_stop_sender(tmp_path / "blocked", "x")
+    assert [p.name for p in (tmp_path / "blocked").iterdir()] == [STOP_SENDER_FILE]  # no .tmp
     notice = StopFlag()
     notice.request("preemption notice (terminate) from http://169.254.169.254/")
     assert notice.describe(tmp_path, since).startswith("preemption notice")  # not a signal

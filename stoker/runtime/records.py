@@ -169,14 +169,19 @@ def read_json(path: str | Path, default: Any = None, warn: Warn = log.warning) -
 
 
 def write_json(path: str | Path, value: Any) -> None:
-    """Write ``value`` as JSON atomically (temporary file, fsync, rename)."""
+    """Write ``value`` as JSON atomically (temporary file, fsync, rename); a write that fails
+    (``OSError``, raised) leaves no temporary file behind."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_text(path: str | Path, warn: Warn = log.warning) -> str | None:
