@@ -106,9 +106,20 @@ def _handle(signum: int, _frame) -> None:
     # Second signal: the user does not want to wait for the stop checkpoint.
     kill_descendants()
     with contextlib.suppress(OSError):
-        os.write(2, b"\nstoker run: stopped at once (second signal): no stop checkpoint; run "
-                    b"the same command to resume from the last committed checkpoint\n")
+        os.write(2, f"\n{second_signal_line()}\n".encode())
     os._exit(128 + _received[0])
+
+
+def second_signal_line() -> str:
+    """``stoker run``'s last line after a second stop signal: what the first stop had already
+    left when the ranks' end is known (:func:`note_outcome`: a third trial's second Ctrl-C came
+    after the stop checkpoint had committed, and the line said there was none), else that it
+    did not wait for the stop checkpoint."""
+    if _outcome:
+        return (f"stoker run: stopped at once (second signal); {_outcome[0]}; run the same "
+                "command to resume")
+    return ("stoker run: stopped at once (second signal), without waiting for the stop "
+            "checkpoint; run the same command to resume from the last committed checkpoint")
 
 
 def install() -> None:

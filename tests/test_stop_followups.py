@@ -157,8 +157,8 @@ def test_a_second_ctrl_c_leaves_a_stopped_job_whose_lost_steps_the_next_run_logs
     code, output = finish(process, timeout_s=60)
     assert code == 130, output[-3000:]
     assert output.rstrip().splitlines()[-1] == (
-        "stoker run: stopped at once (second signal): no stop checkpoint; run the same "
-        "command to resume from the last committed checkpoint")
+        "stoker run: stopped at once (second signal), without waiting for the stop "
+        "checkpoint; run the same command to resume from the last committed checkpoint")
     summary = job_summary(job)
     assert summary.state == "stopped" and summary.stopped_by == "stopped by SIGINT (Ctrl-C)", \
         summary

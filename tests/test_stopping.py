@@ -262,6 +262,24 @@ def test_a_killed_local_server_is_started_again_and_the_run_finishes(tmp_path):
     assert [v.run_id for v in versions] == [(job_dir / "mlflow_run_id").read_text().strip()]
 
 
+def test_a_second_signal_after_the_stop_committed_says_what_it_kept():
+    """Third trial: the second Ctrl-C came 0.3 s after the first, once the ranks had committed
+    their stop checkpoint, and the last line said "no stop checkpoint"."""
+    from stoker import stopping
+
+    stopping.install()
+    try:
+        assert "without waiting for the stop checkpoint" in stopping.second_signal_line()
+        stopping.note_outcome("job digits-1: its ranks committed a stop checkpoint at step 757")
+        assert stopping.second_signal_line() == (
+            "stoker run: stopped at once (second signal); job digits-1: its ranks committed a "
+            "stop checkpoint at step 757; run the same command to resume")
+    finally:  # this test process's own handlers back
+        for sig in stopping.STOP_SIGNALS:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+
+
 def test_the_last_line_after_a_stop_says_the_steps_it_lost():
     """A stop whose checkpoint did not commit (the grace ran out, a data worker hung): the last
     line names the steps lost instead of implying nothing was (new-user trial: 29 steps)."""
