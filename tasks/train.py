@@ -129,12 +129,20 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     checkpoints = RunSpec.load(spec_path).checkpoint_location
     # A flow run that died mid-attempt (kill -9, a second Ctrl-C): its steps lost go on the
     # job's MLflow run now, at the step it reached, as a live run's would have.
+    def log_steps_lost(reached: int) -> None:
+        """The job's steps lost so far (:func:`steps_lost`) on its MLflow run, at the step the
+        attempt that lost them reached."""
+        try:
+            if read_text(run_file):
+                client.log_metric(read_text(run_file), "steps_lost",
+                                  steps_lost(attempts_log.history(), read_events(job_dir)),
+                                  step=reached)
+        except Exception as e:  # tracking must not mask the attempt's outcome
+            logger.warning("could not log steps_lost to MLflow: %s", e)
+
     left = close_left_open(attempts_log, checkpoints, logger.warning)
-    if left and left[-1].get("steps_lost") and read_text(run_file):
-        with contextlib.suppress(Exception):  # tracking must not stop the resume
-            client.log_metric(read_text(run_file), "steps_lost",
-                              steps_lost(attempts_log.history(), read_events(job_dir)),
-                              step=left[-1].get("reached_step", 0))
+    if left and left[-1].get("steps_lost"):
+        log_steps_lost(left[-1].get("reached_step", 0))
     finished = completed_training(job_dir)  # the orchestrator died after the ranks finished
     if finished is not None:
         logger.info("job %s: training already completed (step %d/%d); going on to registration "
@@ -185,17 +193,6 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         if number not in codes:
             state.result()  # the attempt raised (timeout, cancel): raise it here
         return codes[number]
-
-    def log_steps_lost(reached: int) -> None:
-        """The job's steps lost so far (:func:`steps_lost`) on its MLflow run, at the step the
-        attempt that lost them reached."""
-        try:
-            if read_text(run_file):
-                client.log_metric(read_text(run_file), "steps_lost",
-                                  steps_lost(attempts_log.history(), read_events(job_dir)),
-                                  step=reached)
-        except Exception as e:  # tracking must not mask the attempt's outcome
-            logger.warning("could not log steps_lost to MLflow: %s", e)
 
     def record(attempt: Attempt) -> None:
         nonlocal preempted

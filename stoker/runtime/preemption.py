@@ -138,11 +138,7 @@ def stop_sender(job_dir: str | os.PathLike, since: float) -> str | None:
     if isinstance(request, dict) and _at_or_after(request.get("time"), since) \
             and isinstance(request.get("by"), str):
         return f"stopped by {request['by']}: {request.get('reason') or 'no reason given'}"
-    record = read_json(Path(job_dir) / STOP_SENDER_FILE, default=None, warn=quiet)
-    if isinstance(record, dict) and _at_or_after(record.get("time"), since) \
-            and isinstance(record.get("sender"), str):
-        return record["sender"]
-    return None
+    return _sender(job_dir, since)
 
 
 def stop_signal_reason(job_dir: str | os.PathLike, since: float) -> str | None:
@@ -150,17 +146,25 @@ def stop_signal_reason(job_dir: str | os.PathLike, since: float) -> str | None:
     as :func:`stoker.stopping.stop_reason` words it (``SIGINT (Ctrl-C)``); None when it
     recorded none. For an attempt whose run died while stopping (a second Ctrl-C): it was
     stopped, not lost."""
-    from stoker.runtime.records import read_json
-
-    record = read_json(Path(job_dir) / STOP_SENDER_FILE, default=None, warn=lambda *_: None)
-    if isinstance(record, dict) and _at_or_after(record.get("time"), since) \
-            and isinstance(record.get("sender"), str) \
-            and record["sender"].startswith(SENDER_PREFIX):
-        return record["sender"][len(SENDER_PREFIX):] or None
+    sender = _sender(job_dir, since)
+    if sender is not None and sender.startswith(SENDER_PREFIX):
+        return sender[len(SENDER_PREFIX):] or None
     return None
 
 
 SENDER_PREFIX = "stoker run got "  # tasks.train's record: "stoker run got SIGINT (Ctrl-C)"
+
+
+def _sender(job_dir: str | os.PathLike, since: float) -> str | None:
+    """The sender in ``stop-sender.json`` (:func:`record_stop_sender`) when it is recorded at
+    or after ``since``; None when missing, damaged or not this stop's."""
+    from stoker.runtime.records import read_json
+
+    record = read_json(Path(job_dir) / STOP_SENDER_FILE, default=None, warn=lambda *_: None)
+    if isinstance(record, dict) and _at_or_after(record.get("time"), since) \
+            and isinstance(record.get("sender"), str):
+        return record["sender"]
+    return None
 
 
 def _at_or_after(value: object, since: float) -> bool:
