@@ -157,6 +157,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
 
     codes: dict[int, int] = {}
     rank_errors: dict[int, str | None] = {}  # attempt -> the first ERROR line of a rank
+    ended_by: dict[int, int | None] = {}  # attempt -> the rank whose own exit 137 ended it
 
     @task(name="attempt", cache_policy=NO_CACHE)
     def attempt_task(number: int, capacity_type: str) -> State:
@@ -169,6 +170,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             finally:
                 lines.close()
                 rank_errors[number] = lines.first_error
+                ended_by[number] = lines.ended_by_rank
         except (subprocess.TimeoutExpired, TimeoutError):
             raise TimeoutError(f"train_timeout_s={config.train_timeout_s:g} s reached: job "
                                f"{job_dir.name} stopped (process tree terminated)") from None
@@ -201,7 +203,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         lost, reached, committed = (0, 0, 0) if attempt.outcome == Outcome.COMPLETED \
             else lost_steps(job_dir, attempt.started, checkpoints)
         attempts_log.end(number, {**attempt.to_dict(), "capacity_type": capacities[number],
-                                  "steps_lost": lost})
+                                  "steps_lost": lost,
+                                  **({"ended_by_rank": ended_by[number]}
+                                     if ended_by.get(number) is not None else {})})
         if lost:
             logger.warning("attempt %d lost %d step(s): it reached step %d, the last committed "
                            "checkpoint is step %d", number, lost, reached, committed)
@@ -211,7 +215,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
                                         attempt=number, exit_code=attempt.exit_code))
         level = logger.info if attempt.outcome == Outcome.COMPLETED else logger.warning
         level("attempt %d ended: %s (exit %s) after %.1f s", number, attempt.outcome,
-              describe_exit(attempt.exit_code), attempt.duration_s)
+              describe_exit(attempt.exit_code, ended_by.get(number)), attempt.duration_s)
         # Its last progress line ("restarting ..."), after the line above and before the next
         # attempt starts (the watcher alone could say it up to 5 s later, after "attempt N+1 on").
         watcher.report_now()
@@ -261,7 +265,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     if attempts and attempts[-1].outcome != Outcome.COMPLETED:
         if read_text(run_file):
             finish_run(client, read_text(run_file), "FAILED")
-        summary = ", ".join(f"#{a['number']} {a['outcome']} (exit {describe_exit(a['exit_code'])})"
+        summary = ", ".join(f"#{a['number']} {a['outcome']} "
+                            f"(exit {describe_exit(a['exit_code'], a.get('ended_by_rank'))})"
                             for a in history[-len(attempts):])
         emit_event(**training_event("failed", job_dir.name, read_text(run_file),
                                     attempts=len(history), outcome=str(attempts[-1].outcome),

@@ -125,6 +125,8 @@ def test_a_hung_data_worker_ends_the_attempt_as_an_infrastructure_failure(uninte
     assert attempts[0].exit_code == 137
     assert "no batch from the DataLoader workers in 5 s (train.data_timeout_s)" in output
     assert "training failed" not in output  # not reported as a bug, no traceback
+    # The rank chose 137: the launcher says so (the attempt line read "SIGKILL": trial).
+    assert "ended the attempt itself with exit 137" in output and "not a SIGKILL" in output
     hung = int((tmp_path / "probe" / "hung").read_text())
     assert not alive(hung), "the hung worker outlived its rank"
     resumed = [e for e in events(spec.parent) if e["event"] == "start" and e.get("resumed")]
@@ -167,6 +169,7 @@ def test_a_data_worker_killed_by_sigkill_is_an_infrastructure_failure(uninterrup
     killed = int((tmp_path / "probe" / "killed").read_text())
     assert f"DataLoader worker (pid {killed}) was killed by SIGKILL" in output, output
     assert "training failed" not in output
+    assert "ended the attempt itself with exit 137" in output, output  # the rank's own 137
     assert_same_weights(spec.parent, uninterrupted[0])
 
 
@@ -188,6 +191,7 @@ def test_a_killed_ranks_data_workers_die_with_it_and_torchrun_names_that_rank(
     failures = [line for line in output.splitlines() if "failed (exitcode:" in line]
     assert failures and f"failed (exitcode: -9) local_rank: 1 (pid: {rank1['pid']})" in \
         failures[0], failures
+    assert "ended the attempt itself" not in output  # a real SIGKILL is one
     assert_same_weights(spec.parent, uninterrupted[0])
 
 

@@ -32,6 +32,29 @@ def test_an_exit_code_is_described_the_shell_way_with_its_signal(code, text):
     assert describe_exit(code) == text
 
 
+def test_a_ranks_own_137_is_not_described_as_a_kill(tmp_path):
+    """New-user trial: a data stall (the rank chose 137) read `exit 137 (SIGKILL)` on the
+    attempt line, as if the OOM killer had struck. The launcher's line names the rank; the
+    attempt line then says nothing was killed. A record's field is untrusted: only a rank
+    number counts."""
+    from stoker.launch.supervisor import LineLog
+    from stoker.runtime.launch import rank_ended_line
+
+    assert describe_exit(137, 1) == "137 from rank 1 itself, not a kill"
+    assert describe_exit(-9, 1) == "137 (SIGKILL)"  # a real kill stays one
+    for junk in (None, "1", True, -1, 1.0):
+        assert describe_exit(137, junk) == "137 (SIGKILL)", junk
+    assert describe_exit(75, 0) == "75"
+    log = LineLog(tmp_path / "train.log", lambda line: None)
+    log("[rank1] 2026-12-01 11:17:14,374 ERROR stoker.runtime: no batch from the DataLoader "
+        "workers in 5 s (train.data_timeout_s) at step 12: ending this attempt")
+    assert log.ended_by_rank is None
+    log("[node 0] " + rank_ended_line(1))  # in a container, after the node's prefix
+    log(rank_ended_line(0))  # the first one counts
+    log.close()
+    assert log.ended_by_rank == 1
+
+
 def scripted(codes):
     calls = []
 

@@ -16,7 +16,7 @@ from enum import StrEnum
 from tenacity import Retrying, retry_if_result, stop_never, wait_exponential
 
 from stoker.config import RetryConfig
-from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
+from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_OK, EXIT_PREEMPTED
 
 
 class Outcome(StrEnum):
@@ -38,9 +38,16 @@ def classify_exit(code: int) -> Outcome:
     return Outcome.USER_ERROR
 
 
-def describe_exit(code: int) -> str:
+def describe_exit(code: int, ended_by_rank: object = None) -> str:
     """An exit code as a shell reports it, with the signal it stands for: ``"137 (SIGKILL)"``
-    for 137 and for -9 (``Popen``'s form of a death by signal 9), ``"75"`` for 75."""
+    for 137 and for -9 (``Popen``'s form of a death by signal 9), ``"75"`` for 75.
+
+    ``ended_by_rank``: the rank whose own exit 137 ended the attempt (the launcher said so: a
+    stall or a lost peer that rank found), when known: ``"137 from rank 1 itself, not a kill"``;
+    anything but a rank number (a record's field, untrusted) is ignored.
+    """
+    if code == EXIT_INFRASTRUCTURE and type(ended_by_rank) is int and ended_by_rank >= 0:
+        return f"{code} from rank {ended_by_rank} itself, not a kill"
     if code < 0:
         code = 128 - code
     if code > 128:

@@ -24,6 +24,7 @@ from stoker.launch.lease import JobBusy
 from stoker.launch.status import JOB_LOG, WINDOW_STEPS, job_progress
 from stoker.launch.stop_request import read_stop_request
 from stoker.launch.store import write_through
+from stoker.runtime.launch import RANK_ENDED
 from stoker.runtime.records import JsonlTail
 from stoker.runtime.spec import RunSpec
 from stoker.stopping import stop_reason
@@ -306,10 +307,14 @@ class LineLog:
         self.path, self.forward = Path(path), forward
         self._file = None
         self.first_error: str | None = None  # the first rank's ERROR message, if any
+        # The rank whose own exit 137 ended the attempt (the launcher's line), not a SIGKILL.
+        self.ended_by_rank: int | None = None
 
     def __call__(self, line: str) -> None:
         if self.first_error is None and (error := self.RANK_ERROR.match(line)):
             self.first_error = error.group(1)
+        if self.ended_by_rank is None and (ended := RANK_ENDED.search(line)):
+            self.ended_by_rank = int(ended.group(1))
         try:
             if self._file is None:
                 self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()

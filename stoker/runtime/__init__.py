@@ -4,11 +4,15 @@ It imports no Prefect. Start it as ``python -m stoker.runtime SPEC.yaml`` under 
 ``python -m stoker.runtime.launch [torchrun options] -m stoker.runtime SPEC.yaml`` to get the exit
 code contract below from the launcher process too. The same command starts and resumes a run.
 
-Exit codes: 0 done; 75 (EX_TEMPFAIL) preempted, resume me; anything else: an error.
+Exit codes: 0 done; 75 (EX_TEMPFAIL) preempted, resume me; 137 an infrastructure failure a rank
+found itself (its data workers stalled, a peer rank is gone): resume from the last checkpoint;
+anything else: an error.
 """
 
 EXIT_OK = 0
 EXIT_PREEMPTED = 75
+# A rank's own infrastructure exit: the code a SIGKILL gives, which the launcher treats the same.
+EXIT_INFRASTRUCTURE = 137
 
 
 class CheckpointError(RuntimeError):

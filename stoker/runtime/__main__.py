@@ -1,9 +1,10 @@
 """``python -m stoker.runtime SPEC.yaml``: one rank of one attempt, with exit codes.
 
 0 done, 75 preempted (stop checkpoint committed), 2 a named user error (config, data, checkpoint),
-1 a bug (traceback in the rank's log), 137 a peer rank is gone (killed, or gone before the stop
-checkpoint committed): infrastructure, like a SIGKILL. SIGTERM/SIGINT are caught from the first
-line on.
+1 a bug (traceback in the rank's log), 137 an infrastructure failure this rank found (a peer rank
+is gone, or gone before the stop checkpoint committed; its data workers stalled or were killed),
+treated like a SIGKILL; the launcher says that no process was killed. SIGTERM/SIGINT are caught
+from the first line on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 # Only light imports before the handler is installed: a SIGTERM that arrives while torch is
 # still importing (a second or more) must be a preemption, not a death by signal (exit 143).
+from stoker.runtime import EXIT_INFRASTRUCTURE
 from stoker.runtime.preemption import (
     StopFlag,
     die_with_parent,
@@ -24,9 +26,9 @@ from stoker.runtime.preemption import (
     record_stop_committed,
 )
 
-# Stopped, but a peer died before the stop checkpoint committed: steps since the last commit are
-# lost, as with a SIGKILL, and the launcher classes it the same way (infrastructure).
-EXIT_STOP_LOST = 137
+# Stopped, but a peer died before the stop checkpoint committed (or the data workers stalled): steps
+# since the last commit are lost, as with a SIGKILL, and the launcher classes it the same way.
+EXIT_STOP_LOST = EXIT_INFRASTRUCTURE
 
 log = logging.getLogger("stoker.runtime")
 

@@ -10,8 +10,10 @@ maps how the workers ended to one exit code that container engines and scheduler
   passed it on to the workers, and they committed their stop checkpoint within
   ``--shutdown-timeout`` seconds (a rank records that in the file named by
   ``STOKER_STOP_COMMITTED_FILE``).
-* 137: the first failed worker was killed by SIGKILL (OOM killer, node loss), or the launcher was
-  stopped and the workers were killed before their stop checkpoint committed: infrastructure.
+* 137: the first failed worker was killed by SIGKILL (OOM killer, node loss), or exited 137 itself
+  (an infrastructure failure it found: its data workers stalled, a peer rank is gone; the launcher
+  then prints ``rank N ended the attempt itself with exit 137 ..., not a SIGKILL``), or the
+  launcher was stopped and the workers were killed before their stop checkpoint committed.
 * anything else: the first failed worker's exit code (a bug or bad config in user code), or
   128 + N when it died of signal N.
 
@@ -38,13 +40,23 @@ import contextlib
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
 from pathlib import Path
 
-from stoker.runtime import EXIT_PREEMPTED
+from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
 from stoker.runtime.preemption import STOP_COMMITTED_ENV
+
+RANK_ENDED = re.compile(r"stoker\.runtime\.launch: rank (\d+) ended the attempt itself")
+
+
+def rank_ended_line(rank: int) -> str:
+    """The launcher's line for a first failure that was rank ``rank`` exiting 137 on its own (a
+    stall or a lost peer it found), not a kill; :data:`RANK_ENDED` finds it in the output."""
+    return (f"stoker.runtime.launch: rank {rank} ended the attempt itself with exit 137 (an "
+            "infrastructure failure it found: see its line above), not a SIGKILL")
 
 
 def exit_code_for(exitcode: int) -> int:
@@ -246,7 +258,11 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
         else:
             run(args)
     except ChildFailedError as e:
-        _rank, failure = e.get_first_failure()
+        rank, failure = e.get_first_failure()
+        if failure.exitcode == EXIT_INFRASTRUCTURE:
+            # The rank chose 137 (its data workers stalled, a peer was gone): a shell, Docker
+            # and the attempt line would read 137 as a SIGKILL; say that nothing was killed.
+            print(rank_ended_line(rank), file=sys.stderr, flush=True)
         return exit_code_for(failure.exitcode)
     except SignalException as e:
         _signalled.append(int(e.sigval))
