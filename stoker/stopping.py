@@ -28,6 +28,7 @@ _received: list[int] = []
 _installed: list[bool] = []  # install() was called in this process (``stoker run``)
 _outcome: list[str] = []  # what the stop left of the job (note_outcome)
 _hooks: list[Callable[[str], None]] = []  # on_stop: run before the training tree is signalled
+_interrupt_hooks: list[Callable[[BaseException], None]] = []  # on_interrupt
 
 
 class Interrupted(KeyboardInterrupt):
@@ -87,6 +88,28 @@ def on_stop(hook: Callable[[str], None]) -> Iterator[None]:
         yield
     finally:
         _hooks.remove(hook)
+
+
+@contextlib.contextmanager
+def on_interrupt(hook: Callable[[BaseException], None]) -> Iterator[None]:
+    """While inside, call ``hook(error)`` when a launcher's wait for its attempt is interrupted
+    by ``error`` (:func:`interrupted`: a stop signal, a Prefect cancel's ``TerminationSignal``, a
+    timeout), before the launcher signals the training tree: e.g. to record for the ranks who
+    stops them where no handler of ours saw a signal (a worker's flow process, where SIGTERM
+    belongs to Prefect). A hook that raises is ignored."""
+    _interrupt_hooks.append(hook)
+    try:
+        yield
+    finally:
+        _interrupt_hooks.remove(hook)
+
+
+def interrupted(error: BaseException) -> None:
+    """For launchers: their wait for an attempt was interrupted by ``error`` and they are about
+    to stop its process tree; runs the :func:`on_interrupt` hooks. Never raises."""
+    for hook in list(_interrupt_hooks):
+        with contextlib.suppress(Exception):
+            hook(error)
 
 
 def _handle(signum: int, _frame) -> None:

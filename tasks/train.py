@@ -62,7 +62,7 @@ from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import ensure_store
-from stoker.stopping import note_outcome, on_stop, stop_reason
+from stoker.stopping import note_outcome, on_interrupt, on_stop, stop_reason
 from stoker.tracking.cost import cost_report, steps_lost
 from stoker.tracking.events import training_event
 from tasks.stopping import attempt_state, crash_orphaned_flow_run
@@ -101,6 +101,24 @@ def _stopped_by(error: BaseException) -> str | None:
 
         return "a Prefect cancel" if get_intent() == "cancel" else None
     return None
+
+
+def _record_prefect_sender(job_dir: Path, error: BaseException) -> None:
+    """For a SIGTERM to a worker's flow process (Prefect's ``TerminationSignal``, raised into
+    the launcher's wait): who sends it, when Prefect's runner said so before it sent the signal
+    (its control intent), recorded for the ranks' stop line (``stop requested (SIGTERM: a
+    Prefect cancel of flow run 'brave-fox')``). Without an intent (the worker's infrastructure,
+    a plain ``kill``) nothing is recorded: SIGTERM is all that is known."""
+    if not isinstance(error, TerminationSignal):
+        return
+    from prefect._internal.control_listener import get_intent
+
+    intent = get_intent()
+    if intent is None:
+        return
+    name = flow_run.get_name() or flow_run.get_id()
+    record_stop_sender(job_dir, f"a Prefect cancel of flow run {name!r}" if intent == "cancel"
+                       else f"Prefect's runner ({intent}) of flow run {name!r}")
 
 
 def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None,
@@ -238,7 +256,10 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     try:
         # Ctrl-C, SIGTERM or SIGHUP to stoker run: the ranks' stop line says so (they see a
         # SIGTERM from the launcher).
-        with on_stop(lambda reason: record_stop_sender(job_dir, f"{SENDER_PREFIX}{reason}")):
+        # On a worker a Prefect cancel is a SIGTERM to this process, raised as Prefect's
+        # TerminationSignal into the launcher's wait: the ranks' stop line names it too.
+        with on_stop(lambda reason: record_stop_sender(job_dir, f"{SENDER_PREFIX}{reason}")), \
+                on_interrupt(lambda error: _record_prefect_sender(job_dir, error)):
             attempts = [] if finished is not None else run_with_retries(
                 launch, config.retry, on_attempt=record,
                 stop_requested=lambda: read_stop_request(job_dir) is not None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -208,3 +209,30 @@ def test_the_spent_retry_budget_is_named():
         "1 infrastructure_failure attempt, more than retry.max_infra_failures=0")
     assert budget_spent(policy, run_with_retries(lambda n: 0, policy)) is None
     assert budget_spent(policy, run_with_retries(lambda n: 1, policy)) is None  # a bug: its own
+
+
+
+def test_an_interrupted_launcher_calls_the_hooks_before_it_stops_the_tree(tmp_path):
+    """On a worker a Prefect cancel is Prefect's TerminationSignal raised into the launcher's
+    wait, and it reached the ranks as a bare SIGTERM: the launcher now runs the on_interrupt
+    hooks (the train task records the sender there) while the tree still runs. A failing hook
+    is ignored; outside the context no hook runs."""
+    from stoker.launch.local import LocalLauncher
+    from stoker.stopping import on_interrupt
+
+    launcher = LocalLauncher(1, shutdown_grace_s=5)
+    seen: list[tuple[str, bool]] = []
+
+    def hook(error: BaseException) -> None:
+        seen.append((type(error).__name__, launcher.process.poll() is None))
+
+    def failing(_error: BaseException) -> None:
+        raise RuntimeError("a hook that fails")
+
+    with on_interrupt(failing), on_interrupt(hook), pytest.raises(subprocess.TimeoutExpired):
+        launcher.run(tmp_path / "missing.yaml", on_line=lambda line: None, timeout_s=0.01)
+    assert seen == [("TimeoutExpired", True)]  # called while the launcher still ran
+    assert launcher.process.poll() is not None  # then stopped
+    with pytest.raises(subprocess.TimeoutExpired):
+        launcher.run(tmp_path / "missing.yaml", on_line=lambda line: None, timeout_s=0.01)
+    assert len(seen) == 1

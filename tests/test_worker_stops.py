@@ -82,6 +82,12 @@ def test_a_prefect_cancel_commits_the_stop_checkpoint_and_ends_cancelled(deploye
     assert not (trial.job_dir / "pipeline_done.json").exists()
     assert job_summary(trial.job_dir).state == "stopped"  # `stoker jobs`: a cancel is a stop
     assert AttemptLog(trial.job_dir).history()[-1]["stopped_by"] == "a Prefect cancel"
+    # The ranks' stop line names the cancel (it said a bare SIGTERM: the flow's SIGTERM handler
+    # on a worker is Prefect's, and no sender was recorded).
+    stops = [line for line in (trial.job_dir / "train.log").read_text().splitlines()
+             if "stop requested" in line]
+    assert stops and all("stop requested (SIGTERM: a Prefect cancel of flow run '" in line
+                         for line in stops), stops
 
 
 def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_path):

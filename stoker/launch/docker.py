@@ -38,6 +38,7 @@ from stoker.images.preflight import HostCuda, image_cuda_version, preflight_cuda
 from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
 from stoker.runtime import EXIT_PREEMPTED
 from stoker.runtime.spec import RunSpec
+from stoker.stopping import interrupted
 
 
 class DockerLaunchError(RuntimeError):
@@ -269,6 +270,9 @@ class DockerLauncher:
                 container.reload()
                 oom = container.attrs.get("State", {}).get("OOMKilled", False)
                 codes[node] = 137 if oom else int(result.get("StatusCode", 1))
+        except BaseException as e:
+            interrupted(e)  # who stops the ranks is recorded before the containers are stopped
+            raise
         finally:
             self.stop(remove=True)
             for reader in readers:

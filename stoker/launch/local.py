@@ -21,6 +21,7 @@ import psutil
 
 from stoker.runtime.launch import PARKED_MARKER, exit_code_for
 from stoker.runtime.preemption import die_with_parent
+from stoker.stopping import interrupted
 
 
 def terminate_tree(pid: int, grace_s: float) -> list[int]:
@@ -238,6 +239,9 @@ class LocalLauncher:
         reader.start()
         try:
             code = self._wait(reader, parked, timeout_s)
+        except BaseException as e:
+            interrupted(e)  # who stops the ranks is recorded before they are signalled
+            raise
         finally:
             if parked and self.process.poll() is None:  # warm, for the next attempt
                 _end_session_but(self.process.pid)
