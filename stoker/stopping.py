@@ -121,7 +121,8 @@ def _handle(signum: int, _frame) -> None:
             "train.preemption_grace_s); a second Ctrl-C (any stop signal) stops at once " \
             "without it" if _hooks else ""  # on_stop: the training task is waiting on them
         with contextlib.suppress(OSError):
-            os.write(2, f"\nstoker run: stopping ({stop_reason()}){training}\n".encode())
+            os.write(2, f"{_after_echo(signum)}stoker run: stopping ({stop_reason()})"
+                        f"{training}\n".encode())
         for hook in list(_hooks):
             with contextlib.suppress(Exception):
                 hook(stop_reason())
@@ -129,8 +130,17 @@ def _handle(signum: int, _frame) -> None:
     # Second signal: the user does not want to wait for the stop checkpoint.
     kill_descendants()
     with contextlib.suppress(OSError):
-        os.write(2, f"\n{second_signal_line()}\n".encode())
+        os.write(2, f"{_after_echo(signum)}{second_signal_line()}\n".encode())
     os._exit(128 + _received[0])
+
+
+def _after_echo(signum: int) -> str:
+    """A newline to end the ``^C`` a terminal echoes for Ctrl-C (SIGINT with stderr on a
+    terminal), else nothing: a piped log or a ``kill`` got a blank line (new-user trial)."""
+    try:
+        return "\n" if signum == signal.SIGINT and os.isatty(2) else ""
+    except OSError:
+        return ""
 
 
 def second_signal_line() -> str:

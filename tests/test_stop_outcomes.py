@@ -236,3 +236,23 @@ def test_an_interrupted_launcher_calls_the_hooks_before_it_stops_the_tree(tmp_pa
     with pytest.raises(subprocess.TimeoutExpired):
         launcher.run(tmp_path / "missing.yaml", on_line=lambda line: None, timeout_s=0.01)
     assert len(seen) == 1
+
+
+def test_the_stop_line_starts_a_new_line_only_after_a_terminals_echo():
+    """A blank line came before `stoker run: stopping` in a piped log and after a `kill`
+    (new-user trial): the newline is there only to end the `^C` a terminal echoes."""
+    import pty
+
+    from stoker.stopping import _after_echo
+
+    assert _after_echo(signal.SIGINT) == ""  # stderr is not a terminal here
+    controller, terminal = pty.openpty()
+    saved = os.dup(2)
+    try:
+        os.dup2(terminal, 2)
+        assert _after_echo(signal.SIGINT) == "\n"
+        assert _after_echo(signal.SIGTERM) == ""  # nothing echoed for a kill
+    finally:
+        os.dup2(saved, 2)
+        for fd in (saved, controller, terminal):
+            os.close(fd)
