@@ -42,10 +42,12 @@ from stoker.launch.stop_request import StopRequest, TrainingStopped
 from stoker.stopping import exit_now, rearm, stop_reason
 
 
-def attempt_state(code: int, request: StopRequest | None) -> State:
-    """The attempt task run's final state, named after its outcome; ``data`` is the exit code."""
+def attempt_state(code: int, request: StopRequest | None,
+                  ended_by_rank: int | None = None) -> State:
+    """The attempt task run's final state, named after its outcome; ``data`` is the exit code.
+    ``ended_by_rank``: the rank whose own exit 137 ended the attempt (not a kill), if known."""
     outcome = outcome_of(code, request is not None)
-    message = f"exit {describe_exit(code)}: {outcome}"
+    message = f"exit {describe_exit(code, ended_by_rank)}: {outcome}"
     if outcome == Outcome.COMPLETED:
         return Completed(data=code, message=message)
     if outcome == Outcome.PREEMPTED:

@@ -192,7 +192,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         except (subprocess.TimeoutExpired, TimeoutError):
             raise TimeoutError(f"train_timeout_s={config.train_timeout_s:g} s reached: job "
                                f"{job_dir.name} stopped (process tree terminated)") from None
-        return attempt_state(codes[number], read_stop_request(job_dir))
+        return attempt_state(codes[number], read_stop_request(job_dir), ended_by.get(number))
 
     def launch(number: int) -> int:
         if lease.lost:  # another run took the job over: never launch a second trainer

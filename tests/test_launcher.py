@@ -45,6 +45,11 @@ def test_a_ranks_own_137_is_not_described_as_a_kill(tmp_path):
     for junk in (None, "1", True, -1, 1.0):
         assert describe_exit(137, junk) == "137 (SIGKILL)", junk
     assert describe_exit(75, 0) == "75"
+    from tasks.stopping import attempt_state  # the attempt-N task run's state says it too
+
+    state = attempt_state(137, None, 1)
+    assert state.name == "InfrastructureFailure"
+    assert state.message == "exit 137 from rank 1 itself, not a kill: infrastructure_failure"
     log = LineLog(tmp_path / "train.log", lambda line: None)
     log("[rank1] 2026-12-01 11:17:14,374 ERROR stoker.runtime: no batch from the DataLoader "
         "workers in 5 s (train.data_timeout_s) at step 12: ending this attempt")
