@@ -132,16 +132,24 @@ class StopLogFilter(logging.Filter):
     the run Cancelled: after a stop the first says what happened instead, at INFO, once per run;
     the "Finished in state ..." lines are dropped. A stop request's :class:`TrainingStopped`
     (logged as a failed task and flow run, then recorded Cancelled) reads ``stopped on request:
-    recorded as Cancelled``, at INFO, without a traceback."""
+    recorded as Cancelled``, at INFO, without a traceback. An attempt's InfrastructureFailure,
+    which is retried, is a WARNING, not an ERROR."""
 
     CRASH_LINE = "Crash detected!"
     FINISHED_LINES = ("Finished in state Crashed", "Finished in state Running")
 
     FAILED_LINES = ("Task run failed with exception", "Encountered exception during execution")
     STOPPED_STATES = ("Finished in state StoppedByUser", "Finished in state StoppedByGuard")
+    INFRASTRUCTURE_STATE = "Finished in state InfrastructureFailure"
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
+        if message.startswith(self.INFRASTRUCTURE_STATE) and record.levelno > logging.WARNING:
+            # An attempt that lost its node, a rank or its data workers: retried from the last
+            # checkpoint while retry.max_infra_failures allows (the train task fails, with an
+            # ERROR, once it does not). Expected on spot capacity: a warning, not an error.
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            return True
         if message.startswith("Finished in state Failed") and TrainingStopped.__name__ in message:
             return False  # said once already, by the line below
         if message.startswith(self.FAILED_LINES) and TrainingStopped.__name__ in message \

@@ -193,6 +193,12 @@ def test_prefect_crash_lines_of_a_stop_read_as_what_happened(monkeypatch):
         assert not StopLogFilter().filter(record(message))
     other = record("Finished in state Failed('boom')")
     assert StopLogFilter().filter(other) and other.levelno == logging.ERROR
+    # An attempt's infrastructure failure is retried: a warning (it was an ERROR line).
+    retried = record("Finished in state InfrastructureFailure('exit 137 (SIGKILL): "
+                     "infrastructure_failure')")
+    assert StopLogFilter().filter(retried)
+    assert (retried.levelno, retried.levelname) == (logging.WARNING, "WARNING")
+    assert retried.getMessage().startswith("Finished in state InfrastructureFailure('exit 137")
 
 
 def test_the_spent_retry_budget_is_named():
