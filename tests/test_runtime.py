@@ -289,3 +289,26 @@ def test_changed_trajectory_is_refused(make_spec, tmp_path):
     changed = spec.model_copy(update={"train": spec.train.model_copy(update={"epochs": 5})})
     with pytest.raises(CheckpointError, match=r"train.epochs: 2 -> 5"):
         Trainer(changed, SINGLE, StopFlag())
+
+
+def test_rank_0_logs_an_epoch_line_at_most_every_10_s_and_always_the_first_and_last(
+        monkeypatch):
+    """New-user trial: 300 short epochs printed 300 lines. Between the first and the last epoch
+    of an attempt a line is logged only once 10 s have passed since the one before."""
+    from types import SimpleNamespace
+
+    import stoker.runtime.trainer as trainer_module
+
+    clock = [100.0]
+    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: clock[0])
+    fake = SimpleNamespace(cfg=SimpleNamespace(epochs=300), _epoch_line_at=None)
+    logged = []
+    for epoch in range(300):  # 1 s per epoch
+        if Trainer._epoch_line_due(fake, epoch):
+            logged.append(epoch + 1)
+        clock[0] += 1.0
+    assert logged == [1, *range(11, 300, 10), 300]
+    slow = SimpleNamespace(cfg=SimpleNamespace(epochs=3), _epoch_line_at=None)
+    for _ in range(3):  # epochs of a minute: every one
+        assert Trainer._epoch_line_due(slow, 0)
+        clock[0] += 60.0

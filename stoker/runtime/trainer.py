@@ -64,6 +64,7 @@ STOP_TRACKING_WAIT_S = 2.0
 # long: at 12 ms steps a collective per step cost 7-10 % of the wall time on 2 CPU cores (its
 # gloo thread competes with the ranks' compute), while a stop still lands within ~0.1 s.
 AGREE_EVERY_S = 0.1
+EPOCH_LINE_EVERY_S = 10.0  # at most one epoch line per this many seconds (first and last: always)
 MAX_AGREE_STEPS = 16
 
 
@@ -158,6 +159,7 @@ class Trainer(ProfilingMixin):
         self._batches = self._open_data()
         self._watchdog = DataWatchdog(self.cfg.data_timeout_s if self.cfg.num_workers else 0)
         self.progress = ProgressWriter(spec.job_dir, env.world_size) if env.is_main else None
+        self._epoch_line_at: float | None = None  # when rank 0 last logged an epoch's line
         self.tracker = self._open_tracker() if env.is_main and spec.tracking_uri else None
         if self.tracker is not None:
             self.tracker.replay(self._tracking_backlog)
@@ -497,6 +499,17 @@ class Trainer(ProfilingMixin):
         stop, due, interval = flags[n:]
         return stop > 0, due > 0, agreed.step + max(1, int(interval))
 
+    def _epoch_line_due(self, epoch: int) -> bool:
+        """Whether rank 0 logs epoch ``epoch``'s line (0-based): the first and last epoch of
+        an attempt, and otherwise at most one line every :data:`EPOCH_LINE_EVERY_S` seconds
+        (a new-user trial's 300 short epochs printed 300 lines). Every epoch's metrics still
+        reach MLflow and ``progress.jsonl``."""
+        now, last = time.monotonic(), self._epoch_line_at
+        if last is None or epoch + 1 == self.cfg.epochs or now - last >= EPOCH_LINE_EVERY_S:
+            self._epoch_line_at = now
+            return True
+        return False
+
     def evaluate(self, epoch: int, epoch_time_s: float) -> dict[str, float]:
         """Validation over all ranks (each takes every world_size-th sample); logs and returns
         ``val_accuracy`` (0..1) and ``val_loss`` (mean cross-entropy)."""
@@ -518,7 +531,7 @@ class Trainer(ProfilingMixin):
         self.metrics = {"val_accuracy": float(sums[0] / sums[2]),
                         "val_loss": float(sums[1] / sums[2]), "epoch": epoch + 1}
         self.timings["eval"] += time.perf_counter() - t0
-        if self.env.is_main:
+        if self.env.is_main and self._epoch_line_due(epoch):
             log.info("epoch %d/%d step %d: val_accuracy %.4f val_loss %.4f (%.1f s)", epoch + 1,
                      self.cfg.epochs, self.step, self.metrics["val_accuracy"],
                      self.metrics["val_loss"], epoch_time_s)
