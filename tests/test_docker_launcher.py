@@ -30,6 +30,17 @@ def launcher_for(image: str, **kwargs) -> DockerLauncher:
                           rdzv_endpoint=f"127.0.0.1:{free_port()}", **kwargs)
 
 
+
+def wait_for_step(container, job_dir, step: int, timeout_s: float = 300) -> None:
+    """Until rank 0 of the job in ``container`` reports ``step`` (the container still runs)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not any(
+            e["event"] == "step" and e["step"] >= step for e in events(job_dir)):
+        container.reload()
+        assert container.status in ("created", "running"), container.logs()[-3000:]
+        time.sleep(0.1)
+
+
 def test_two_nodes_as_two_containers(training_image, make_spec, docker_engine, mlflow_http):
     # The image carries mlflow-skinny: it logs to a tracking server over HTTP.
     spec = make_spec(f"two-nodes-{uuid.uuid4().hex[:8]}", epochs=1, tracking_uri=mlflow_http.uri)
@@ -53,12 +64,7 @@ def test_docker_stop_checkpoints_and_the_next_attempt_resumes(training_image, ma
         labels = docker_engine.containers.get(container.id).labels
         assert labels[DOCKER_OWNER_LABEL] == "true"
         assert labels[DOCKER_JOB_LABEL] == spec.parent.name
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not any(
-                e["event"] == "step" and e["step"] >= 5 for e in events(spec.parent)):
-            container.reload()
-            assert container.status in ("created", "running"), container.logs()[-3000:]
-            time.sleep(0.1)
+        wait_for_step(container, spec.parent, 5)
         container.stop(timeout=40)  # `docker stop`: SIGTERM, SIGKILL after 40 s
         status = container.wait(timeout=60)
         logs = container.logs().decode()
@@ -75,6 +81,49 @@ def test_docker_stop_checkpoints_and_the_next_attempt_resumes(training_image, ma
     starts = [e for e in events(spec.parent) if e["event"] == "start"]
     assert starts[-1]["resumed"] and starts[-1]["step"] == stopped["step"]
     assert json.loads((spec.parent / "result.json").read_text())["step"] == 6 * 22
+
+
+
+def test_stoker_stop_stops_a_job_whose_ranks_run_in_a_container(training_image, make_spec,
+                                                                 docker_engine):
+    """``stoker stop`` found ranks only below the lease holder: for the Docker launcher it
+    recorded the request and told the user to stop the container. It now sends SIGTERM to the
+    job's containers: the ranks name the user's stop, commit a stop checkpoint and exit 75,
+    which with the request is a stopped attempt (not retried)."""
+    import socket
+    import subprocess
+    import threading
+
+    from stoker.launch.retry import outcome_of
+    from stoker.launch.stop_request import read_stop_request, stop_job
+    from stoker.runtime.records import write_json
+
+    spec = make_spec(f"user-stop-{uuid.uuid4().hex[:8]}", epochs=6, tracking=False)
+    launcher = launcher_for(training_image.ref, nproc_per_node=2)
+    holder = subprocess.Popen(["sleep", "600"])  # holds the lease, as `stoker run` would
+    write_json(spec.parent / "lease.json", {"host": socket.gethostname(), "pid": holder.pid,
+                                            "expires": time.time() + 600})
+    (container,) = launcher.start(spec)
+    stopped: list = []
+    try:
+        wait_for_step(container, spec.parent, 5)
+        stopper = threading.Thread(target=lambda: stopped.append(
+            stop_job(spec.parent, "maintenance", timeout_s=120)))
+        stopper.start()
+        status = container.wait(timeout=120)
+        logs = container.logs().decode()
+        holder.kill()  # its run ends once the attempt does: the lease is free
+        holder.wait()
+        stopper.join(timeout=60)
+    finally:
+        container.remove(force=True)
+        holder.kill()
+    assert status["StatusCode"] == 75, logs[-3000:]
+    assert "stop requested (SIGTERM: stopped by user: maintenance): checkpoint committed" in \
+        logs, logs[-3000:]
+    assert outcome_of(status["StatusCode"], read_stop_request(spec.parent) is not None) \
+        is Outcome.STOPPED
+    assert stopped == ["stopped"]
 
 
 def sleeper_image(engine) -> str:

@@ -154,10 +154,32 @@ def launcher_below(holder: psutil.Process) -> psutil.Process | None:
     return None
 
 
+def job_containers(job: str) -> list:
+    """The running containers of ``job`` on this host's Docker Engine (the Docker launcher
+    labels them with the job and as Stoker's own); [] without the Docker SDK or a reachable
+    engine."""
+    from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
+
+    try:
+        import docker
+
+        client = docker.from_env(timeout=10)
+        try:
+            return client.containers.list(filters={
+                "label": [f"{DOCKER_JOB_LABEL}={job}", f"{DOCKER_OWNER_LABEL}=true"],
+                "status": "running"})
+        finally:
+            client.close()
+    except Exception:  # no SDK, no engine, no permission: no container of ours to find
+        return []
+
+
 def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
              poll_s: float = 0.2) -> str | None:
     """Stop a job this host trains, on purpose: record a user stop request, then SIGTERM the
-    attempt's launcher (as ``docker stop`` or a spot reclaim would). The ranks commit a stop
+    attempt's launcher (as ``docker stop`` or a spot reclaim would): the local launcher below
+    the lease holder, or, when the ranks run in containers (the Docker launcher), each of the
+    job's containers (their entrypoint passes it to the ranks). The ranks commit a stop
     checkpoint, the attempt ends **stopped** (not retried), the flow run ends Cancelled and
     ``stoker run`` exits 3; the same command resumes the job.
 
@@ -197,19 +219,23 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
         return None  # it ended meanwhile
     request_stop(job_dir, "user", reason)
     deadline = time.monotonic() + timeout_s
-    while (launcher := launcher_below(holder)) is None:
+    containers: list = []
+    while (launcher := launcher_below(holder)) is None \
+            and not (containers := job_containers(job_dir.name)):
         if not holder.is_running():
             break
         if time.monotonic() > deadline:
             raise StopFailed(
-                f"job {job_dir.name}: no training process below pid {pid} within "
-                f"{timeout_s:g} s (ranks in a container or on Kubernetes?); the stop request "
-                "is recorded, so the job stops when its attempt ends (stop its container to "
-                "end it now)")
+                f"job {job_dir.name}: no training process below pid {pid} and no container of "
+                f"the job within {timeout_s:g} s (ranks on Kubernetes?); the stop request is "
+                "recorded, so the job stops when its attempt ends")
         time.sleep(poll_s)
     if launcher is not None:
         with contextlib.suppress(psutil.Error):
             launcher.send_signal(signal.SIGTERM)
+    for container in containers:  # `docker kill -s SIGTERM`: the entrypoint stops the ranks
+        with contextlib.suppress(Exception):
+            container.kill(signal="SIGTERM")
     while (state := job_summary(job_dir).state) == "training":
         if time.monotonic() > deadline:
             raise StopFailed(f"job {job_dir.name} still trains {timeout_s:g} s after the stop "
