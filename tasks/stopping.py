@@ -133,22 +133,27 @@ class StopLogFilter(logging.Filter):
     the "Finished in state ..." lines are dropped. A stop request's :class:`TrainingStopped`
     (logged as a failed task and flow run, then recorded Cancelled) reads ``stopped on request:
     recorded as Cancelled``, at INFO, without a traceback. An attempt's InfrastructureFailure,
-    which is retried, is a WARNING, not an ERROR."""
+    which is retried, is a WARNING, not an ERROR (both of Prefect's lines for it)."""
 
     CRASH_LINE = "Crash detected!"
     FINISHED_LINES = ("Finished in state Crashed", "Finished in state Running")
 
     FAILED_LINES = ("Task run failed with exception", "Encountered exception during execution")
     STOPPED_STATES = ("Finished in state StoppedByUser", "Finished in state StoppedByGuard")
-    INFRASTRUCTURE_STATE = "Finished in state InfrastructureFailure"
+    # Prefect's two lines for a task run that returned this state (the second: "Task run failed
+    # with state: InfrastructureFailure(message=...)", logged with exc_info).
+    INFRASTRUCTURE_LINES = ("Finished in state InfrastructureFailure",
+                            "Task run failed with state: InfrastructureFailure")
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if message.startswith(self.INFRASTRUCTURE_STATE) and record.levelno > logging.WARNING:
+        if message.startswith(self.INFRASTRUCTURE_LINES) and record.levelno > logging.WARNING:
             # An attempt that lost its node, a rank or its data workers: retried from the last
             # checkpoint while retry.max_infra_failures allows (the train task fails, with an
-            # ERROR, once it does not). Expected on spot capacity: a warning, not an error.
+            # ERROR, once it does not). Expected on spot capacity: a warning, not an error, and
+            # no traceback (Prefect attaches an empty one to a returned Failed state).
             record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
             return True
         if message.startswith("Finished in state Failed") and TrainingStopped.__name__ in message:
             return False  # said once already, by the line below

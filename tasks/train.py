@@ -220,10 +220,14 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         number = attempt.number + first_number - 1
         lost, reached, committed = (0, 0, 0) if attempt.outcome == Outcome.COMPLETED \
             else lost_steps(job_dir, attempt.started, checkpoints)
+        request = read_stop_request(job_dir) if attempt.outcome == Outcome.STOPPED else None
         attempts_log.end(number, {**attempt.to_dict(), "capacity_type": capacities[number],
                                   "steps_lost": lost,
                                   **({"ended_by_rank": ended_by[number]}
-                                     if ended_by.get(number) is not None else {})})
+                                     if ended_by.get(number) is not None else {}),
+                                  # `stoker status`: who stopped it, as for a Ctrl-C (trial)
+                                  **({"stopped_by": f"{request.by}: {request.reason}"}
+                                     if request is not None else {})})
         if lost:
             logger.warning("attempt %d lost %d step(s): it reached step %d, the last committed "
                            "checkpoint is step %d", number, lost, reached, committed)

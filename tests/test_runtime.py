@@ -168,6 +168,21 @@ def test_a_killed_rank_is_an_infrastructure_failure_not_a_bug_of_the_survivor(ma
     assert [a.outcome for a in attempts] == [Outcome.INFRASTRUCTURE, Outcome.COMPLETED], output
     # The surviving rank's broken collective is a warning, not "training failed" + traceback.
     assert "training failed at step" not in output, output[-3000:]
+    # ... and torchrun's SIGTERM to it, after rank 1 died, is no stop anyone asked for (trial:
+    # "... while this rank was stopping (SIGTERM): no stop checkpoint").
+    assert "while this rank was stopping (SIGTERM)" not in output, output[-3000:]
+
+
+def test_the_survivors_line_names_a_stop_only_when_someone_asked_for_one():
+    from stoker.runtime.__main__ import peer_lost_while_stopping
+
+    assert peer_lost_while_stopping(97, "Connection closed by peer", "SIGTERM") == (
+        "a peer rank is gone at step 97 (Connection closed by peer), and this rank got SIGTERM "
+        "(torchrun ends the other ranks once one has failed; or a stop from outside)")
+    assert peer_lost_while_stopping(
+        97, "Connection reset by peer", "SIGTERM: stoker run got SIGINT (Ctrl-C)") == (
+        "a peer rank is gone at step 97 (Connection reset by peer) while this rank was stopping "
+        "(SIGTERM: stoker run got SIGINT (Ctrl-C))")
 
 
 def test_user_error_fails_once_with_traceback(make_spec):

@@ -80,3 +80,27 @@ def test_a_requested_stop_reads_stopping_not_restarting(tmp_path):
     watcher.poll()  # unchanged: not repeated
     assert len(seen) == 2 and seen[-1][1].startswith("stopping (")
     assert "cost-guard" in seen[-1][1] and seen[-1][1].endswith("at step 16/66")
+
+
+def test_a_prefect_cancel_reads_stopping_not_restarting(tmp_path):
+    """New-user trial: a cancel on a worker logged `restarting (attempt 2, resuming at step
+    80/270)`, though nothing restarts. The train task records the cancel as the stop's sender
+    (stop-sender.json); an older record is not this run's."""
+    from stoker.launch.supervisor import ProgressWatcher
+    from stoker.runtime.preemption import STOP_SENDER_FILE, record_stop_sender
+    from stoker.runtime.records import append_jsonl, write_json
+
+    write_json(tmp_path / STOP_SENDER_FILE, {"sender": "an old stop", "time": 1.0})
+    seen: list[str] = []
+    watcher = ProgressWatcher(tmp_path, lambda p, m: seen.append(m))
+    for event in [{"event": "start", "step": 0, "time": 0.0, "total_steps": 66},
+                  *steps(1, 16, 0.0, 0.2),
+                  {"event": "checkpoint", "step": 16, "time": 3.5},
+                  {"event": "end", "step": 16, "time": 3.6, "outcome": "preempted"}]:
+        append_jsonl(tmp_path / "progress.jsonl", event)
+    watcher.poll()
+    assert seen[-1] == "restarting (attempt 2, resuming at step 16/66)"  # a preemption
+    record_stop_sender(tmp_path, "a Prefect cancel of flow run 'just-coati'")
+    watcher.poll()
+    assert seen[-1] == ("stopping (a Prefect cancel of flow run 'just-coati'): checkpoint "
+                        "committed at step 16/66")

@@ -3,6 +3,7 @@ the pipeline flow on a real Prefect server, torchrun signalled like ``docker sto
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -199,6 +200,12 @@ def test_prefect_crash_lines_of_a_stop_read_as_what_happened(monkeypatch):
     assert StopLogFilter().filter(retried)
     assert (retried.levelno, retried.levelname) == (logging.WARNING, "WARNING")
     assert retried.getMessage().startswith("Finished in state InfrastructureFailure('exit 137")
+    # ... and Prefect's line before it, with its empty traceback (trial: still an ERROR).
+    failed = record("Task run failed with state: InfrastructureFailure(message='exit 137 from "
+                    "rank 0 itself, not a kill: infrastructure_failure', type=FAILED)")
+    failed.exc_info = (None, None, None)
+    assert StopLogFilter().filter(failed)
+    assert (failed.levelno, failed.exc_info) == (logging.WARNING, None)
 
 
 def test_the_spent_retry_budget_is_named():
@@ -262,3 +269,35 @@ def test_the_stop_line_starts_a_new_line_only_after_a_terminals_echo():
         os.dup2(saved, 2)
         for fd in (saved, controller, terminal):
             os.close(fd)
+
+
+def test_a_retried_infrastructure_failure_is_logged_as_a_warning_on_the_server(harness):
+    """New-user trial: besides "Finished in state InfrastructureFailure(...)", Prefect logs
+    "Task run failed with state: InfrastructureFailure(...)" as an ERROR with an empty
+    traceback. Both reach the server as WARNINGs: the attempt is retried."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    from tasks.stopping import attempt_state, install_stop_log_filter
+
+    @task(name="attempt-1")
+    def attempt():
+        return attempt_state(137, None, 1)
+
+    @flow
+    def one_attempt():
+        install_stop_log_filter()
+        return attempt(return_state=True)
+
+    state = one_attempt(return_state=True)
+    APILogWorker.drain_all(timeout=30, at_exit=False)
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
+            any_=[state.state_details.flow_run_id])))
+    levels = {log.message.split("(", 1)[0]: log.level for log in logs
+              if "InfrastructureFailure" in log.message}
+    assert levels == {"Task run failed with state: InfrastructureFailure": logging.WARNING,
+                      "Finished in state InfrastructureFailure": logging.WARNING}, levels
+    assert not [log for log in logs if "NoneType: None" in log.message]

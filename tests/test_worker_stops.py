@@ -88,6 +88,10 @@ def test_a_prefect_cancel_commits_the_stop_checkpoint_and_ends_cancelled(deploye
              if "stop requested" in line]
     assert stops and all("stop requested (SIGTERM: a Prefect cancel of flow run '" in line
                          for line in stops), stops
+    # ... and the task says stopping, not "restarting (attempt 2 ...)" (trial: nothing restarts)
+    assert "restarting (attempt 2" not in trial.worker_output, trial.worker_output[-3000:]
+    assert "stopping (a Prefect cancel of flow run '" in trial.worker_output, \
+        trial.worker_output[-3000:]
 
 
 def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_path):

@@ -25,6 +25,7 @@ from stoker.launch.status import JOB_LOG, WINDOW_STEPS, job_progress
 from stoker.launch.stop_request import read_stop_request
 from stoker.launch.store import write_through
 from stoker.runtime.launch import RANK_ENDED
+from stoker.runtime.preemption import stop_sender
 from stoker.runtime.records import JsonlTail
 from stoker.runtime.spec import RunSpec
 from stoker.stopping import stop_reason
@@ -167,6 +168,7 @@ class ProgressWatcher(threading.Thread):
         self.stopped = threading.Event()
         self._lock = threading.Lock()  # a poll of the thread and report_now never interleave
         self._last: str | None = None
+        self._since = time.time()  # a stop sender recorded before this run is not this run's
         # Only the new bytes are read at each poll (the file grows by a line per step), and
         # only what job_progress looks at is kept: every start, end and checkpoint event, and
         # the current attempt's last WINDOW_STEPS step events.
@@ -213,8 +215,11 @@ class ProgressWatcher(threading.Thread):
             return
         message = progress.describe()
         if progress.state == "restarting":  # a stop someone asked for is not a restart
+            # ... Ctrl-C to stoker run, a stop request, or (recorded in stop-sender.json) a
+            # Prefect cancel on a worker: it said "restarting (attempt 2 ...)" (trial).
             request = read_stop_request(self.job_dir)
-            reason = stop_reason() or (request.describe() if request else None)
+            reason = stop_reason() or (request.describe() if request else None) \
+                or stop_sender(self.job_dir, self._since)
             if reason:
                 message = (f"stopping ({reason}): checkpoint committed at step "
                            f"{progress.resume_step or progress.step}/{progress.total_steps}")

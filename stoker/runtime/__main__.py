@@ -110,11 +110,11 @@ def run(spec_path: Path, stop: StopFlag) -> int:
             outcome = "infrastructure"
             return data_workers_lost(f"{killed} (the OOM killer? see dmesg)", trainer)
         if stop.requested and is_peer_lost(e):
-            # A coordinated stop whose peer was killed first (grace ran out): not a bug here.
-            # (The stop may be torchrun's SIGTERM after that peer died: it is named, not judged.)
-            log.warning("a peer rank is gone at step %s (%s) while this rank was stopping "
-                        "(%s): no stop checkpoint", trainer.step if trainer else 0,
-                        peer_lost_reason(e), stop.reason)
+            # A coordinated stop whose peer was killed first (grace ran out), or torchrun's
+            # SIGTERM to the survivors after a peer died: not a bug here either way.
+            log.warning("%s: no stop checkpoint", peer_lost_while_stopping(
+                trainer.step if trainer else 0, peer_lost_reason(e),
+                stop.describe(spec.job_dir, trainer.created) if trainer else stop.reason))
             outcome = "infrastructure"
             return EXIT_STOP_LOST
         if is_peer_lost(e):
@@ -140,6 +140,17 @@ def run(spec_path: Path, stop: StopFlag) -> int:
 PEER_LOST_WAIT_S = 2.0  # at most, before a rank whose peer is gone exits (torchrun's turn)
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "NCCL communicator was aborted")
+
+
+def peer_lost_while_stopping(step: int, lost: str | None, why: str | None) -> str:
+    """The survivor's words for a peer gone while this rank was stopping. ``why``: the stop as
+    :meth:`StopFlag.describe` words it. A bare signal names no sender: it may be torchrun ending
+    the other ranks after that peer died, which is not a stop anyone asked for (new-user trial:
+    after ``kill -9`` of rank 1, rank 0 read as if it had been stopping)."""
+    if why in ("SIGTERM", "SIGINT"):
+        return (f"a peer rank is gone at step {step} ({lost}), and this rank got {why} (torchrun "
+                "ends the other ranks once one has failed; or a stop from outside)")
+    return f"a peer rank is gone at step {step} ({lost}) while this rank was stopping ({why})"
 
 
 def is_peer_lost(error: Exception) -> bool:
