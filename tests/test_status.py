@@ -104,3 +104,32 @@ def test_a_prefect_cancel_reads_stopping_not_restarting(tmp_path):
     watcher.poll()
     assert seen[-1] == ("stopping (a Prefect cancel of flow run 'just-coati'): checkpoint "
                         "committed at step 16/66")
+
+
+def test_no_step_line_after_stoker_run_said_stopping(tmp_path, monkeypatch):
+    """New-user trial: a `step 56/270 ..., ETA 87 s` line came after `stoker run: stopping
+    (SIGINT (Ctrl-C))`; once the stop signal is in, only the stop's own line follows."""
+    import signal
+
+    import stoker.stopping
+    from stoker.launch.supervisor import ProgressWatcher
+    from stoker.runtime.records import append_jsonl
+
+    seen: list[str] = []
+    watcher = ProgressWatcher(tmp_path, lambda p, m: seen.append(m))
+    for event in [{"event": "start", "step": 0, "time": 0.0, "total_steps": 66},
+                  *steps(1, 10, 0.0, 0.2)]:
+        append_jsonl(tmp_path / "progress.jsonl", event)
+    watcher.poll()
+    assert seen[-1].startswith("step 10/66 (attempt 1)"), seen
+    monkeypatch.setattr(stoker.stopping, "_received", [signal.SIGINT])
+    for event in steps(11, 16, 2.0, 0.2):  # the ranks train on until the stop's step
+        append_jsonl(tmp_path / "progress.jsonl", event)
+    watcher.poll()
+    assert len(seen) == 1, seen  # no "step 16/66 ..." after "stopping"
+    for event in [{"event": "checkpoint", "step": 16, "time": 3.5},
+                  {"event": "end", "step": 16, "time": 3.6, "outcome": "preempted"}]:
+        append_jsonl(tmp_path / "progress.jsonl", event)
+    watcher.poll()
+    assert len(seen) == 2 and seen[-1] == ("stopping (SIGINT (Ctrl-C)): checkpoint committed at "
+                                           "step 16/66"), seen

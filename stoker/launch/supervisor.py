@@ -213,6 +213,8 @@ class ProgressWatcher(threading.Thread):
         progress = job_progress([*self._marks, *self._steps])
         if progress is None:
             return
+        if progress.state == "training" and stop_reason() is not None:
+            return  # stoker run said "stopping" already: a step line after it reads as going on
         message = progress.describe()
         if progress.state == "restarting":  # a stop someone asked for is not a restart
             # ... Ctrl-C to stoker run, a stop request, or (recorded in stop-sender.json) a
