@@ -22,7 +22,6 @@ from stoker.images.build import ImageResult
 from stoker.launch.attempts import AttemptLog, left_open_note
 from stoker.launch.lease import JobBusy
 from stoker.launch.status import JOB_LOG, WINDOW_STEPS, job_progress
-from stoker.launch.stop_request import read_stop_request
 from stoker.launch.store import write_through
 from stoker.runtime.launch import RANK_ENDED
 from stoker.runtime.preemption import stop_sender
@@ -217,11 +216,9 @@ class ProgressWatcher(threading.Thread):
             return  # stoker run said "stopping" already: a step line after it reads as going on
         message = progress.describe()
         if progress.state == "restarting":  # a stop someone asked for is not a restart
-            # ... Ctrl-C to stoker run, a stop request, or (recorded in stop-sender.json) a
-            # Prefect cancel on a worker: it said "restarting (attempt 2 ...)" (trial).
-            request = read_stop_request(self.job_dir)
-            reason = stop_reason() or (request.describe() if request else None) \
-                or stop_sender(self.job_dir, self._since)
+            # ... Ctrl-C to stoker run, or this run's stop request or recorded sender (a Prefect
+            # cancel on a worker: it said "restarting (attempt 2 ...)", trial).
+            reason = stop_reason() or stop_sender(self.job_dir, self._since)
             if reason:
                 message = (f"stopping ({reason}): checkpoint committed at step "
                            f"{progress.resume_step or progress.step}/{progress.total_steps}")
