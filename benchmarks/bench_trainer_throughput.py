@@ -16,11 +16,17 @@ and AdamW with the same one-cycle schedule.
 Both are timed from the end of the first epoch to the end of training (start-up excluded).
 Ratio = Stoker samples/s / baseline samples/s; target >= 0.98.
 
+A third arm in every pair attributes the periodic checkpoints' share: the same Stoker job
+without them (``train.checkpoint_every_steps`` beyond the job's length; the last step is still
+saved). Reported beside the verdict, pair by pair: Stoker without periodic checkpoints / the
+loop, and the share of throughput the checkpoints every 50 steps cost (1 - default / without).
+
     python benchmarks/bench_trainer_throughput.py [--quick] [--repeats N] [--epochs N]
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -35,9 +41,11 @@ from benchmarks.common import (  # noqa: E402
     Workdir,
     alternate,
     compared,
+    describe,
     emit,
     log,
     options,
+    ratio_summary,
     run_timed,
     summary,
     torchrun,
@@ -51,6 +59,7 @@ from benchmarks.jobs import (  # noqa: E402
 from benchmarks.jobs import steps_per_epoch as epoch_steps  # noqa: E402
 
 TARGET = Target(">=", 0.98)
+NO_PERIODIC = "Stoker without periodic checkpoints"
 # 40 epochs (a ~10 s window): with 15 (~3.7 s) the machine's load moved single pairs by 10-20 %.
 EPOCHS = Sized("--epochs", int, 40, 2, "epochs per run (40: about 10 s timed on 2 CPU cores)")
 GLOBAL_BATCH = 64
@@ -76,12 +85,14 @@ def main() -> None:
                       work / f"loop-{i}.log", TIMEOUT_S)
             return json.loads(out.read_text())["samples_per_s"]
 
-        def candidate(i: int) -> float:
-            job = work / f"stoker-{i}"
+        def candidate(i: int, name: str = "stoker", **train: int) -> float:
+            job = work / f"{name}-{i}"
             spec = write_spec(job, dataset.local_path, epochs=epochs,
-                              global_batch_size=GLOBAL_BATCH, nproc_per_node=NPROC)
-            run_runtime(spec, NPROC, work / f"stoker-{i}.log", TIMEOUT_S)
+                              global_batch_size=GLOBAL_BATCH, nproc_per_node=NPROC, **train)
+            run_runtime(spec, NPROC, work / f"{name}-{i}.log", TIMEOUT_S)
             window = steady_window(job, first_step)
+            if train:  # the attribution arm: its figure only
+                return window.samples_per_s(GLOBAL_BATCH)
             if i >= 0:  # not the warm-up
                 evals.append(window.eval_s / (window.train_s + window.eval_s))
                 all_in.append(window.steps * GLOBAL_BATCH / (window.train_s + window.eval_s))
@@ -89,7 +100,11 @@ def main() -> None:
             return window.samples_per_s(GLOBAL_BATCH)
 
         log(f"{epochs} epochs of {steps_per_epoch} steps per run, timed after step {first_step}")
-        pairs = alternate(baseline, candidate, args.repeats, args.warmups)
+        # No periodic checkpoint: a step count past the job's end (the last step still saves).
+        no_periodic = functools.partial(candidate, name="stoker-no-periodic-ckpt",
+                                        checkpoint_every_steps=epochs * steps_per_epoch + 1)
+        pairs = alternate(baseline, candidate, args.repeats, args.warmups,
+                          extra={NO_PERIODIC: no_periodic})
 
     result = compared(pairs, lambda b, c: c / b, TARGET, "hand-written DDP loop",
                       "Stoker Trainer (evaluation excluded)", "samples/s")
@@ -106,10 +121,20 @@ def main() -> None:
              f"Stoker's per-epoch evaluation is excluded; it takes {statistics.median(evals):.1%} "
              f"of the window (with it: {statistics.median(all_in):.0f} samples/s)",
              f"where Stoker's time went (median run, whole attempt): {shares}"]
+    without = ratio_summary(pairs.values("baseline"), pairs.values(NO_PERIODIC),
+                            lambda b, x: x / b)
+    ckpt_share = ratio_summary(pairs.values(NO_PERIODIC), pairs.values("candidate"),
+                               lambda x, c: 1 - c / x)
+    notes += [f"attribution, per pair: Stoker without periodic checkpoints / the loop = "
+              f"{describe(without)}; the checkpoints every 50 steps (every "
+              f"{50 * profile['wall_s'] / max(profile.get('steps', 1), 1):.2g} s here) cost "
+              f"{describe(ckpt_share)} of Stoker's throughput"]
     emit("trainer_throughput", metric="Stoker samples/s / hand-written DDP loop samples/s",
          quick=args.quick, notes=notes, **result,
          details={"epochs": epochs, "steps_per_epoch": steps_per_epoch,
                   "first_step": first_step, "stoker_profile": profile,
+                  "without_periodic_checkpoints_vs_loop": without,
+                  "periodic_checkpoint_share": ckpt_share,
                   "stoker_with_eval_samples_per_s": summary(all_in, "samples/s",
                                                             "Stoker incl. evaluation")})
 

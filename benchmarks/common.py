@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -137,34 +137,41 @@ class Pairs:
 
     baseline: tuple[Run, ...]
     candidate: tuple[Run, ...]
+    extra: dict[str, tuple[Run, ...]] = field(default_factory=dict)  # further arms, by name
 
     def values(self, side: str, field: str = "value") -> list[float]:
-        return [getattr(r, field) for r in getattr(self, side)]
+        """One side's figures (or ``field`` of its runs), pair by pair: ``baseline``,
+        ``candidate`` or the name of an extra arm."""
+        runs = self.extra[side] if side in self.extra else getattr(self, side)
+        return [getattr(r, field) for r in runs]
 
 
 def alternate(baseline: Callable[[int], float], candidate: Callable[[int], float],
-              repeats: int, warmups: int = 0) -> Pairs:
+              repeats: int, warmups: int = 0,
+              extra: dict[str, Callable[[int], float]] | None = None) -> Pairs:
     """Run ``baseline(i)`` and ``candidate(i)`` as ``repeats`` pairs, after ``warmups`` pairs.
 
     The order flips every pair (A B, B A, A B, ...) so that a drift in the machine's load does
     not always favour the same side. Warm-up pairs get negative indices (-1, -2, ...) and are
     not returned: they pay first-use costs (imports, caches, database creation).
+
+    ``extra`` arms (name -> function) run inside every pair too, after the candidate (A B X,
+    X B A, ...): a variant of the candidate that attributes part of its cost, compared pair by
+    pair like the two sides. Their runs are in ``Pairs.extra[name]``.
     """
+    arms = [("baseline", baseline), ("candidate", candidate), *(extra or {}).items()]
     for w in range(warmups):
         log(f"warm-up pair {w + 1}/{warmups} (not counted)")
-        baseline(-1 - w), candidate(-1 - w)
-    base: list[Run] = []
-    cand: list[Run] = []
+        for _, fn in arms:
+            fn(-1 - w)
+    runs: dict[str, list[Run]] = {name: [] for name, _ in arms}
     for i in range(repeats):
-        if i % 2 == 0:
-            base.append(measure(baseline, i))
-            cand.append(measure(candidate, i))
-        else:
-            cand.append(measure(candidate, i))
-            base.append(measure(baseline, i))
-        log(f"pair {i + 1}/{repeats}: baseline {base[-1].value:.4g}, candidate "
-            f"{cand[-1].value:.4g}")
-    return Pairs(tuple(base), tuple(cand))
+        for name, fn in arms if i % 2 == 0 else arms[::-1]:
+            runs[name].append(measure(fn, i))
+        shown = ", ".join(f"{name} {runs[name][-1].value:.4g}" for name, _ in arms)
+        log(f"pair {i + 1}/{repeats}: {shown}")
+    return Pairs(tuple(runs.pop("baseline")), tuple(runs.pop("candidate")),
+                 {name: tuple(r) for name, r in runs.items()})
 
 
 def side(pairs: Pairs, which: str, name: str, unit: str) -> dict[str, Any]:

@@ -87,6 +87,21 @@ def test_alternate_flips_the_order_every_pair_after_uncounted_warmups():
     assert all(r.wall_s >= 0 and r.cpu_s >= 0 for r in pairs.baseline + pairs.candidate)
 
 
+def test_extra_arms_run_inside_every_pair_and_flip_with_it():
+    calls = []
+
+    def arm(name, offset):
+        return lambda i: calls.append(f"{name}{i}") or offset + i
+
+    pairs = alternate(arm("A", 0.0), arm("B", 10.0), 2, warmups=1,
+                      extra={"X": arm("X", 20.0)})
+    assert calls == ["A-1", "B-1", "X-1", "A0", "B0", "X0", "X1", "B1", "A1"]
+    assert pairs.values("X") == [20.0, 21.0]
+    assert pairs.values("candidate") == [10.0, 11.0]
+    assert per_pair(pairs.values("X"), pairs.values("candidate"),
+                    lambda x, c: c / x) == pytest.approx([0.5, 11 / 21])
+
+
 def test_ratios_are_taken_per_pair_never_between_side_medians():
     # Pair-wise the candidate is always 10 % slower; the medians of the sides (3 and 3.3)
     # would agree, but pairing the first baseline with the last candidate would not.
