@@ -156,7 +156,18 @@ class StopLogFilter(logging.Filter):
             record.exc_info = record.exc_text = None
             return True
         if message.startswith("Finished in state Failed") and TrainingStopped.__name__ in message:
-            return False  # said once already, by the line below
+            if record.name != "prefect.flow_runs":
+                return False  # a task run's: said once already, by the line below
+            # The flow run's last line, as after a Ctrl-C: the state its hook records next.
+            stopped = message.split(f"{TrainingStopped.__name__}: ", 1)[-1]
+            stopped = stopped[:-2] if stopped.endswith(("')", '")')) else stopped
+            record.msg, record.args = f"Finished in state Cancelled({stopped!r})", ()
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+            return True
+        if message.startswith(self.FAILED_LINES) and TrainingStopped.__name__ in message \
+                and record.name == "prefect.flow_runs":
+            return False  # the flow run's "Finished in state Cancelled(...)" line says it
         if message.startswith(self.FAILED_LINES) and TrainingStopped.__name__ in message \
                 or message.startswith(self.STOPPED_STATES):
             # A stop request (the cost guard, stoker stop) ends the task by raising; its hook

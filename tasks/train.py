@@ -93,32 +93,36 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
 
 def _stopped_by(error: BaseException) -> str | None:
     """Who stopped the training by interrupting its flow: a signal to ``stoker run`` or a
-    Prefect cancel; None for anything else (a timeout, a bug)."""
+    Prefect cancel (``a Prefect cancel of flow run 'brave-fox'``); None for anything else (a
+    timeout, a bug)."""
     if stop_reason() is not None:
         return stop_reason()
-    if isinstance(error, TerminationSignal):
-        from prefect._internal.control_listener import get_intent
-
-        return "a Prefect cancel" if get_intent() == "cancel" else None
-    return None
+    return _prefect_sender(error)
 
 
-def _record_prefect_sender(job_dir: Path, error: BaseException) -> None:
+def _prefect_sender(error: BaseException) -> str | None:
     """For a SIGTERM to a worker's flow process (Prefect's ``TerminationSignal``, raised into
     the launcher's wait): who sends it, when Prefect's runner said so before it sent the signal
-    (its control intent), recorded for the ranks' stop line (``stop requested (SIGTERM: a
-    Prefect cancel of flow run 'brave-fox')``). Without an intent (the worker's infrastructure,
-    a plain ``kill``) nothing is recorded: SIGTERM is all that is known."""
+    (its control intent): ``a Prefect cancel of flow run 'brave-fox'``. None without an intent
+    (the worker's infrastructure, a plain ``kill``: SIGTERM is all that is known)."""
     if not isinstance(error, TerminationSignal):
-        return
+        return None
     from prefect._internal.control_listener import get_intent
 
     intent = get_intent()
     if intent is None:
-        return
+        return None
     name = flow_run.get_name() or flow_run.get_id()
-    record_stop_sender(job_dir, f"a Prefect cancel of flow run {name!r}" if intent == "cancel"
-                       else f"Prefect's runner ({intent}) of flow run {name!r}")
+    return (f"a Prefect cancel of flow run {name!r}" if intent == "cancel"
+            else f"Prefect's runner ({intent}) of flow run {name!r}")
+
+
+def _record_prefect_sender(job_dir: Path, error: BaseException) -> None:
+    """Record :func:`_prefect_sender` for the ranks' stop line (``stop requested (SIGTERM: a
+    Prefect cancel of flow run 'brave-fox')``); nothing when it is None."""
+    sender = _prefect_sender(error)
+    if sender is not None:
+        record_stop_sender(job_dir, sender)
 
 
 def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None,

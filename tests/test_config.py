@@ -193,18 +193,28 @@ def test_a_dead_tracking_server_is_named_before_the_pull(tmp_path):
     assert not (tmp_path / "work" / "datasets").exists()  # nothing pulled
 
 
-def test_a_missing_data_repository_is_named_before_anything_runs(tmp_path):
+@pytest.mark.parametrize("given", ["absolute", "file-url", "relative"])
+def test_a_missing_data_repository_is_named_before_anything_runs(tmp_path, given):
+    """The relative-path hint only where the value may have been relative (trial: an absolute
+    ``file://`` URL got it too)."""
     import subprocess
     import sys
 
+    missing = tmp_path / "no-such-repo"
+    value = {"absolute": str(missing), "file-url": f"file://{missing}",
+             "relative": "no-such-repo"}[given]
+    # Run from elsewhere unless the value is relative: a path under the directory stoker runs
+    # in may have been given relative, and gets the hint.
+    cwd = tmp_path if given == "relative" else tmp_path / "elsewhere"
+    cwd.mkdir(exist_ok=True)
     result = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
-         f"data.repo_url={tmp_path / 'no-such-repo'}"], capture_output=True, text=True,
-        timeout=120)
+         f"data.repo_url={value}"], capture_output=True, text=True, timeout=120, cwd=cwd)
     assert result.returncode == 2
+    hint = (f" (a relative path is resolved against the directory stoker runs in, {tmp_path})"
+            if given == "relative" else "")
     assert result.stderr.strip().splitlines() == [
-        f"error: data.repo_url: {tmp_path / 'no-such-repo'} is not a folder (a relative path is "
-        "resolved against the directory stoker runs in)"]
+        f"error: data.repo_url: {missing} is not a folder{hint}"]
     assert not (tmp_path / "work").exists()
 
 

@@ -210,6 +210,12 @@ def test_stoker_stop_stops_a_training_job_on_purpose(server, tmp_path):
     assert AttemptLog(job).history()[-1]["stopped_by"] == "user: maintenance"
     # On the terminal too a stop, not an ERROR with a traceback and "Failed" (second trial).
     assert "stopped on request: recorded as Cancelled" in output, output[-3000:]
+    # ... and the flow run's last Prefect line says Cancelled, as after a Ctrl-C (trial: none).
+    flow_lines = [line for line in output.splitlines() if "| Flow run '" in line]
+    assert flow_lines[-1].endswith(
+        f"Finished in state Cancelled('job {job.name} stopped by user: maintenance; run the "
+        "same command to resume it')"), output[-3000:]
+    assert not [line for line in flow_lines if "stopped on request" in line], output[-3000:]
     assert not [line for line in output.splitlines()
                 if "TrainingStopped" in line or "| ERROR" in line
                 or line.startswith("Traceback")], output[-3000:]

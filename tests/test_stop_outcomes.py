@@ -192,6 +192,20 @@ def test_prefect_crash_lines_of_a_stop_read_as_what_happened(monkeypatch):
     for message in ("Finished in state Crashed('Execution was aborted by an interrupt signal.')",
                     "Finished in state Running()"):
         assert not StopLogFilter().filter(record(message))
+    # A stop request (stoker stop, the guard): the flow run's last line says Cancelled, as
+    # after a Ctrl-C (trial: it had none); a task run's is dropped (its line came before).
+    stopped = record("Finished in state Failed('Flow run encountered an exception: "
+                     "TrainingStopped: stopped by user: maintenance (disk)')")
+    assert StopLogFilter().filter(stopped) and stopped.levelno == logging.INFO
+    assert stopped.getMessage() == \
+        "Finished in state Cancelled('stopped by user: maintenance (disk)')"
+    task = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1,
+                             "Finished in state Failed('Task run encountered an exception "
+                             "TrainingStopped: stopped by user: maintenance')", (), None)
+    assert not StopLogFilter().filter(task)
+    # The flow run's exception line is dropped (its Finished line says it); a task run's stays.
+    assert not StopLogFilter().filter(record(
+        "Encountered exception during execution: TrainingStopped('job x stopped by user')"))
     other = record("Finished in state Failed('boom')")
     assert StopLogFilter().filter(other) and other.levelno == logging.ERROR
     # An attempt's infrastructure failure is retried: a warning (it was an ERROR line).

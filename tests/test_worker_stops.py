@@ -46,6 +46,15 @@ def flow_run_state(server: PrefectServer, flow_run_id: str):
         return client.read_flow_run(uuid.UUID(flow_run_id)).state
 
 
+def flow_run_name(server: PrefectServer, flow_run_id: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.api_url}), \
+            get_client(sync_client=True) as client:
+        return client.read_flow_run(uuid.UUID(flow_run_id)).name
+
+
 def task_run_states(server: PrefectServer, flow_run_id: str) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -80,8 +89,13 @@ def test_a_prefect_cancel_commits_the_stop_checkpoint_and_ends_cancelled(deploye
     run = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id)
     assert run.info.status == "KILLED"
     assert not (trial.job_dir / "pipeline_done.json").exists()
-    assert job_summary(trial.job_dir).state == "stopped"  # `stoker jobs`: a cancel is a stop
-    assert AttemptLog(trial.job_dir).history()[-1]["stopped_by"] == "a Prefect cancel"
+    summary = job_summary(trial.job_dir)
+    assert summary.state == "stopped"  # `stoker jobs`: a cancel is a stop
+    # `stoker status` names the flow run, as the log lines do (trial: a bare "a Prefect cancel")
+    name = flow_run_name(deployed, trial.flow_run_id)
+    assert AttemptLog(trial.job_dir).history()[-1]["stopped_by"] \
+        == f"a Prefect cancel of flow run {name!r}"
+    assert summary.stopped_by == f"stopped by a Prefect cancel of flow run {name!r}", summary
     # The ranks' stop line names the cancel (it said a bare SIGTERM: the flow's SIGTERM handler
     # on a worker is Prefect's, and no sender was recorded).
     stops = [line for line in (trial.job_dir / "train.log").read_text().splitlines()
