@@ -205,7 +205,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             clear_stop_request(job_dir)  # an earlier run's stop request is not this run's
         number += first_number - 1  # numbering continues over every run of the job
         capacities[number] = capacity_for(config, preempted)
-        attempts_log.start(number, capacities[number], flow_run.get_id())
+        attempts_log.start(number, capacities[number], flow_run.get_id(),
+                           config.launcher.kind)
         emit_event(**training_event("started" if number == 1 else "resumed", job_dir.name,
                                     read_text(run_file), attempt=number,
                                     capacity_type=capacities[number]))

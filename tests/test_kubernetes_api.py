@@ -396,3 +396,91 @@ def test_a_job_kept_in_a_bucket_is_submitted_with_credentials_from_a_secret(serv
         "kind": "kubernetes", "kubernetes": {"image": "img:1", "checkpoint_dir": "s3://x/y"}})
     with pytest.raises(ConfigError, match="launcher.kubernetes.checkpoint_dir: leave it empty"):
         make_launcher(pipeline, 1, "img:1")
+
+
+def test_a_stop_request_deletes_the_job_and_the_attempt_is_stopped(server, api, tmp_path):
+    """``stoker stop`` (or the cost guard) on a Kubernetes job: the request was only recorded,
+    and the job trained on until its attempt ended. Now the launcher sees it at its next status
+    poll and deletes the job (its pods get SIGTERM and their grace for the stop checkpoint);
+    the attempt is stopped, not retried, and nothing is submitted again."""
+    from stoker.launch.factory import KubernetesAdapter
+    from stoker.launch.kubeflow import VolumeClaim
+    from stoker.launch.stop_request import request_stop
+
+    spec = RunSpec(data_dir="/data/digits", job_dir=str(tmp_path))
+    spec.dump(tmp_path / "spec.yaml")
+    name = kubeflow.kubernetes_name(tmp_path.name)
+    path = f"{TRAINJOBS}/{name}"
+    gets, deleted = [], threading.Event()
+    running = (200, job_obj("TrainJob", cond("Running")) | {"metadata": {"name": name,
+                                                                        "namespace": NS}})
+
+    def get_job():
+        gets.append(1)
+        if len(gets) == 3:  # the job has been running for two polls: stoker stop
+            request_stop(tmp_path, "user", "maintenance")
+        if len(gets) > 50:  # (a launcher that does not look: the job ends on its own)
+            return 200, job_obj("TrainJob", cond("Complete")) | {"metadata": {"name": name,
+                                                                              "namespace": NS}}
+        return (404, status_body(404, "NotFound", "gone")) if deleted.is_set() else running
+
+    server.on("GET", path, get_job)
+    server.on("GET", PODS, (200, pod_list(pod("n-0"))))
+    server.on("DELETE", path, lambda: (deleted.set(), (200, {}))[1])
+    server.on("DELETE", f"{CONFIGMAPS}/{name}-spec", (200, {}))
+    claims = [VolumeClaim(claim_name="datasets", mount_path="/data", read_only=True),
+              VolumeClaim(claim_name="jobs", mount_path=str(tmp_path.parent))]
+    launcher = KubernetesAdapter(kapi.KubernetesLauncher(
+        config(namespace=NS, volume_claims=claims), api, poll_interval_s=0.01))
+    codes = []
+
+    def launch(_number: int) -> int:
+        codes.append(launcher.run(tmp_path / "spec.yaml", on_line=lambda line: None))
+        return codes[-1]
+
+    attempts = run_with_retries(launch, RetryConfig(), sleep=lambda s: None,
+                                stop_requested=lambda: (tmp_path / "stop-requested.json").exists())
+    assert codes == [kapi.EXIT_STOPPED_BY_DELETION]
+    assert [a.outcome for a in attempts] == [Outcome.STOPPED]  # not retried
+    assert deleted.is_set() and not server.calls("POST")  # attached, never submitted again
+    _, _, query, body = next(r for r in server.requests if r[0] == "DELETE" and r[1] == path)
+    assert (body or {}).get("propagationPolicy") == "Foreground" or \
+        query.get("propagationPolicy") == ["Foreground"]
+    assert server.calls()[-1] == ("GET", path)  # waited until the job was gone
+
+
+def test_stoker_stop_on_a_kubernetes_job_waits_for_the_launcher_not_for_local_ranks(
+        tmp_path, monkeypatch):
+    """No rank of a Kubernetes job runs on the orchestrating machine: ``stoker stop`` records
+    the request and waits for the job to stop (its launcher deletes it), without looking for a
+    local launcher or a container all the while (it polled both until its timeout)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import stoker.launch.stop_request as stop_request
+    from stoker.launch.attempts import AttemptLog
+
+    def not_here(*_args):
+        raise AssertionError("looked for local ranks of a Kubernetes job")
+
+    monkeypatch.setattr(stop_request, "launcher_below", not_here)
+    monkeypatch.setattr(stop_request, "job_containers", not_here)
+    # The orchestrating flow: holds the job and ends once the stop is asked for (its launcher
+    # deleted the job at its next poll).
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(tmp_path / 'stop-requested.json')!r}):\n"
+        "    time.sleep(0.05)\n")])
+    threading.Thread(target=holder.wait, daemon=True).start()  # reaped: not a zombie "alive"
+    try:
+        (tmp_path / "lease.json").write_text(json.dumps({
+            "host": socket.gethostname(), "pid": holder.pid, "expires": time.time() + 600}))
+        AttemptLog(tmp_path).start(1, "spot", None, "kubernetes")
+        state = stop_request.stop_job(tmp_path, "maintenance", timeout_s=30, poll_s=0.05)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert state == "stopped"
+    assert stop_request.read_stop_request(tmp_path).describe() == "stopped by user: maintenance"

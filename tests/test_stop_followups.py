@@ -206,6 +206,8 @@ def test_stoker_stop_stops_a_training_job_on_purpose(server, tmp_path):
     assert f"stop requested (SIGTERM: stopped by user: maintenance): checkpoint committed at " \
         f"step {end['step']}" in output, output[-3000:]
     assert [a["outcome"] for a in AttemptLog(job).history()] == ["stopped"]
+    # Where `stoker stop` looks for the ranks: the started record names the launcher.
+    assert [r.get("launcher") for r in AttemptLog(job).records()] == ["local"]
     # `stoker status` says who stopped the attempt, as for a Ctrl-C (trial: "stopped (exit 75)")
     assert AttemptLog(job).history()[-1]["stopped_by"] == "user: maintenance"
     # On the terminal too a stop, not an ERROR with a traceback and "Failed" (second trial).

@@ -130,10 +130,14 @@ class AttemptLog:
         counts: it was billed)."""
         return len(self._latest())
 
-    def start(self, number: int, capacity_type: str, flow_run_id: str | None = None) -> None:
-        """Record attempt ``number`` as started (before it is launched)."""
+    def start(self, number: int, capacity_type: str, flow_run_id: str | None = None,
+              launcher: str | None = None) -> None:
+        """Record attempt ``number`` as started (before it is launched); ``launcher`` is the
+        launcher's kind (``local``, ``docker``, ``kubernetes``: where ``stoker stop`` finds
+        the ranks)."""
         append_jsonl(self.path, {"number": number, "state": "started", "started": time.time(),
-                                 "capacity_type": capacity_type, "flow_run_id": flow_run_id})
+                                 "capacity_type": capacity_type, "flow_run_id": flow_run_id,
+                                 **({"launcher": launcher} if launcher else {})})
         write_through(self.job_dir, ATTEMPTS_FILE)  # a lost node's attempt still counts
 
     def end(self, number: int, record: dict[str, Any]) -> None:

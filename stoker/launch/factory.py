@@ -25,12 +25,15 @@ class KubernetesAdapter:
     def run(self, spec_path: Path, on_line: Callable[[str], None] = print,
             timeout_s: float | None = None) -> int:
         from stoker.launch.kubeflow import kubernetes_name
+        from stoker.launch.stop_request import read_stop_request
         from stoker.runtime.spec import RunSpec
 
         spec = RunSpec.load(spec_path)
         name = kubernetes_name(Path(spec.job_dir).name)
+        job_dir = Path(spec_path).parent  # this machine's job folder (stoker stop writes here)
         on_line(f"submitting Kubernetes job {name}")
-        return self.launcher.run(spec, name, timeout_s=timeout_s)
+        return self.launcher.run(spec, name, timeout_s=timeout_s,
+                                 stop_requested=lambda: read_stop_request(job_dir) is not None)
 
 
 def needs_image(config: PipelineConfig) -> bool:

@@ -270,20 +270,34 @@ def _disrupted(pod: dict) -> bool:
                for c in status.get("conditions") or [])
 
 
+class StopRequested(Exception):  # noqa: N818 - a request, not an error
+    """Someone asked the job to stop (``stoker stop``, the cost guard) while it ran."""
+
+
+# A stopped job's pods are deleted, their exit codes with them: the attempt reads as ended by
+# the SIGTERM the deletion sent (128 + 15), and as stopped, since the stop was asked for.
+EXIT_STOPPED_BY_DELETION = 143
+
+
 def wait(name: str, config: KubernetesLaunchConfig, api: k8s.ApiClient,
          poll_interval_s: float = 10.0, timeout_s: float | None = None,
-         on_status: Callable[[JobStatus], None] = lambda s: None) -> JobStatus:
+         on_status: Callable[[JobStatus], None] = lambda s: None,
+         stop_requested: Callable[[], bool] = lambda: False) -> JobStatus:
     """Poll ``job_status`` every ``poll_interval_s`` seconds until the job has finished.
 
     ``on_status`` gets each status whose phase differs from the previous one.
+    ``stop_requested`` is asked before each poll.
 
     Raises:
         TimeoutError: not finished after ``timeout_s`` seconds.
         KubernetesError: the job disappeared, or the server refused a request.
+        StopRequested: ``stop_requested()`` said so (the job is left as it is).
     """
     seen: list[str] = []
 
     def poll() -> JobStatus:
+        if stop_requested():
+            raise StopRequested(name)
         status = job_status(name, config, api)
         if status is None:
             raise KubernetesError(f"{RESOURCES[config.flavor].kind} {config.namespace}/{name}: "
@@ -320,11 +334,18 @@ class KubernetesLauncher:
         self.config, self.api = config, api
         self.poll_interval_s, self.on_status = poll_interval_s, on_status
 
-    def run(self, spec: RunSpec, name: str, timeout_s: float | None = None) -> int:
+    def run(self, spec: RunSpec, name: str, timeout_s: float | None = None,
+            stop_requested: Callable[[], bool] = lambda: False) -> int:
         """Run the job for ``spec`` under ``name`` to its end and return its exit code.
 
         If the wait is interrupted (timeout, cancellation, any exception) the job is deleted
         before the exception propagates: no GPU pod outlives the call.
+
+        ``stop_requested`` is asked at every status poll (``stoker stop``, the cost guard).
+        When it says so, the job is deleted: each pod gets SIGTERM and its
+        ``terminationGracePeriodSeconds`` (which covers ``train.preemption_grace_s``), in which
+        the ranks commit a stop checkpoint, as for a spot reclaim; the call returns 143
+        (:data:`EXIT_STOPPED_BY_DELETION`) once the job is gone.
 
         Raises:
             ConfigError: the spec or config cannot be rendered (nothing was submitted).
@@ -341,7 +362,15 @@ class KubernetesLauncher:
             submit(manifests, self.api)
         try:
             final = wait(name, self.config, self.api, self.poll_interval_s, timeout_s,
-                         self.on_status)
+                         self.on_status, stop_requested)
+        except StopRequested:
+            log.warning("job %s: stop requested: deleting %s %s/%s (its pods get SIGTERM and "
+                        "%.0f s of grace for the stop checkpoint)", spec.job_dir,
+                        RESOURCES[self.config.flavor].kind, self.config.namespace, name,
+                        spec.train.preemption_grace_s)
+            delete(name, self.config, self.api,
+                   wait_s=max(120.0, spec.train.preemption_grace_s + 60.0))
+            return EXIT_STOPPED_BY_DELETION
         except BaseException:
             delete(name, self.config, self.api)
             raise

@@ -174,14 +174,26 @@ def job_containers(job: str) -> list:
         return []
 
 
+def _launcher_kind(job_dir: Path) -> str | None:
+    """The launcher of the job's last attempt, as its started record says (None: an older
+    record, or none)."""
+    from stoker.launch.attempts import AttemptLog
+
+    records = AttemptLog(job_dir).records()  # each attempt's records merged, newest last
+    kind = records[-1].get("launcher") if records else None
+    return kind if isinstance(kind, str) else None
+
+
 def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
              poll_s: float = 0.2) -> str | None:
     """Stop a job this host trains, on purpose: record a user stop request, then SIGTERM the
     attempt's launcher (as ``docker stop`` or a spot reclaim would): the local launcher below
     the lease holder, or, when the ranks run in containers (the Docker launcher), each of the
-    job's containers (their entrypoint passes it to the ranks). The ranks commit a stop
-    checkpoint, the attempt ends **stopped** (not retried), the flow run ends Cancelled and
-    ``stoker run`` exits 3; the same command resumes the job.
+    job's containers (their entrypoint passes it to the ranks). On Kubernetes (the attempt's
+    started record names the launcher) nothing is signalled from here: the launcher reads the
+    request at its next status poll and deletes the job, whose pods get SIGTERM and their
+    grace. The ranks commit a stop checkpoint, the attempt ends **stopped** (not retried), the
+    flow run ends Cancelled and ``stoker run`` exits 3; the same command resumes the job.
 
     Args:
         job_dir: the job's folder.
@@ -220,15 +232,19 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
     request_stop(job_dir, "user", reason)
     deadline = time.monotonic() + timeout_s
     containers: list = []
-    while (launcher := launcher_below(holder)) is None \
+    launcher = None
+    # On Kubernetes nothing of the job runs here: its launcher reads the request at its next
+    # status poll and deletes the job (the pods get SIGTERM and their grace to commit).
+    remote = _launcher_kind(job_dir) == "kubernetes"
+    while not remote and (launcher := launcher_below(holder)) is None \
             and not (containers := job_containers(job_dir.name)):
         if not holder.is_running():
             break
         if time.monotonic() > deadline:
             raise StopFailed(
                 f"job {job_dir.name}: no training process below pid {pid} and no container of "
-                f"the job within {timeout_s:g} s (ranks on Kubernetes?); the stop request is "
-                "recorded, so the job stops when its attempt ends")
+                f"the job within {timeout_s:g} s; the stop request is recorded, so the job "
+                "stops when its attempt ends")
         time.sleep(poll_s)
     if launcher is not None:
         with contextlib.suppress(psutil.Error):
