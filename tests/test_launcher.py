@@ -134,6 +134,35 @@ def test_launcher_kills_the_tree_on_timeout(tmp_path, make_spec):
     assert leftovers == []
 
 
+def test_a_killed_launcher_leaves_nothing_in_the_temporary_folder(tmp_path, make_spec):
+    """The launcher kept its stop-committed marker in a temporary folder of its own, which a
+    SIGKILL (a second Ctrl-C, a takeover) left behind: one folder in /tmp per such attempt
+    (64 of them on this machine). The local launcher now names the marker in the job folder."""
+    from stoker.launch.local import discard_standby
+    from stoker.runtime.progress import read_events
+
+    spec = make_spec(epochs=200, checkpoint_every_steps=1000, tracking=False)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    discard_standby()  # a fresh launcher, started with this TMPDIR
+    launcher = LocalLauncher(2, shutdown_grace_s=5, python=sys.executable,
+                             env={"TMPDIR": str(tmp)})
+
+    def kill_when_training():
+        deadline = time.monotonic() + 120
+        while not any(e.get("event") == "step" for e in read_events(spec.parent)):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(launcher.process.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_training)
+    killer.start()
+    code = launcher.run(spec, on_line=lambda line: None, timeout_s=180)
+    killer.join()
+    assert code in (-9, 137)
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("stoker-launch-")] == []
+
+
 def test_spot_falls_back_to_on_demand_after_n_preemptions():
     from stoker.config import load_pipeline_config
     from stoker.launch.supervisor import capacity_for

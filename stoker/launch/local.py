@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from stoker.runtime.launch import PARKED_MARKER, exit_code_for
-from stoker.runtime.preemption import die_with_parent
+from stoker.runtime.preemption import STOP_COMMITTED_ENV, STOP_COMMITTED_FILE, die_with_parent
 from stoker.stopping import interrupted
 
 
@@ -222,6 +222,9 @@ class LocalLauncher:
             subprocess.TimeoutExpired: the attempt ran longer than ``timeout_s``.
         """
         env = self.environment()
+        # The stop-committed marker in the job folder, not in a temporary folder of the
+        # launcher's: a SIGKILLed launcher (a second Ctrl-C) left one in /tmp per attempt.
+        env[STOP_COMMITTED_ENV] = str(Path(spec_path).parent / STOP_COMMITTED_FILE)
         argv, token = self.torchrun_args(spec_path), uuid.uuid4().hex
         standby = take_standby(self.python, env)
         self.process = None

@@ -47,7 +47,7 @@ import tempfile
 from pathlib import Path
 
 from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
-from stoker.runtime.preemption import STOP_COMMITTED_ENV
+from stoker.runtime.preemption import STOP_COMMITTED_ENV, STOP_COMMITTED_FILE
 
 RANK_ENDED = re.compile(r"stoker\.runtime\.launch: rank (\d+) ended the attempt itself")
 
@@ -153,10 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"stoker.runtime.launch: {e}", file=sys.stderr, flush=True)
         return 2
+    argv = sys.argv[1:] if argv is None else argv
+    given = os.environ.get(STOP_COMMITTED_ENV, "").strip()
+    if given:  # the caller's (the local launcher: in the job folder, which the lease guards)
+        marker = Path(given)
+        marker.unlink(missing_ok=True)  # an earlier attempt's: not this stop's
+        try:
+            return _run_torchrun(argv, marker, start)
+        finally:
+            with contextlib.suppress(OSError):
+                marker.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="stoker-launch-") as tmp:
-        marker = Path(tmp) / "stop-committed"
+        marker = Path(tmp) / STOP_COMMITTED_FILE
         os.environ[STOP_COMMITTED_ENV] = str(marker)  # the workers inherit it
-        return _run_torchrun(sys.argv[1:] if argv is None else argv, marker, start)
+        return _run_torchrun(argv, marker, start)
 
 
 def _runs_the_runtime(args) -> bool:

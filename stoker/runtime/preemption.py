@@ -98,9 +98,12 @@ def loader_iter(loader):
         return iter(loader)
 
 
-# torchrun's wrapper (stoker.runtime.launch) names a file here; a rank writes it once the stop
-# checkpoint has committed on every rank, so "preempted" (75) is claimed only when it is true.
+# torchrun's wrapper (stoker.runtime.launch), or its caller, names a file here; a rank writes it
+# once the stop checkpoint has committed on every rank, so "preempted" (75) is claimed only when
+# it is true. The local launcher names <job_dir>/stop-committed (a SIGKILLed wrapper leaves
+# nothing in /tmp); without a name the wrapper uses a temporary folder of its own.
 STOP_COMMITTED_ENV = "STOKER_STOP_COMMITTED_FILE"
+STOP_COMMITTED_FILE = "stop-committed"  # its name in a job folder (the local launcher's choice)
 
 
 def record_stop_committed(step: int) -> None:
