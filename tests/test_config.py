@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from stoker.config import ConfigError, PipelineConfig, TrainConfig, load_pipeline_config
@@ -193,29 +195,36 @@ def test_a_dead_tracking_server_is_named_before_the_pull(tmp_path):
     assert not (tmp_path / "work" / "datasets").exists()  # nothing pulled
 
 
-@pytest.mark.parametrize("given", ["absolute", "file-url", "relative"])
-def test_a_missing_data_repository_is_named_before_anything_runs(tmp_path, given):
-    """The relative-path hint only where the value may have been relative (trial: an absolute
-    ``file://`` URL got it too)."""
+def test_a_missing_data_repository_is_named_before_anything_runs(tmp_path):
+    """One line, exit 2, nothing made; the relative-path hint only where the value may have
+    been relative (trial: an absolute ``file://`` URL got it too)."""
     import subprocess
     import sys
 
+    from stoker.launch.factory import check_before_pull
+
     missing = tmp_path / "no-such-repo"
-    value = {"absolute": str(missing), "file-url": f"file://{missing}",
-             "relative": "no-such-repo"}[given]
-    # Run from elsewhere unless the value is relative: a path under the directory stoker runs
-    # in may have been given relative, and gets the hint.
-    cwd = tmp_path if given == "relative" else tmp_path / "elsewhere"
-    cwd.mkdir(exist_ok=True)
     result = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
-         f"data.repo_url={value}"], capture_output=True, text=True, timeout=120, cwd=cwd)
+         "data.repo_url=no-such-repo"], capture_output=True, text=True, timeout=120,
+        cwd=tmp_path)
     assert result.returncode == 2
-    hint = (f" (a relative path is resolved against the directory stoker runs in, {tmp_path})"
-            if given == "relative" else "")
     assert result.stderr.strip().splitlines() == [
-        f"error: data.repo_url: {missing} is not a folder{hint}"]
+        f"error: data.repo_url: {missing} is not a folder (a relative path is resolved against "
+        f"the directory stoker runs in, {tmp_path})"]
     assert not (tmp_path / "work").exists()
+    elsewhere = tmp_path / "elsewhere"  # run from outside: an absolute value gets no hint
+    elsewhere.mkdir()
+    cwd = os.getcwd()
+    os.chdir(elsewhere)
+    try:
+        for value in (str(missing), f"file://{missing}"):
+            config = load_pipeline_config(None, [f"data.repo_url={value}"])
+            with pytest.raises(ConfigError) as error:
+                check_before_pull(config)
+            assert str(error.value) == f"data.repo_url: {missing} is not a folder", value
+    finally:
+        os.chdir(cwd)
 
 
 def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_path):
