@@ -17,7 +17,15 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from stoker.tracking.pricing import PriceTable
 
@@ -122,6 +130,28 @@ class DataConfig(_Frozen):
         if value is None or not value.strip():
             return None
         return resolve_repo_url(value.strip())
+
+    # The value as given, before _absolute_repo resolved it: whether it was a relative path
+    # (for the hint of a missing folder). Not a field: not dumped, not in the forms.
+    _repo_url_given: str | None = PrivateAttr(None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_the_given_repo_url(cls, data: Any, handler):
+        model = handler(data)
+        given = data.get("repo_url") if isinstance(data, dict) else None
+        if isinstance(given, str):
+            model._repo_url_given = given.strip()
+        return model
+
+    @property
+    def repo_url_was_relative(self) -> bool:
+        """Whether ``repo_url`` was given as a relative local path (``src``, ``../repo``), in
+        this process; False for an absolute path, ``~/…``, a URL, or a value only known
+        resolved (a config read back from Prefect's parameters)."""
+        given = self._repo_url_given
+        return bool(given) and is_local(given) and not given.startswith("~") \
+            and not Path(given).is_absolute()
 
 
 class TrainConfig(_Frozen):

@@ -213,18 +213,28 @@ def test_a_missing_data_repository_is_named_before_anything_runs(tmp_path):
         f"error: data.repo_url: {missing} is not a folder (a relative path is resolved against "
         f"the directory stoker runs in, {tmp_path})"]
     assert not (tmp_path / "work").exists()
-    elsewhere = tmp_path / "elsewhere"  # run from outside: an absolute value gets no hint
-    elsewhere.mkdir()
+    # The hint follows how the value was typed, not where it lands (trial: an absolute path
+    # under the current directory got it, `../nope` from a subfolder did not).
+    sub = tmp_path / "sub"
+    sub.mkdir()
     cwd = os.getcwd()
-    os.chdir(elsewhere)
     try:
-        for value in (str(missing), f"file://{missing}"):
+        for where, value, hinted in [(tmp_path, str(missing), False),
+                                     (tmp_path, f"file://{missing}", False),
+                                     (sub, str(missing), False),
+                                     (sub, "../no-such-repo", True)]:
+            os.chdir(where)
             config = load_pipeline_config(None, [f"data.repo_url={value}"])
             with pytest.raises(ConfigError) as error:
                 check_before_pull(config)
-            assert str(error.value) == f"data.repo_url: {missing} is not a folder", value
+            hint = (" (a relative path is resolved against the directory stoker runs in, "
+                    f"{where})" if hinted else "")
+            assert str(error.value) == f"data.repo_url: {missing} is not a folder{hint}", value
     finally:
         os.chdir(cwd)
+    # A config read back from its dump (Prefect's parameters) knows only the resolved path.
+    again = type(config).model_validate(config.model_dump())
+    assert not again.data.repo_url_was_relative and config.data.repo_url_was_relative
 
 
 def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_path):

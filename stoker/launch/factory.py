@@ -128,11 +128,9 @@ def check_before_pull(config: PipelineConfig) -> None:
 
     repo = config.data.repo_url
     if repo and is_local(repo) and not Path(repo).is_dir():
-        # The value was resolved at config time; one under this directory may have been given
-        # relative, the only case the hint helps (not for /abs/path or file:///abs/path).
-        cwd = Path.cwd()
-        hint = (f" (a relative path is resolved against the directory stoker runs in, {cwd})"
-                if Path(repo).is_relative_to(cwd) and cwd != Path(cwd.anchor) else "")
+        # Only for a value given relative (not for /abs/path or file:///abs/path).
+        hint = (" (a relative path is resolved against the directory stoker runs in, "
+                f"{Path.cwd()})" if config.data.repo_url_was_relative else "")
         raise ConfigError(f"data.repo_url: {repo} is not a folder{hint}")
     if repo and is_local(repo):  # a revision or path that is not there: named before the pull
         from stoker.data.pull import check_local_rev
