@@ -347,7 +347,7 @@ def _sync_store(work_dir: Path, checkpoint_dir: str | None) -> dict:
 def _job_folder(work_dir: Path, job: str | None) -> Path:
     """The job named ``job`` (a folder name or a unique prefix), or with None the newest job
     (the first row of ``stoker jobs``); exit 2 with one line when there is none."""
-    from stoker.launch.status import find_job, newest_job
+    from stoker.launch.status import matching_jobs, newest_job
 
     if job is None:
         folder = newest_job(work_dir)
@@ -356,12 +356,17 @@ def _job_folder(work_dir: Path, job: str | None) -> Path:
                        "`stoker run` first", err=True)
             raise typer.Exit(2)
         return folder
-    folder = find_job(work_dir, _job_argument(job))
-    if folder is None:
-        typer.echo(f"error: job {job!r}: no such job (or not one match) in "
-                   f"{(work_dir / 'jobs').resolve()}; `stoker jobs` lists them", err=True)
+    matches = matching_jobs(work_dir, _job_argument(job))
+    if len(matches) > 1:  # jobs of the same settings share their first 12 characters
+        shown = ", ".join(m.name for m in matches[:5]) + (", ..." if len(matches) > 5 else "")
+        typer.echo(f"error: job {job!r} matches {len(matches)} jobs in "
+                   f"{(work_dir / 'jobs').resolve()}: {shown}; give more of the name", err=True)
         raise typer.Exit(2)
-    return folder
+    if not matches:
+        typer.echo(f"error: job {job!r}: no such job in {(work_dir / 'jobs').resolve()}; "
+                   "`stoker jobs` lists them", err=True)
+        raise typer.Exit(2)
+    return matches[0]
 
 
 @app.command()

@@ -179,6 +179,27 @@ def test_logs_prints_whole_lines_and_unknown_jobs_are_one_line(work):
     assert empty.exit_code == 0 and "no jobs in" in empty.output
 
 
+def test_a_prefix_several_jobs_share_lists_them_and_a_name_is_never_a_pattern(tmp_path):
+    """New-user trial: jobs of the same settings share their first 12 characters, and
+    `stoker status 8bce` said "no such job" although three jobs start with it."""
+    jobs = tmp_path / "jobs"
+    names = [f"8bce16e300c7-20261203T1322{i}7629950Z" for i in range(3)]
+    for name in names:
+        (jobs / name).mkdir(parents=True)
+    (jobs / "other").mkdir()
+    for command in ("status", "logs", "stop"):
+        result = CliRunner().invoke(app, [command, "8bce", "--work-dir", str(tmp_path)])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines() == [
+            f"error: job '8bce' matches 3 jobs in {jobs}: {', '.join(names)}; give more of "
+            "the name"], command
+    one = CliRunner().invoke(app, ["logs", names[1][:27], "--work-dir", str(tmp_path)])
+    assert one.exit_code == 0, one.output
+    for pattern in ("*", "8bce*", "[8]bce", "..", "../jobs", ""):  # untrusted: never a glob
+        result = CliRunner().invoke(app, ["logs", pattern, "--work-dir", str(tmp_path)])
+        assert result.exit_code == 2 and "no such job" in result.output, (pattern, result.output)
+
+
 def test_predict_from_another_folder_creates_nothing_and_says_where_it_looked(tmp_path,
                                                                               monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -82,7 +82,8 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     assert (tmp_path / "jobs" / tags["stoker.job"]).is_dir()  # readable name, job as a tag
     log = (tmp_path / "jobs" / tags["stoker.job"] / "train.log").read_text()
     assert "attempt 1 on on_demand capacity" in log and "[rank0]" in log  # stoker logs JOB
-    assert run.info.run_name == f"digits-small_cnn-{tags['stoker.job'][:8]}"
+    job = tags["stoker.job"]  # <12 hex key>-<UTC start>: the run name keeps it apart
+    assert run.info.run_name == f"digits-small_cnn-{job[:8]}-{job.split('-')[1][:15]}"
     assert "`data/digits`" in tags["mlflow.note.content"]
     assert run.data.params["train.epochs"] == "8"
     [logged] = run.inputs.dataset_inputs  # the Datasets panel: DVC md5 as the digest

@@ -267,12 +267,23 @@ def list_jobs(work_dir: Path, leases: dict[str, dict | None] | None = None) -> l
     return [job_summary(p, bucket_lease=leases.get(p.name)) for p in job_folders(work_dir)]
 
 
-def find_job(work_dir: Path, name: str) -> Path | None:
-    """The job folder called ``name``, or the only one starting with it (a short key)."""
+def matching_jobs(work_dir: Path, name: str) -> list[Path]:
+    """The job folders ``name`` names, sorted: the one called ``name``, else every one whose
+    name starts with it (a short key; jobs of the same settings share their first 12
+    characters). ``name`` is a plain prefix, never a pattern or a path ([] for ``*``, ``..``,
+    ``a/b`` or an empty name)."""
     jobs = Path(work_dir) / "jobs"
-    if (jobs / name).is_dir() and "/" not in name and not name.startswith("."):
-        return jobs / name
-    matches = [p for p in jobs.glob(f"{name}*") if p.is_dir()] if jobs.is_dir() else []
+    if not name or "/" in name or "\x00" in name or name.startswith(".") or not jobs.is_dir():
+        return []
+    if (jobs / name).is_dir():
+        return [jobs / name]
+    return sorted(p for p in jobs.iterdir() if p.name.startswith(name) and p.is_dir())
+
+
+def find_job(work_dir: Path, name: str) -> Path | None:
+    """The job folder called ``name``, or the only one starting with it; None for no match
+    or several (:func:`matching_jobs` lists them)."""
+    matches = matching_jobs(work_dir, name)
     return matches[0] if len(matches) == 1 else None
 
 

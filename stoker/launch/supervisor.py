@@ -100,12 +100,20 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
     return tags
 
 
+_KEYED_JOB = re.compile(r"^([0-9a-f]{8})[0-9a-f]*-(\d{8}T\d{6})\d*Z$")
+
+
 def run_name(config: PipelineConfig, dataset: DatasetRef, job_dir: Path) -> str:
-    """A name a person can read in the MLflow runs table: ``<dataset>-<model>-<job key>``,
-    e.g. ``digits-small_cnn-aaf8700f`` (the full job folder name is the ``stoker.job`` tag)."""
+    """A name a person can read in the MLflow runs table and tell from the others:
+    ``<dataset>-<model>-<job key>-<job start>``, e.g.
+    ``digits-small_cnn-aaf8700f-20261203T132227`` (jobs of the same settings share the key;
+    the full job folder name is the ``stoker.job`` tag); a ``job_id`` folder's name stands
+    whole (``digits-small_cnn-mine``)."""
     data = Path(dataset.path.rstrip("/")).name or "data"
     model = config.train.model.rpartition(":")[2] or config.train.model
-    return f"{data}-{model}-{job_dir.name[:8]}"
+    keyed = _KEYED_JOB.match(job_dir.name)
+    job = f"{keyed[1]}-{keyed[2]}" if keyed else job_dir.name
+    return f"{data}-{model}-{job}"
 
 
 def run_description(config: PipelineConfig, dataset: DatasetRef, world_size: int) -> str:
