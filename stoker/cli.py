@@ -440,8 +440,10 @@ def status(job: Annotated[str | None, typer.Argument(
         typer.echo(_open_attempt_line(a, training=s.state == "training"))
     typer.echo(f"folder     {folder.resolve()}")
     if s.state == "unfinished" or (s.state == "stopped" and not s.stalled):
-        typer.echo(f"resume it: run the same command again (job_id={s.job} with the settings "
-                   f"in {folder.resolve() / 'spec.yaml'})")
+        # A deployment's run has no command to repeat (trial): its parameters do the same.
+        typer.echo(f"resume it: run the same command again, or the same deployment with the "
+                   f"same parameters (job_id={s.job} with the settings in "
+                   f"{folder.resolve() / 'spec.yaml'})")
 
 
 def _open_attempt_line(attempt: dict, training: bool) -> str:

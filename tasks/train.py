@@ -240,7 +240,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         if attempt.outcome == Outcome.PREEMPTED:
             emit_event(**training_event("preempted", job_dir.name, read_text(run_file),
                                         attempt=number, exit_code=attempt.exit_code))
-        level = logger.info if attempt.outcome == Outcome.COMPLETED else logger.warning
+        # A stop someone asked for is no warning (a Ctrl-C's attempt line is INFO too).
+        level = logger.info if attempt.outcome in (Outcome.COMPLETED, Outcome.STOPPED) \
+            else logger.warning
         level("attempt %d ended: %s (exit %s) after %.1f s", number, attempt.outcome,
               describe_exit(attempt.exit_code, ended_by.get(number)), attempt.duration_s)
         # Its last progress line ("restarting ..."), after the line above and before the next

@@ -212,6 +212,9 @@ def test_stoker_stop_stops_a_training_job_on_purpose(server, tmp_path):
     assert AttemptLog(job).history()[-1]["stopped_by"] == "user: maintenance"
     # On the terminal too a stop, not an ERROR with a traceback and "Failed" (second trial).
     assert "stopped on request: recorded as Cancelled" in output, output[-3000:]
+    # A stop someone asked for is no warning (trial: WARNING here, INFO after a Ctrl-C).
+    assert [line for line in output.splitlines() if "attempt 1 ended: stopped" in line
+            and "| INFO " in line], output[-3000:]
     # ... and the flow run's last Prefect line says Cancelled, as after a Ctrl-C (trial: none).
     flow_lines = [line for line in output.splitlines() if "| Flow run '" in line]
     assert flow_lines[-1].endswith(
