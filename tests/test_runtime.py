@@ -185,6 +185,25 @@ def test_the_survivors_line_names_a_stop_only_when_someone_asked_for_one():
         "(SIGTERM: stoker run got SIGINT (Ctrl-C))")
 
 
+def test_checkpoints_that_hold_the_loop_too_long_get_one_warning_naming_the_settings(
+        make_spec):
+    """A checkpoint every step of a 10 ms step (the cadence suits slower steps): rank 0 warns
+    once, naming the settings that space saves out; the default cadence here does not."""
+    spec = make_spec("ckpt-share", epochs=1, checkpoint_every_steps=1, tracking=False)
+    attempts, output, _ = launch(spec)
+    assert [a.outcome for a in attempts] == [Outcome.COMPLETED], output
+    warned = [line for line in output.splitlines() if "checkpoints took" in line]
+    assert len(warned) == 1 and "[rank0]" in warned[0], warned
+    assert re.search(r"checkpoints took \d+ % of this attempt's time so far \(\d+ saves in "
+                     r"[\d.]+ s, \d+ ms each\): space them out with "
+                     r"train.checkpoint_every_steps \(now 1\) or train.checkpoint_every_s "
+                     r"\(now None\), or write them in the background with "
+                     r"train.async_checkpoint=true", warned[0]), warned[0]
+    spaced = make_spec("ckpt-spaced", epochs=1, checkpoint_every_steps=1000, tracking=False)
+    _, quiet, _ = launch(spaced)
+    assert "checkpoints took" not in quiet
+
+
 def test_user_error_fails_once_with_traceback(make_spec):
     spec = make_spec("bug", fail_at_step=5)
     attempts, output, _ = launch(spec)

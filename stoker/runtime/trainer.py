@@ -65,6 +65,10 @@ STOP_TRACKING_WAIT_S = 2.0
 # gloo thread competes with the ranks' compute), while a stop still lands within ~0.1 s.
 AGREE_EVERY_S = 0.1
 EPOCH_LINE_EVERY_S = 10.0  # at most one epoch line per this many seconds (first and last: always)
+# Periodic checkpoints that hold the loop longer than this share of an attempt's time get one
+# warning (after a few saves), naming the settings that space them out.
+CHECKPOINT_SHARE_WARN = 0.05
+CHECKPOINT_SHARE_MIN_SAVES = 3
 MAX_AGREE_STEPS = 16
 
 
@@ -349,6 +353,7 @@ class Trainer(ProfilingMixin):
                     intra_op_threads=torch.get_num_threads(),
                     restarted_from_zero=self.resume.restarted_from_zero)
         started, self._cpu_started = time.perf_counter(), time.process_time()
+        self._loop_started, self._periodic_saves, self._share_warned = started, 0, False
         self._tracking_cpu_started = self.tracker.cpu_s() if self.tracker is not None else 0.0
         start_step = self.step
         profiler = self._profiler()
@@ -403,6 +408,8 @@ class Trainer(ProfilingMixin):
                     self.evaluate(epoch, time.perf_counter() - epoch_started)
                 if saving:
                     self.save()
+                    if not stop:
+                        self._check_checkpoint_share()
                 if stop:
                     self._finish_attempt()
                     log.warning("stop requested (%s): checkpoint committed at step %d; exiting "
@@ -576,6 +583,30 @@ class Trainer(ProfilingMixin):
         self.timings["checkpoint"] += time.perf_counter() - t0
         self._event("checkpoint", path=self.ckpt.step_dir(self.step),
                     blocking_s=round(self.ckpt.last_blocking_s, 4))
+
+    def _check_checkpoint_share(self) -> None:
+        """After a periodic save: once per attempt, on rank 0, warn when checkpoints have held
+        the loop more than ``CHECKPOINT_SHARE_WARN`` of the attempt's time so far (after
+        ``CHECKPOINT_SHARE_MIN_SAVES`` saves): the cadence suits slower steps, and the
+        settings that space saves out are named. Figures: the loop's own timer (seconds held
+        per save, ``timings["checkpoint"]``) over the wall time since the loop started."""
+        self._periodic_saves += 1
+        if not self.env.is_main or self._share_warned \
+                or self._periodic_saves < CHECKPOINT_SHARE_MIN_SAVES:
+            return
+        wall = time.perf_counter() - self._loop_started
+        share = self.timings["checkpoint"] / wall if wall > 0 else 0.0
+        if share <= CHECKPOINT_SHARE_WARN:
+            return
+        self._share_warned = True
+        cfg = self.cfg
+        log.warning(
+            "checkpoints took %.0f %% of this attempt's time so far (%d saves in %.1f s, %.0f ms "
+            "each): space them out with train.checkpoint_every_steps (now %s) or "
+            "train.checkpoint_every_s (now %s), or write them in the background with "
+            "train.async_checkpoint=true", 100 * share, self._periodic_saves, wall,
+            1000 * self.timings["checkpoint"] / self._periodic_saves,
+            cfg.checkpoint_every_steps, cfg.checkpoint_every_s)
 
     def _freeze_buffers(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``model_state`` with the module's buffers cloned: a forward pass changes them in place
