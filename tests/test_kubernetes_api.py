@@ -467,6 +467,7 @@ def test_stoker_stop_on_a_kubernetes_job_waits_for_the_launcher_not_for_local_ra
 
     monkeypatch.setattr(stop_request, "launcher_below", not_here)
     monkeypatch.setattr(stop_request, "job_containers", not_here)
+    monkeypatch.setattr(stop_request, "docker_client", not_here)
     # The orchestrating flow: holds the job and ends once the stop is asked for (its launcher
     # deleted the job at its next poll).
     holder = subprocess.Popen([sys.executable, "-c", (

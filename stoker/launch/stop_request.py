@@ -19,6 +19,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -154,23 +155,31 @@ def launcher_below(holder: psutil.Process) -> psutil.Process | None:
     return None
 
 
-def job_containers(job: str) -> list:
-    """The running containers of ``job`` on this host's Docker Engine (the Docker launcher
-    labels them with the job and as Stoker's own); [] without the Docker SDK or a reachable
-    engine."""
-    from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
-
+def docker_client() -> Any | None:
+    """A client of this host's Docker Engine, or None without the Docker SDK or a reachable
+    engine (no container of ours to find). Close it when done."""
     try:
         import docker
 
         client = docker.from_env(timeout=10)
-        try:
-            return client.containers.list(filters={
-                "label": [f"{DOCKER_JOB_LABEL}={job}", f"{DOCKER_OWNER_LABEL}=true"],
-                "status": "running"})
-        finally:
-            client.close()
-    except Exception:  # no SDK, no engine, no permission: no container of ours to find
+        client.ping()
+        return client
+    except Exception:  # no SDK, no engine, no permission
+        return None
+
+
+def job_containers(job: str, client: Any | None) -> list:
+    """The running containers of ``job`` on ``client``'s engine (the Docker launcher labels
+    them with the job and as Stoker's own); [] without a client or when listing fails."""
+    from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
+
+    if client is None:
+        return []
+    try:
+        return client.containers.list(filters={
+            "label": [f"{DOCKER_JOB_LABEL}={job}", f"{DOCKER_OWNER_LABEL}=true"],
+            "status": "running"})
+    except Exception:  # the engine went away meanwhile
         return []
 
 
@@ -214,7 +223,6 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
     import socket
 
     from stoker.launch.lease import holder_alive
-    from stoker.launch.status import job_summary
     from stoker.runtime.records import read_json
 
     job_dir = Path(job_dir)
@@ -231,13 +239,25 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
         return None  # it ended meanwhile
     request_stop(job_dir, "user", reason)
     deadline = time.monotonic() + timeout_s
-    containers: list = []
-    launcher = None
     # On Kubernetes nothing of the job runs here: its launcher reads the request at its next
     # status poll and deletes the job (the pods get SIGTERM and their grace to commit).
     remote = _launcher_kind(job_dir) == "kubernetes"
+    client = None if remote else docker_client()  # one for the whole wait
+    try:
+        return _stop_and_wait(job_dir, holder, pid, remote, client, deadline, timeout_s, poll_s)
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _stop_and_wait(job_dir: Path, holder: psutil.Process, pid: int, remote: bool,
+                   client: Any | None, deadline: float, timeout_s: float,
+                   poll_s: float) -> str:
+    from stoker.launch.status import job_summary
+
+    launcher, containers = None, []
     while not remote and (launcher := launcher_below(holder)) is None \
-            and not (containers := job_containers(job_dir.name)):
+            and not (containers := job_containers(job_dir.name, client)):
         if not holder.is_running():
             break
         if time.monotonic() > deadline:
