@@ -15,7 +15,7 @@ import re
 import typing
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from pydantic import (
     BaseModel,
@@ -39,9 +39,20 @@ def is_local(url: str) -> bool:
 
 def resolve_repo_url(url: str, cwd: Path | None = None) -> str:
     """An absolute path for a local repository path (``src``, ``./src``, ``~/repo``,
-    ``file:///abs``), resolved against ``cwd`` (default: the current directory); URLs unchanged."""
+    ``file:///abs``, ``file://localhost/abs``; percent-escapes decoded), resolved against ``cwd``
+    (default: the current directory); URLs unchanged.
+
+    Raises:
+        ValueError: a ``file://`` URL that names another host (``file://nope/x``) or no path.
+    """
     if url.startswith("file://"):
-        return str(Path(urlparse(url).path).resolve())
+        parts = urlparse(url)
+        if parts.netloc not in ("", "localhost"):  # git would read file://nope as the cwd
+            raise ValueError(f"a file URL must not name a host (here {parts.netloc!r}): give "
+                             "file:///absolute/path or a plain path")
+        if not parts.path:
+            raise ValueError("a file URL without a path: give file:///absolute/path")
+        return str(Path(unquote(parts.path)).resolve())
     if not is_local(url):
         return url
     return str((Path(cwd or os.getcwd()) / Path(url).expanduser()).resolve())

@@ -237,9 +237,56 @@ def test_a_missing_data_repository_is_named_before_anything_runs(tmp_path):
     assert not again.data.repo_url_was_relative and config.data.repo_url_was_relative
 
 
+def test_a_data_repository_git_cannot_clone_is_named_before_anything_runs(tmp_path, monkeypatch):
+    """Trial: ``file://nope`` passed the early check and the clone then named the current folder;
+    ``file://nope/x`` dropped the host; a folder that is not a git repository started a flow run
+    whose error said it "does not exist"; an empty ``data.repo_url`` with the user's own
+    ``data.path`` failed on the demo repository, which the user never named."""
+    import subprocess
+
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+    from stoker.launch.factory import check_before_pull
+
+    monkeypatch.chdir(tmp_path)
+    for value, why in [("file://nope", "a file URL must not name a host (here 'nope')"),
+                       ("file://nope/x", "a file URL must not name a host (here 'nope')"),
+                       ("file://", "a file URL without a path")]:
+        result = CliRunner().invoke(app, ["run", f"data.repo_url={value}"])
+        assert result.exit_code == 2, value
+        assert result.output.strip().splitlines() == [f"error: data.repo_url: {why}: give "
+            f"file:///absolute/path{' or a plain path' if 'host' in why else ''}, got {value!r}"]
+    outer = tmp_path / "outer"
+    (outer / "plain").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    subprocess.run(["git", "init", "-q", "--bare", str(tmp_path / "bare.git")], check=True)
+    for plain in [tmp_path / "outer" / "plain", tmp_path / "plain"]:  # inside a repository or not
+        plain.mkdir(exist_ok=True)
+        result = CliRunner().invoke(app, ["run", f"data.repo_url={plain}"])
+        assert result.exit_code == 2
+        assert result.output.strip().splitlines() == [
+            f"error: data.repo_url: {plain} is not a git repository (no .git in it, not a bare "
+            "repository)"]
+    from stoker.data.pull import is_git_repository
+
+    assert is_git_repository(outer) and is_git_repository(tmp_path / "bare.git")
+    for given in ([], ["data.repo_url="]):
+        config = load_pipeline_config(None, [*given, "data.path=images/fruit"])
+        with pytest.raises(ConfigError) as error:
+            check_before_pull(config)
+        assert str(error.value) == (
+            "data.path images/fruit: data.repo_url is empty, so the data is the demo "
+            "repository's, which tracks only data/digits; set data.repo_url to your repository")
+    assert not (tmp_path / "work").exists()  # nothing started, nothing pulled
+    escaped = load_pipeline_config(None, [f"data.repo_url=file://localhost{tmp_path}/my%20repo"])
+    assert escaped.data.repo_url == str(tmp_path / "my repo")
+
+
 def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_path):
-    """A folder that is not a git repository fails in the pull task: no traceback in the
-    terminal (the Prefect task log keeps it), the last line names it, exit 2."""
+    """A repository that cannot be cloned (here: nothing answers on its loopback port; a local
+    folder is checked before the flow) fails in the pull task: no traceback in the terminal
+    (the Prefect task log keeps it), the last line names it, exit 2."""
     import contextlib
     import os
     import subprocess
@@ -247,12 +294,12 @@ def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_pa
 
     import psutil
 
-    (tmp_path / "not-a-repo").mkdir()
+    unreachable = "http://127.0.0.1:9/none.git"  # port 9 (discard): refused at once
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     mark = {"STOKER_TEST_MARK": str(tmp_path)}  # inherited by every process the command starts
     result = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
-         f"data.repo_url={tmp_path / 'not-a-repo'}"], capture_output=True, text=True,
+         f"data.repo_url={unreachable}"], capture_output=True, text=True,
         timeout=300, env={**env, "PREFECT_HOME": str(tmp_path / "prefect"), **mark})
     assert result.returncode == 2, result.stderr[-3000:]
     # The launcher started ahead of the flow (the standby) is ended with the command: nothing
@@ -266,7 +313,7 @@ def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_pa
     assert left == []
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: data.repo_url {tmp_path / 'not-a-repo'}"), last
+    assert last.startswith(f"error: data.repo_url {unreachable}: cannot clone: fatal: "), last
     assert len(result.stderr.splitlines()) < 30
 
 

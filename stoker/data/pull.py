@@ -306,6 +306,19 @@ def _reason(error: RuntimeError) -> str:
     return getattr(error, "reason", None) or str(error)
 
 
+def is_git_repository(folder: Path) -> bool:
+    """Whether ``folder`` itself is a git repository that ``git clone`` takes: it holds ``.git``
+    (a directory, or a file of a worktree) or is a bare repository. A plain folder inside
+    another repository is not one (git looks no further up, as clone does)."""
+    if (folder / ".git").exists():
+        return True
+    try:
+        git(folder, "rev-parse", "--resolve-git-dir", str(folder))
+    except RuntimeError:
+        return False
+    return True
+
+
 def check_local_rev(repo_url: str, rev: str, path: str) -> str | None:
     """Before any pull: for a repository on this machine, ``rev`` resolves to a commit and
     ``<path>.dvc`` exists there (read from the repository itself: nothing is cloned). A remote

@@ -109,31 +109,42 @@ def store_environment(config: PipelineConfig) -> dict[str, str]:
 
 def check_before_pull(config: PipelineConfig) -> None:
     """Checks that need this machine, run before the dataset is pulled: a local data repository
-    exists, the global batch splits over the processes this node will start
-    (``nproc_per_node=auto``: one per GPU, or 2), a ``resnet*`` model has torchvision here (local
-    launcher: training runs on this machine), an http(s) tracking server answers, and the
-    ``checkpoint_dir`` store takes a write; in a repository on this machine, ``data.rev`` and
-    ``data.path`` exist; for the local launcher, ``STOKER_WORKER_START`` is a known value.
+    exists and is a git repository (a working tree or a bare one), the global batch splits over
+    the processes this node will start (``nproc_per_node=auto``: one per GPU, or 2), a
+    ``resnet*`` model has torchvision here (local launcher: training runs on this machine), an
+    http(s) tracking server answers, and the ``checkpoint_dir`` store takes a write; in a
+    repository on this machine, ``data.rev`` and ``data.path`` exist; for the local launcher,
+    ``STOKER_WORKER_START`` is a known value.
 
     Raises:
         DatasetError: naming ``data.rev`` or ``data.path`` (a local repository).
-        ConfigError: naming ``data.repo_url``, ``train.global_batch_size``, ``train.model`` (and
+        ConfigError: naming ``data.repo_url``, ``data.path`` (of the demo repository, with no
+            ``data.repo_url``), ``train.global_batch_size``, ``train.model`` (and
             the ``vision`` extra), ``tracking.tracking_uri`` or ``STOKER_WORKER_START``;
             ``BucketError`` (a ConfigError)
             naming ``checkpoint_dir``.
     """
+    from stoker.data.demo import DEMO_PATH
     from stoker.launch.supervisor import nproc
     from stoker.runtime.vision import vision_problem
     from stoker.tracking.server import check_tracking_server
 
     repo = config.data.repo_url
+    if not repo and config.data.path != DEMO_PATH:  # e.g. `data.repo_url=` left empty by mistake
+        raise ConfigError(f"data.path {config.data.path}: data.repo_url is empty, so the data "
+                          f"is the demo repository's, which tracks only {DEMO_PATH}; set "
+                          "data.repo_url to your repository")
     if repo and is_local(repo) and not Path(repo).is_dir():
         # Only for a value given relative (not for /abs/path or file:///abs/path).
         hint = (" (a relative path is resolved against the directory stoker runs in, "
                 f"{Path.cwd()})" if config.data.repo_url_was_relative else "")
         raise ConfigError(f"data.repo_url: {repo} is not a folder{hint}")
     if repo and is_local(repo):  # a revision or path that is not there: named before the pull
-        from stoker.data.pull import check_local_rev
+        from stoker.data.pull import check_local_rev, is_git_repository
+
+        if not is_git_repository(Path(repo)):
+            raise ConfigError(f"data.repo_url: {repo} is not a git repository (no .git in it, "
+                              "not a bare repository)")
 
         check_local_rev(repo, config.data.rev, config.data.path)
     train = config.train
