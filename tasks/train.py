@@ -50,6 +50,7 @@ from stoker.launch.supervisor import (
     ProgressWatcher,
     TrainingFailed,
     TrainResult,
+    at_rank_level,
     capacity_for,
     close_left_open,
     finish_run,
@@ -183,7 +184,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
 
     @task(name="attempt", cache_policy=NO_CACHE)
     def attempt_task(number: int, capacity_type: str) -> State:
-        lines = LineLog(job_dir / JOB_LOG, get_run_logger().info)
+        lines = LineLog(job_dir / JOB_LOG, at_rank_level(get_run_logger()))
         lines(f"attempt {number} on {capacity_type} capacity")
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:

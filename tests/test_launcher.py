@@ -312,3 +312,26 @@ def test_torchruns_stop_lines_with_forked_ranks_stay_in_the_job_log(tmp_path):
     log.close()
     assert unstamped(tmp_path / "train.log") == noise + kept
     assert forwarded == kept
+
+
+def test_rank_lines_reach_the_prefect_log_at_the_ranks_own_level():
+    import logging
+
+    from stoker.launch.supervisor import at_rank_level
+
+    seen: list[tuple[int, str]] = []
+
+    class Recorder(logging.Logger):
+        def log(self, level, msg, *args, **kwargs):
+            seen.append((level, msg))
+
+    forward = at_rank_level(Recorder("t"))
+    lines = ["[rank0] 2026-12-03 14:52:11,974 WARNING stoker.runtime.trainer: checkpoints held",
+             "[node 1] [rank3] 2026-12-03 14:52:11,974 ERROR stoker.runtime: data.path x: gone",
+             "[rank1] 2026-12-03 14:52:11,974 INFO stoker.runtime.trainer: step 5",
+             "attempt 2 on spot capacity", "[rank0] WARNING without a time (a print)",
+             "Traceback (most recent call last):"]
+    for line in lines:
+        forward(line)
+    assert [level for level, _ in seen] == [logging.WARNING, logging.ERROR] + [logging.INFO] * 4
+    assert [msg for _, msg in seen] == lines

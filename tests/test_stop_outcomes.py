@@ -136,6 +136,11 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     assert first and first <= {"SIGTERM", "another rank"}, first
     assert [m for m in messages[second:] if "stop requested (SIGTERM: stopped by cost-guard: "
             "stalled: no progress for 600 s): checkpoint committed at step" in m], messages[second:]
+    # A rank's WARNING line is a WARNING in the Prefect log as well (it was INFO there, so the
+    # UI's level filter missed it); other lines stay INFO.
+    ranks = {log.message: log.level for log in logs if log.message.startswith("[rank")}
+    assert {level for m, level in ranks.items() if "stop requested (" in m} == {30}, ranks
+    assert {level for m, level in ranks.items() if " INFO " in m} <= {20}, ranks
 
 
 def test_a_requested_stop_is_not_retried_whatever_the_exit_code():

@@ -288,6 +288,23 @@ def log_time(unix_s: float) -> str:
         f",{int((unix_s - int(unix_s)) * 1000):03d}"
 
 
+# A rank's log line at WARNING or above (stoker.runtime.__main__'s format): "[rank1] <time> WARNING
+# stoker.runtime.trainer: ...", in a container after "[node N] ".
+RANK_LEVEL = re.compile(r"^(?:\[node \d+\] )?\[rank\d+\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
+                        r"(WARNING|ERROR|CRITICAL) ")
+
+
+def at_rank_level(logger: logging.Logger | logging.LoggerAdapter) -> Callable[[str], None]:
+    """A ``forward`` for :class:`LineLog` that logs each line at INFO, and a rank's WARNING,
+    ERROR or CRITICAL line at that level (so the Prefect UI's level filter finds it)."""
+
+    def forward(line: str) -> None:
+        level = RANK_LEVEL.match(line)
+        logger.log(logging.getLevelName(level.group(1)) if level else logging.INFO, line)
+
+    return forward
+
+
 class LineLog:
     """Appends every output line of the attempts to ``path`` (what ``stoker logs`` shows) and
     passes it on to ``forward`` (the Prefect task log), except torchrun's own lines about a stop

@@ -600,13 +600,17 @@ class Trainer(ProfilingMixin):
             return
         self._share_warned = True
         cfg = self.cfg
+        def now(value: object) -> str:
+            return "unset" if value is None else str(value)
+
         log.warning(
-            "checkpoints took %.0f %% of this attempt's time so far (%d saves in %.1f s, %.0f ms "
+            "checkpoints held the loop %.0f %% of this attempt's %.1f s so far (%d saves, %.0f ms "
             "each): space them out with train.checkpoint_every_steps (now %s) or "
-            "train.checkpoint_every_s (now %s), or write them in the background with "
-            "train.async_checkpoint=true", 100 * share, self._periodic_saves, wall,
+            "train.checkpoint_every_s (now %s)%s", 100 * share, wall, self._periodic_saves,
             1000 * self.timings["checkpoint"] / self._periodic_saves,
-            cfg.checkpoint_every_steps, cfg.checkpoint_every_s)
+            now(cfg.checkpoint_every_steps), now(cfg.checkpoint_every_s),
+            "" if cfg.async_checkpoint else
+            ", or write them in the background with train.async_checkpoint=true")
 
     def _freeze_buffers(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``model_state`` with the module's buffers cloned: a forward pass changes them in place
