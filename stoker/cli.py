@@ -467,7 +467,7 @@ def stop(job: Annotated[str, typer.Argument(help="Job folder name (or a unique p
          reason: Annotated[str | None, typer.Option(
              help="Why, recorded with the request [default: stoker stop by <user>]")] = None,
          timeout_s: Annotated[float, typer.Option(
-             "--timeout", help="Seconds to wait for the job to stop")] = 120.0,
+             "--timeout", min=0, help="Seconds to wait for the job to stop")] = 120.0,
          work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work")) -> None:
     """Stop a job this machine trains, on purpose: the ranks commit a stop checkpoint, the
     attempt is not retried, its flow run ends Cancelled and its ``stoker run`` exits 3; the

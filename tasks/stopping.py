@@ -21,6 +21,7 @@ exit back for 15-25 s.
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
 import logging
@@ -126,6 +127,18 @@ def _stop_in_progress() -> str | None:
     return "cancelled from Prefect" if get_intent() == "cancel" else None
 
 
+def _state_message(line: str) -> str:
+    """The message of Prefect's ``Finished in state Failed('...')`` line as it was raised: Prefect
+    writes the state's message as a Python literal (``it\\'s``), which would be escaped twice
+    when written as one again. The line itself where it is not one."""
+    literal = line.partition("(")[2].removesuffix(")")
+    try:
+        value = ast.literal_eval(literal)
+    except (ValueError, SyntaxError):
+        return line
+    return value if isinstance(value, str) else line
+
+
 class StopLogFilter(logging.Filter):
     """Prefect's engine logs a stop as a crash ("Crash detected! ...", "Finished in state
     Crashed(...)", then "Running()" while the state is being replaced) just before Stoker records
@@ -159,8 +172,7 @@ class StopLogFilter(logging.Filter):
             if record.name != "prefect.flow_runs":
                 return False  # a task run's: said once already, by the line below
             # The flow run's last line, as after a Ctrl-C: the state its hook records next.
-            stopped = message.split(f"{TrainingStopped.__name__}: ", 1)[-1]
-            stopped = stopped[:-2] if stopped.endswith(("')", '")')) else stopped
+            stopped = _state_message(message).split(f"{TrainingStopped.__name__}: ", 1)[-1]
             record.msg, record.args = f"Finished in state Cancelled({stopped!r})", ()
             record.levelno, record.levelname = logging.INFO, "INFO"
             record.exc_info = record.exc_text = None

@@ -3,6 +3,7 @@ the pipeline flow on a real Prefect server, torchrun signalled like ``docker sto
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -166,6 +167,17 @@ def test_stop_request_file_round_trip_and_torn_file(tmp_path):
     )
 
     assert read_stop_request(tmp_path) is None
+    # A reason is one line wherever it is quoted (trial: a newline split stoker stop's, stoker
+    # run's and stoker status's lines, and the rank's log line lost its [rankN] prefix).
+    written = request_stop(tmp_path, "user", 'it\'s "quoted"\nline2\tünïcødé ☃\x1b[31m')
+    assert written.reason == 'it\'s "quoted" line2 ünïcødé ☃ [31m'
+    (tmp_path / STOP_FILE).write_text(json.dumps({"by": "some\nbody", "reason": "a\r\nb " * 200,
+                                                  "time": 1.0}))
+    forged = read_stop_request(tmp_path)
+    assert forged.by == "some body" and "\n" not in forged.reason and len(forged.reason) == 300
+    from stoker.runtime.preemption import stop_sender
+
+    assert stop_sender(tmp_path, 0.0) == "stopped by some body: " + " ".join(["a b"] * 200)
     request_stop(tmp_path, "user", "maintenance")
     assert read_stop_request(tmp_path).describe() == "stopped by user: maintenance"
     (tmp_path / STOP_FILE).write_text('{"by": "cost-gu')  # torn write
@@ -211,6 +223,13 @@ def test_prefect_crash_lines_of_a_stop_read_as_what_happened(monkeypatch):
     # The flow run's exception line is dropped (its Finished line says it); a task run's stays.
     assert not StopLogFilter().filter(record(
         "Encountered exception during execution: TrainingStopped('job x stopped by user')"))
+    # A reason with quotes is quoted once (trial: Prefect's line is already a literal, and it
+    # was escaped again: it\\\'s).
+    quoted = record("Finished in state Failed('Flow run encountered an exception: "
+                    "TrainingStopped: stopped by user: it\\'s \"quoted\" ☃')")
+    assert StopLogFilter().filter(quoted)
+    assert quoted.getMessage() == \
+        "Finished in state Cancelled('stopped by user: it\\'s \"quoted\" ☃')"
     other = record("Finished in state Failed('boom')")
     assert StopLogFilter().filter(other) and other.levelno == logging.ERROR
     # An attempt's infrastructure failure is retried: a warning (it was an ERROR line).
@@ -320,3 +339,14 @@ def test_a_retried_infrastructure_failure_is_logged_as_a_warning_on_the_server(h
     assert levels == {"Task run failed with state: InfrastructureFailure": logging.WARNING,
                       "Finished in state InfrastructureFailure": logging.WARNING}, levels
     assert not [log for log in logs if "NoneType: None" in log.message]
+
+
+def test_stoker_stop_refuses_a_negative_timeout(tmp_path):
+    """Trial: ``--timeout -1`` was taken, and the stop then 'failed' at once with exit 1."""
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    result = CliRunner().invoke(app, ["stop", "somejob", "--timeout", "-1",
+                                      "--work-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "--timeout" in result.output, result.output

@@ -24,6 +24,15 @@ from typing import Any
 import psutil
 
 STOP_FILE = "stop-requested.json"
+MAX_REASON = 300  # characters of a reason kept: it is quoted in one-line messages
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line for the messages that quote it: every run of whitespace and control
+    characters (a newline, a tab, an escape sequence's ESC) is one space; at most
+    ``MAX_REASON`` characters (then ``…``)."""
+    flat = " ".join(re.sub(r"[\x00-\x1f\x7f]+", " ", text).split())
+    return flat if len(flat) <= MAX_REASON else flat[:MAX_REASON - 1] + "…"
 
 
 @dataclass(frozen=True)
@@ -50,12 +59,14 @@ class StopRequest:
 def request_stop(job_dir: Path, by: str, reason: str, verdict: str | None = None
                  ) -> StopRequest:
     """Record a stop request for the job (atomic write). Call before sending the signal.
+    ``by`` and ``reason`` are kept as one line (:func:`one_line`): messages quote them.
 
     ``verdict`` is the guard's (``stalled``, ``idle``); ``step`` is the last step rank 0
     reported (progress events and heartbeat; None before the first)."""
     from stoker.launch.attempts import reached_step
 
-    request = StopRequest(by, reason, time.time(), verdict, reached_step(Path(job_dir), 0.0))
+    request = StopRequest(one_line(by), one_line(reason), time.time(), verdict,
+                          reached_step(Path(job_dir), 0.0))
     path = Path(job_dir) / STOP_FILE
     tmp = path.with_name(f"{STOP_FILE}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(asdict(request)))
@@ -65,7 +76,7 @@ def request_stop(job_dir: Path, by: str, reason: str, verdict: str | None = None
 
 def read_stop_request(job_dir: Path) -> StopRequest | None:
     """The job's stop request, or None. A file that cannot be parsed still counts as a request
-    (someone asked to stop): by ``unknown``."""
+    (someone asked to stop): by ``unknown``. ``by`` and ``reason`` are read as one line each."""
     path = Path(job_dir) / STOP_FILE
     try:
         text = path.read_text()
@@ -76,7 +87,7 @@ def read_stop_request(job_dir: Path) -> StopRequest | None:
     try:
         data = json.loads(text)
         step, verdict = data.get("step"), data.get("verdict")
-        return StopRequest(str(data["by"]), str(data.get("reason", "")),
+        return StopRequest(one_line(str(data["by"])), one_line(str(data.get("reason", ""))),
                            float(data.get("time", 0.0)),
                            str(verdict) if verdict is not None else None,
                            step if isinstance(step, int) and not isinstance(step, bool) else None)

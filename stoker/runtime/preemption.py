@@ -140,7 +140,8 @@ def stop_sender(job_dir: str | os.PathLike, since: float) -> str | None:
     request = read_json(Path(job_dir) / _STOP_REQUEST_FILE, default=None, warn=quiet)
     if isinstance(request, dict) and _at_or_after(request.get("time"), since) \
             and isinstance(request.get("by"), str):
-        return f"stopped by {request['by']}: {request.get('reason') or 'no reason given'}"
+        said = f"stopped by {request['by']}: {request.get('reason') or 'no reason given'}"
+        return " ".join(said.split())  # one line in the rank's log (the writer flattens too)
     return _sender(job_dir, since)
 
 
