@@ -437,7 +437,8 @@ def status(job: Annotated[str | None, typer.Argument(
         if why := describe_interrupted(a):  # why it was closed, what its ranks did
             typer.echo(f"           {why}")
     for a in attempts.open_attempts():  # `jobs` counts these too
-        typer.echo(_open_attempt_line(a, training=s.state == "training"))
+        typer.echo(_open_attempt_line(a, training=s.state == "training",
+                                      stopped=s.state == "stopped"))
     typer.echo(f"folder     {folder.resolve()}")
     if s.state == "unfinished" or (s.state == "stopped" and not s.stalled):
         # A deployment's run has no command to repeat (trial): its parameters do the same.
@@ -446,9 +447,10 @@ def status(job: Annotated[str | None, typer.Argument(
                    f"{folder.resolve() / 'spec.yaml'})")
 
 
-def _open_attempt_line(attempt: dict, training: bool) -> str:
+def _open_attempt_line(attempt: dict, training: bool, stopped: bool = False) -> str:
     """``attempt 2: running for 41 s on spot capacity``, or, for one a dead run left open,
-    ``attempt 1: left open by a run that died (started 300 s ago); ...``."""
+    ``attempt 1: left open by a run that died (started 300 s ago); ...`` (``stopped``: the run
+    was stopped, e.g. by a second Ctrl-C, and did not wait to close it)."""
     import time
 
     started = attempt.get("started")
@@ -458,7 +460,8 @@ def _open_attempt_line(attempt: dict, training: bool) -> str:
         ran = f" for {age_s:.0f} s" if age_s is not None else ""
         return f"{head} running{ran} on {attempt.get('capacity_type', '-')} capacity"
     ago = f" (started {age_s:.0f} s ago)" if age_s is not None else ""
-    return (f"{head} left open by a run that died{ago}; it is closed and billed when the job "
+    how = "that was stopped before it could close it" if stopped else "that died"
+    return (f"{head} left open by a run {how}{ago}; it is closed and billed when the job "
             "resumes")
 
 

@@ -100,6 +100,18 @@ def test_status_shows_an_attempt_left_open_as_jobs_counts_it(work):
         "billed when the job resumes" in left
     live = CliRunner().invoke(app, ["status", "bbbb", "--work-dir", str(work)]).output
     assert "attempt 2: running for 0 s on spot capacity" in live
+    # A run stopped at once by a second Ctrl-C: the job is stopped, so its open attempt is not
+    # said to be a dead run's (trial: "stopped" above "left open by a run that died").
+    from stoker.runtime.preemption import SENDER_PREFIX, record_stop_sender
+
+    stopped = work / "jobs" / "eeee5555-stopped"
+    stopped.mkdir()
+    AttemptLog(stopped).start(1, "spot")
+    record_stop_sender(stopped, f"{SENDER_PREFIX}SIGINT (Ctrl-C)")
+    twice = CliRunner().invoke(app, ["status", "eeee", "--work-dir", str(work)]).output
+    assert re.search(r"^state +stopped \(stopped by SIGINT \(Ctrl-C\)\)", twice, re.M), twice
+    assert "attempt 1: left open by a run that was stopped before it could close it (started " \
+        "0 s ago); it is closed and billed when the job resumes" in twice, twice
 
 
 def left_by_a_killed_run(jobs: Path, name: str, reached: int, stop_checkpoint: bool) -> Path:
