@@ -481,7 +481,7 @@ def stop(job: Annotated[str, typer.Argument(help="Job folder name (or a unique p
     import getpass
 
     from stoker.launch.status import job_summary
-    from stoker.launch.stop_request import StopFailed, TrainedElsewhere, stop_job
+    from stoker.launch.stop_request import StopFailed, TrainedElsewhere, one_line, stop_job
 
     folder = _job_folder(work_dir, job)
     if reason is None:
@@ -499,7 +499,7 @@ def stop(job: Annotated[str, typer.Argument(help="Job folder name (or a unique p
         typer.echo(f"job {folder.name} is not training ({summary.state}); nothing to stop")
         return
     progress = f"; {summary.progress.describe()}" if summary.progress else ""
-    typer.echo(f"job {folder.name} {summary.state}: stopped by user: {reason}{progress}")
+    typer.echo(f"job {folder.name} {summary.state}: stopped by user: {one_line(reason)}{progress}")
 
 
 @app.command()

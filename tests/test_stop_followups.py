@@ -189,8 +189,10 @@ def test_stoker_stop_stops_a_training_job_on_purpose(server, tmp_path):
     process = stoker(server, "run", f"work_dir={work}", "train.epochs=50",
                      "tracking.system_metrics_interval_s=null")
     job, _torchrun = training(process, work, min_step=3)
+    # A reason is said on one line everywhere (trial: a newline split stoker stop's line).
+    reason = 'main tenance "now"'
     stop = subprocess.run([sys.executable, "-m", "stoker.cli", "stop", job.name[:8],
-                           "--reason", "maintenance", "--work-dir", str(work)],
+                           "--reason", 'main\ntenance "now"', "--work-dir", str(work)],
                           capture_output=True, text=True, timeout=300, cwd=REPO,
                           env={**server.env, "PYTHONPATH": str(REPO)})
     code, output = finish(process, timeout_s=120)
@@ -199,17 +201,17 @@ def test_stoker_stop_stops_a_training_job_on_purpose(server, tmp_path):
     end = [e for e in events(job) if e["event"] == "end"][-1]
     assert end["outcome"] == "preempted"  # the ranks committed their stop checkpoint
     assert committed_step(str(job / "checkpoints")) == end["step"]
-    assert stop.stdout.startswith(f"job {job.name} stopped: stopped by user: maintenance; "
+    assert stop.stdout.startswith(f"job {job.name} stopped: stopped by user: {reason}; "
                                   "not running: reached step "), stop.stdout
     assert stop.stdout.rstrip().endswith(
         f"resumes at step {end['step']} (run the same command)"), stop.stdout
-    assert f"stop requested (SIGTERM: stopped by user: maintenance): checkpoint committed at " \
+    assert f"stop requested (SIGTERM: stopped by user: {reason}): checkpoint committed at " \
         f"step {end['step']}" in output, output[-3000:]
     assert [a["outcome"] for a in AttemptLog(job).history()] == ["stopped"]
     # Where `stoker stop` looks for the ranks: the started record names the launcher.
     assert [r.get("launcher") for r in AttemptLog(job).records()] == ["local"]
     # `stoker status` says who stopped the attempt, as for a Ctrl-C (trial: "stopped (exit 75)")
-    assert AttemptLog(job).history()[-1]["stopped_by"] == "user: maintenance"
+    assert AttemptLog(job).history()[-1]["stopped_by"] == f"user: {reason}"
     # On the terminal too a stop, not an ERROR with a traceback and "Failed" (second trial).
     assert "stopped on request: recorded as Cancelled" in output, output[-3000:]
     # A stop someone asked for is no warning (trial: WARNING here, INFO after a Ctrl-C).
@@ -218,7 +220,7 @@ def test_stoker_stop_stops_a_training_job_on_purpose(server, tmp_path):
     # ... and the flow run's last Prefect line says Cancelled, as after a Ctrl-C (trial: none).
     flow_lines = [line for line in output.splitlines() if "| Flow run '" in line]
     assert flow_lines[-1].endswith(
-        f"Finished in state Cancelled('job {job.name} stopped by user: maintenance; run the "
+        f"Finished in state Cancelled('job {job.name} stopped by user: {reason}; run the "
         "same command to resume it')"), output[-3000:]
     assert not [line for line in flow_lines if "stopped on request" in line], output[-3000:]
     assert not [line for line in output.splitlines()
