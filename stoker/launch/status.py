@@ -280,13 +280,6 @@ def matching_jobs(work_dir: Path, name: str) -> list[Path]:
     return sorted(p for p in jobs.iterdir() if p.name.startswith(name) and p.is_dir())
 
 
-def find_job(work_dir: Path, name: str) -> Path | None:
-    """The job folder called ``name``, or the only one starting with it; None for no match
-    or several (:func:`matching_jobs` lists them)."""
-    matches = matching_jobs(work_dir, name)
-    return matches[0] if len(matches) == 1 else None
-
-
 def age(seconds: float | None) -> str:
     """``12 s ago`` / ``3 min ago`` / ``-``."""
     if seconds is None:

@@ -288,10 +288,11 @@ def log_time(unix_s: float) -> str:
         f",{int((unix_s - int(unix_s)) * 1000):03d}"
 
 
-# A rank's log line at WARNING or above (stoker.runtime.__main__'s format): "[rank1] <time> WARNING
-# stoker.runtime.trainer: ...", in a container after "[node N] ".
-RANK_LEVEL = re.compile(r"^(?:\[node \d+\] )?\[rank\d+\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} "
-                        r"(WARNING|ERROR|CRITICAL) ")
+# A rank's log line (stoker.runtime.__main__'s format: "[rank1] <time> WARNING name: ..."), in a
+# container after "[node N] ": its prefix up to the level.
+RANK_STAMPED = re.compile(r"^(?:\[node \d+\] )?\[rank\d+\] \d{4}-\d\d-\d\d "
+                          r"\d\d:\d\d:\d\d,\d{3} ")
+RANK_LEVEL = re.compile(RANK_STAMPED.pattern + r"(WARNING|ERROR|CRITICAL) ")  # and its level
 
 
 def at_rank_level(logger: logging.Logger | logging.LoggerAdapter) -> Callable[[str], None]:
@@ -328,10 +329,6 @@ class LineLog:
         r"recent call last\)|\s|torch\.multiprocessing\.spawn\.Process\w*Exception: )"
         r"|torch/multiprocessing/spawn\.py:\d+\] Terminating process \d+ via signal")
 
-    # A rank's log line (stoker.runtime.__main__'s format), in a container after "[node N] ".
-    RANK_STAMPED = re.compile(r"^(\[node \d+\] )?\[rank\d+\] \d{4}-\d\d-\d\d "
-                              r"\d\d:\d\d:\d\d,\d{3} ")
-
     def __init__(self, path: Path, forward: Callable[[str], None]):
         self.path, self.forward = Path(path), forward
         self._file = None
@@ -347,7 +344,7 @@ class LineLog:
         try:
             if self._file is None:
                 self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
-            stamped = line if self.RANK_STAMPED.match(line) else f"{log_time(time.time())} {line}"
+            stamped = line if RANK_STAMPED.match(line) else f"{log_time(time.time())} {line}"
             self._file.write(stamped + "\n")
         except OSError:
             pass

@@ -600,15 +600,12 @@ class Trainer(ProfilingMixin):
             return
         self._share_warned = True
         cfg = self.cfg
-        def now(value: object) -> str:
-            return "unset" if value is None else str(value)
-
         log.warning(
             "checkpoints held the loop %.0f %% of this attempt's %.1f s so far (%d saves, %.0f ms "
             "each): space them out with train.checkpoint_every_steps (now %s) or "
             "train.checkpoint_every_s (now %s)%s", 100 * share, wall, self._periodic_saves,
             1000 * self.timings["checkpoint"] / self._periodic_saves,
-            now(cfg.checkpoint_every_steps), now(cfg.checkpoint_every_s),
+            cfg.checkpoint_every_steps or "unset", cfg.checkpoint_every_s or "unset",
             "" if cfg.async_checkpoint else
             ", or write them in the background with train.async_checkpoint=true")
 
