@@ -1,5 +1,6 @@
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -74,10 +75,43 @@ def test_async_save_blocks_only_for_the_host_copy(tmp_path):
 
 def test_missing_rank_file_leaves_checkpoint_uncommitted(tmp_path):
     ckpt = Checkpointer(str(tmp_path), 0, 2, commit_timeout_s=0.2)
+    ckpt.save(10, state(10), {"rng": 0})  # the commit waits in the background
     with pytest.raises(CheckpointError, match="rank 1 did not write"):
-        ckpt.save(10, state(10), {"rng": 0})
+        ckpt.wait()
     assert ckpt.committed_steps() == []
     assert Checkpointer(str(tmp_path), 0, 2).load_latest(warn=lambda m: None) is None
+
+
+def test_a_synchronous_save_returns_once_serialized_and_commits_in_the_background(tmp_path):
+    """Without async_save the loop waits for the serialization alone: the fsync, the wait for
+    the other ranks' digests, the commit and the purge do not hold it. The live tensors may
+    change once ``save`` returns; the checkpoint keeps the values they had."""
+    rank0, rank1 = (Checkpointer(str(tmp_path), r, 2, commit_timeout_s=60) for r in (0, 1))
+    live = state(10)
+    started = time.monotonic()
+    rank0.save(10, live, {"rng": 0})  # rank 1 has written nothing yet
+    assert time.monotonic() - started < 30  # it did not wait for rank 1 (commit timeout 60 s)
+    live["model"]["w"].fill_(-1.0)  # the next optimizer.step
+    assert rank0.committed_steps() == []
+    rank1.save(10, None, {"rng": 1})
+    rank1.wait()
+    rank0.wait()
+    assert rank0.committed_steps() == [10]
+    loaded = Checkpointer(str(tmp_path), 0, 2).load_latest()
+    assert torch.equal(loaded.shared["model"]["w"], torch.full((4,), 10.0))
+
+
+def test_a_synchronous_save_that_cannot_serialize_raises_at_once_and_commits_nothing(tmp_path):
+    class DiskFull:
+        def __reduce__(self):
+            raise OSError(28, "No space left on device")
+
+    ckpt = Checkpointer(str(tmp_path), 0, 1)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.save(10, {"model": DiskFull()}, {"rng": 0})
+    ckpt.wait()
+    assert ckpt.committed_steps() == []
+    assert Checkpointer(str(tmp_path), 0, 1).load_latest(warn=lambda m: None) is None
 
 
 def test_fsspec_url_location():
@@ -93,6 +127,7 @@ def test_retention_also_keeps_the_best_by_metric(tmp_path):
         ckpt = Checkpointer(str(tmp_path), 0, 1, keep_latest_k=2,
                             keep_best=("val_accuracy", "max"))
         ckpt.save(step, state(step), {"rng": 0}, metrics={"val_accuracy": value})
+        ckpt.wait()
     assert ckpt.committed_steps() == [20, 40, 50]  # latest two plus the best (step 20)
     assert ckpt.best_step() == 20
     low = Checkpointer(str(tmp_path), 0, 1, keep_best=("val_accuracy", "min"))

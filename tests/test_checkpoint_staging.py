@@ -74,7 +74,9 @@ def test_deferred_copy_holds_the_weights_after_step_n(tmp_path, monkeypatch):
     forward_backward(model, optimizer)
     optimizer.step()  # step N = 1
     reference = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-    Checkpointer(str(tmp_path / "sync"), 0, 1).save(1, reference, {"rng": 0})
+    sync = Checkpointer(str(tmp_path / "sync"), 0, 1)
+    sync.save(1, reference, {"rng": 0})
+    sync.wait()
 
     ckpt = Checkpointer(str(tmp_path / "async"), 0, 1, async_save=True)
     slow_copy(ckpt, monkeypatch, 0.3)
@@ -138,13 +140,16 @@ def test_commit_marker_takes_the_ranks_digests_without_reading_their_files(tmp_p
         t.start()
     for t in threads:
         t.join()
+    for c in ckpts:
+        c.wait()  # the commit runs in the background (thread ckpt-7-rank-0 on rank 0)
 
     folder = tmp_path / "step-000000007"
     marker = json.loads((folder / MARKER).read_text())
     for name, digest in marker["files"].items():
         assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
     assert set(marker["files"]) == {"shared.pt", "rank-00000.pt", "rank-00001.pt"}
-    rank0_reads = [p for who, p, mode in opened if who == "rank-0" and "r" in mode]
+    rank0_reads = [p for who, p, mode in opened
+                   if who in ("rank-0", "ckpt-7-rank-0") and "r" in mode]
     assert not [p for p in rank0_reads if p.endswith(".pt")], rank0_reads
     assert any(p.endswith("rank-00001.pt.sha256") for p in rank0_reads)
 
@@ -218,9 +223,12 @@ def test_a_torn_or_foreign_digest_record_is_not_committed(tmp_path):
             {"file": "rank-00001.pt", "sha256": "0" * 64, "step": 8})):
         record.write_text(content)
         ckpt = Checkpointer(str(tmp_path), 0, 2, commit_timeout_s=0.3)
+        ckpt.save(9, {"w": torch.ones(3)}, {"rng": 0})
         with pytest.raises(CheckpointError, match="rank 1 did not write .*rank-00001.pt.sha256"):
-            ckpt.save(9, {"w": torch.ones(3)}, {"rng": 0})
+            ckpt.wait()
         assert ckpt.committed_steps() == []
-    Checkpointer(str(tmp_path), 1, 2).save(9, None, {"rng": 1})  # the real record replaces it
-    Checkpointer(str(tmp_path), 0, 2).save(9, {"w": torch.ones(3)}, {"rng": 0})
+    for rank, shared in ((1, None), (0, {"w": torch.ones(3)})):  # rank 1's record replaces it
+        ckpt = Checkpointer(str(tmp_path), rank, 2)
+        ckpt.save(9, shared, {"rng": rank})
+        ckpt.wait()
     assert Checkpointer(str(tmp_path), 1, 2).load_latest().rank_state == {"rng": 1}

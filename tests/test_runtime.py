@@ -316,7 +316,9 @@ def test_strict_load_names_the_keys(make_spec):
     state = trainer.state_dict()
     state["model"]["bogus.weight"] = torch.zeros(1)
     del state["model"]["head.4.bias"]
-    Checkpointer(spec.checkpoint_location, 0, 1).save(1, state, {"rng": trainer._rng_state()})
+    ckpt = Checkpointer(spec.checkpoint_location, 0, 1)
+    ckpt.save(1, state, {"rng": trainer._rng_state()})
+    ckpt.wait()
     with pytest.raises(CheckpointError) as info:
         Trainer(spec, SINGLE, StopFlag())
     assert "bogus.weight" in str(info.value) and "head.4.bias" in str(info.value)

@@ -6,7 +6,7 @@ Layout::
     <location>/step-000000120/rank-00000.pt     per-rank state (RNG), one file per rank
     <location>/step-000000120/COMMITTED         JSON: step, world size, sha256 of every file
 
-Every file is written under a temporary name and renamed, hashed while it is written; each
+Every file is written under a temporary name, fsynced and renamed, hashed while it is written; each
 rank > 0 then publishes its file's sha256 in ``rank-<r>.pt.sha256``, and ``COMMITTED`` is
 written last, by rank 0, from those records (it never reads another rank's file). A step folder
 without it (killed mid-write, disk full) is never loaded. "latest" is the highest committed step
@@ -57,6 +57,16 @@ _STEP_DIR = re.compile(r"^step-(\d{9})$")
 
 
 @dataclass(frozen=True)
+class _Written:
+    """A serialized file still open under its temporary name (see ``Checkpointer._seal``)."""
+
+    file: Any
+    tmp: str
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class Loaded:
     """A verified checkpoint: ``shared`` for every rank, ``rank_state`` for this rank or None
     when the checkpoint was written at another world size."""
@@ -77,9 +87,11 @@ class Checkpointer:
         keep_latest_k: committed checkpoints kept after each commit (older ones are deleted).
         keep_best: (metric, "max"|"min"): also keep the committed checkpoint whose ``metrics``
             (given to ``save``, recorded in COMMITTED) has the best value of that metric.
-        async_save: write in a background thread after a host copy into reused buffers;
-            ``wait()`` joins it. With ``save(..., defer_copy=True)`` the copy runs in that
-            thread too, and the caller calls ``wait_staged()`` before the tensors change.
+        async_save: serialize and write in a background thread after a host copy into
+            reused buffers; ``wait()`` joins it. Without it, ``save`` serializes in the
+            caller's thread and only the fsync, the commit and the purge run in the background.
+            With ``save(..., defer_copy=True)`` the copy runs in that thread too, and the
+            caller calls ``wait_staged()`` before the tensors change.
         commit_timeout_s: how long rank 0 waits for the other ranks' files before giving up.
         upload_attempts: tries per save on an object store (exponential backoff from 1 s).
 
@@ -163,22 +175,39 @@ class Checkpointer:
         """``torch.save`` ``obj`` straight into a temporary file, hashing the bytes as they go
         out (no in-memory copy of the serialized state, no second read); flush + fsync, rename.
         Returns the file's sha256."""
+        return self._seal(self._serialize(path, obj))
+
+    def _serialize(self, path: str, obj: Any) -> _Written:
+        """The first half of ``_write_state``: ``torch.save`` into the open temporary file
+        (the bytes leave ``obj``: it may change afterwards). Not yet durable nor renamed."""
         tmp = f"{path}.tmp-{os.getpid()}"
-        with self.fs.open(tmp, "wb") as f:
+        f = self.fs.open(tmp, "wb")
+        try:
             writer = HashingWriter(f)
             torch.save(obj, writer)
+        except BaseException:
+            f.close()
+            raise
+        return _Written(f, tmp, path, writer.sha256)
+
+    def _seal(self, written: _Written) -> str:
+        """The second half: flush + fsync, close, rename. Returns the file's sha256."""
+        with written.file as f:
             self._sync(f)
-        self.fs.mv(tmp, path)
-        return writer.sha256
+        self.fs.mv(written.tmp, written.path)
+        return written.sha256
 
     def save(self, step: int, shared: dict[str, Any] | None, rank_state: dict[str, Any],
              metrics: dict[str, float] | None = None, *, defer_copy: bool = False) -> None:
         """Save this rank's part of checkpoint ``step``; rank 0 also writes ``shared`` and commits.
 
         Every rank calls it at the same step. Without ``async_save`` it returns once this rank's
-        part (and, on rank 0, the commit) is durable; nothing is copied first. With
-        ``async_save`` the state is copied into reused host buffers and written in a background
-        thread; the loop is blocked for the copy, or, with ``defer_copy``, not even for that.
+        files are serialized from the live tensors (nothing is copied first): they may change
+        from then on. Making the files durable (fsync), the commit (rank 0, from every rank's
+        digest) and the purge run in a background thread; ``wait()`` joins it (the next save
+        and the end of an attempt do). With ``async_save`` the state is copied into reused host
+        buffers and serialized in that thread too; the loop is blocked for the copy, or, with
+        ``defer_copy``, not even for that.
 
         Args:
             defer_copy: (async only) take the host copy in the background thread as well: the
@@ -187,21 +216,37 @@ class Checkpointer:
                 ``optimizer.step``), and must not mutate the containers meanwhile.
 
         Raises:
-            CheckpointError: an earlier async save failed, or (sync) this save failed.
+            CheckpointError: an earlier save's background part failed (``wait()`` raises it
+                too). An error while serializing this save (``OSError``: disk full) propagates
+                as it is, and leaves the step uncommitted.
         """
         started = time.perf_counter()
         self.wait()  # the previous save is written: its staging buffers are free again
         state = {"shared": shared, "rank": rank_state}
         metrics = dict(metrics or {})
-        if self.staging is None:  # the loop waits for the write: the live tensors hold still
-            self._write_step(step, shared, rank_state, metrics)
+        if self.staging is None:
+            # The loop waits for the serialization alone (the live tensors hold still until
+            # their bytes are in the files); making them durable (fsync), the commit and the
+            # purge run in the background, as an async save's do.
+            written = self._serialize_step(step, shared, rank_state)
+            self._pending = threading.Thread(
+                target=self._commit_guarded, args=(step, written, metrics),
+                name=f"ckpt-{step}-rank-{self.rank}", daemon=True,
+            )
+            try:
+                self._pending.start()
+            except BaseException:
+                self._pending = None
+                for w in written:
+                    w.file.close()
+                raise
         else:
             ready = self.staging.begin()
             if not defer_copy:
                 state, ready = self.staging.copy(state, ready), None
             self._pending = threading.Thread(
                 target=self._run_guarded, args=(step, state, metrics, ready, defer_copy),
-                name=f"ckpt-{step}", daemon=True,
+                name=f"ckpt-{step}-rank-{self.rank}", daemon=True,
             )
             try:
                 self._pending.start()
@@ -225,6 +270,12 @@ class Checkpointer:
             self.staging.settle()
             write = self._write_step_retried if self.remote else self._write_step
             write(step, state["shared"], state["rank"], metrics)
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self._error = e
+
+    def _commit_guarded(self, step: int, written: list[_Written], metrics: dict) -> None:
+        try:
+            self._commit_step(step, written, metrics)
         except BaseException as e:  # re-raised in the training thread by wait()
             self._error = e
 
@@ -252,17 +303,45 @@ class Checkpointer:
 
     def _write_step(self, step: int, shared: dict | None, rank_state: dict,
                     metrics: dict | None = None) -> None:
+        self._commit_step(step, self._serialize_step(step, shared, rank_state), metrics)
+
+    def _serialize_step(self, step: int, shared: dict | None,
+                        rank_state: dict) -> list[_Written]:
+        """This rank's files of ``step`` serialized (rank 0: its rank file, then ``shared.pt``),
+        not yet durable: :meth:`_commit_step` finishes them."""
         folder = self.step_dir(step)
         self.fs.makedirs(folder, exist_ok=True)
+        written = [self._serialize(f"{folder}/rank-{self.rank:05d}.pt", rank_state)]
+        if self.rank == 0:
+            try:
+                written.append(self._serialize(f"{folder}/shared.pt", shared))
+            except BaseException:
+                written[0].file.close()
+                raise
+        return written
+
+    def _commit_step(self, step: int, written: list[_Written],
+                     metrics: dict | None = None) -> None:
+        """Make this rank's files durable; rank > 0 publishes its digest, rank 0 commits from
+        every rank's digest and purges."""
+        folder = self.step_dir(step)
         rank_file = f"rank-{self.rank:05d}.pt"
-        digest = self._write_state(f"{folder}/{rank_file}", rank_state)
+        digests: list[str] = []
+        try:
+            for w in written:
+                digests.append(self._seal(w))
+        except BaseException:
+            for w in written[len(digests) + 1:]:  # the failed one closed itself
+                with contextlib.suppress(Exception):
+                    w.file.close()
+            raise
         if self.rank != 0:
             # Rank 0 commits from this record: it never reads this rank's file.
-            record = {"file": rank_file, "sha256": digest, "step": step}
+            record = {"file": rank_file, "sha256": digests[0], "step": step}
             self._write(f"{folder}/{rank_file}{DIGEST_SUFFIX}", json.dumps(record).encode())
             return
-        hashes = {"shared.pt": self._write_state(f"{folder}/shared.pt", shared),
-                  rank_file: digest, **self._rank_digests(folder, step)}
+        hashes = {"shared.pt": digests[1], rank_file: digests[0],
+                  **self._rank_digests(folder, step)}
         marker = {"step": step, "world_size": self.world_size, "files": hashes,
                   "metrics": metrics or {}, "time": time.time()}
         if self.fence is not None:  # a node that lost the job commits nothing more
@@ -311,7 +390,7 @@ class Checkpointer:
             self._pending = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise CheckpointError(f"asynchronous checkpoint save failed: {error}") from error
+            raise CheckpointError(f"checkpoint save failed: {error}") from error
 
     def _purge(self, latest: int) -> None:
         """Keep the newest ``keep_latest_k`` verified steps at or below ``latest`` (always
