@@ -18,7 +18,8 @@ the table. A quick run's table is marked the same way.
     python benchmarks/run_all.py --only bench_cost_guard --merge   # update one row in place
 
 ``--merge`` (with ``--only``) keeps every other measure's result from the existing JSON file
-beside the table; the machine table then names the commit and date of each part.
+beside the table; the machine table then names the commit and date of each part, and, where
+the parts differ, each part's CPU, packages, load and the other machine rows.
 """
 
 from __future__ import annotations
@@ -164,14 +165,42 @@ def run_one(stem: str, path: Path, args: argparse.Namespace, logs: Path,
     return result
 
 
+# The machine table's rows that a merge keeps per measure (besides the commit and the date): a
+# row run again on another machine must not take the others' CPU, packages or load with it.
+MACHINE_FIELDS = ("CPU", "cores", "memory", "GPUs", "OS", "Python", "packages",
+                  "load average (1 min) at start", "load average (1 min) at end")
+
+
 def measured_at(previous: dict) -> dict[str, dict[str, str]]:
-    """stem -> {"commit", "date"} of each result in an earlier results file: its ``measured``
-    map, or (a file written before there was one) the machine table's commit and date."""
-    if isinstance(previous.get("measured"), dict):
-        return {stem: dict(at) for stem, at in previous["measured"].items()}
+    """stem -> {"commit", "date", and each of ``MACHINE_FIELDS``} of each result in an earlier
+    results file: its ``measured`` map, or (a file written before there was one) the machine
+    table's commit and date. A field the file did not keep per measure is taken from its
+    machine table."""
     before = previous.get("machine", {})
-    return {stem: {"commit": before.get("Stoker commit", "unknown"),
-                   "date": before.get("date", "?")} for stem in previous.get("results", {})}
+    if isinstance(previous.get("measured"), dict):
+        found = {stem: dict(at) for stem, at in previous["measured"].items()
+                 if isinstance(at, dict)}
+    else:
+        found = {stem: {"commit": before.get("Stoker commit", "unknown"),
+                        "date": before.get("date", "?")} for stem in previous.get("results", {})}
+    for at in found.values():
+        for field in MACHINE_FIELDS:
+            if field not in at and field in before:
+                at[field] = before[field]
+    return found
+
+
+def per_part(values: dict[str, str]) -> str:
+    """One machine-table cell for measures that may differ: the value when every measure
+    shares it, else ``value for a, b; other for the other N`` (the largest group last)."""
+    groups: dict[str, list[str]] = {}
+    for stem, value in values.items():
+        groups.setdefault(value, []).append(stem)
+    if len(groups) == 1:
+        return next(iter(groups))
+    ordered = sorted(groups, key=lambda v: len(groups[v]))
+    parts = [f"{v} for {', '.join(sorted(groups[v]))}" for v in ordered[:-1]]
+    return "; ".join([*parts, f"{ordered[-1]} for the other {len(groups[ordered[-1]])}"])
 
 
 def merged(rows: list[tuple[str, str, str, dict]], previous: dict, info: dict[str, str]
@@ -192,8 +221,7 @@ def merged(rows: list[tuple[str, str, str, dict]], previous: dict, info: dict[st
            for stem, title, target, _ in scripts(None)
            if stem in new or stem in previous["results"]]
     measured = measured_at(previous)
-    measured.update({stem: {"commit": info["Stoker commit"], "date": info["date"]}
-                     for stem in new})
+    measured.update({stem: at_this_run(info) for stem in new})
     measured = {row[0]: measured[row[0]] for row in out}
     parts: dict[tuple[str, str], list[str]] = {}
     for stem, at in measured.items():
@@ -213,7 +241,17 @@ def merged(rows: list[tuple[str, str, str, dict]], previous: dict, info: dict[st
     info = dict(info)
     info["Stoker commit"] = "; ".join(commits) + " (merged with --merge)"
     info["date"] = "; ".join(dates)
+    for field in MACHINE_FIELDS:
+        values = {stem: at[field] for stem, at in measured.items() if field in at}
+        if values:
+            info[field] = per_part(values)
     return out, info, measured
+
+
+def at_this_run(info: dict[str, str]) -> dict[str, str]:
+    """The ``measured`` entry of a measure run now: the commit, the date and the machine."""
+    return {"commit": info["Stoker commit"], "date": info["date"],
+            **{field: info[field] for field in MACHINE_FIELDS if field in info}}
 
 
 def machine() -> dict[str, str]:
@@ -321,8 +359,7 @@ def main() -> None:
             rows.append((stem, title, target, result))
     wall_s = time.perf_counter() - started
     info["load average (1 min) at end"] = f"{os.getloadavg()[0]:.2f}"
-    measured = {stem: {"commit": info["Stoker commit"], "date": info["date"]}
-                for stem, _, _, _ in rows}
+    measured = {stem: at_this_run(info) for stem, _, _, _ in rows}
     if previous is not None:
         rows, info, measured = merged(rows, previous, info)
         wall_s += previous.get("wall_s") or 0.0

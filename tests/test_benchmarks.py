@@ -292,6 +292,35 @@ def test_merge_updates_the_rows_run_again_and_keeps_the_others():
         merged(rows, {"results": {}}, {"Stoker commit": "bbb", "date": "day 2"})
 
 
+def test_merge_names_the_machine_of_each_part_where_they_differ():
+    """A row run again on another machine (another CPU here) must not lend the kept rows its
+    CPU: each part's machine is named, the shared ones once."""
+    from benchmarks.run_all import at_this_run, merged
+
+    first = {"Stoker commit": "aaa", "date": "day 1", "CPU": "Intel Xeon", "memory": "23.5 GiB",
+             "load average (1 min) at start": "0.33"}
+    previous = {"quick": False, "machine": first,
+                "results": {"bench_dataset": {"ratio": 1.0}, "bench_checkpoint": {"ratio": 0.5},
+                            "bench_loader": {"ratio": 1.0}}}
+    now = {"Stoker commit": "bbb", "date": "day 2", "CPU": "AMD EPYC", "memory": "23.5 GiB",
+           "load average (1 min) at start": "2.07"}
+    rows = [("bench_dataset", "Dataset", "ratio >= 0.9", {"ratio": 2.0})]
+    _, info, measured = merged(rows, previous, now)
+    assert info["CPU"] == "AMD EPYC for bench_dataset; Intel Xeon for the other 2"
+    assert info["memory"] == "23.5 GiB"
+    assert info["load average (1 min) at start"] == "2.07 for bench_dataset; 0.33 for the other 2"
+    assert measured["bench_dataset"] == at_this_run(now)
+    assert measured["bench_loader"]["CPU"] == "Intel Xeon"
+
+    # Merged again, the machine of each part comes from the per-measure record, not from the
+    # table (whose cells are now per part).
+    again = {"quick": False, "machine": info, "measured": measured,
+             "results": previous["results"]}
+    rows = [("bench_loader", "Loader", "ratio >= 0.95", {"ratio": 1.1})]
+    _, info, _ = merged(rows, again, {**first, "Stoker commit": "ccc", "date": "day 3"})
+    assert info["CPU"] == "AMD EPYC for bench_dataset; Intel Xeon for the other 2"
+
+
 def test_our_scripts_take_the_common_options(tmp_path):
     for stem in OURS:
         assert supports(ROOT / "benchmarks" / f"{stem}.py", "--quick"), stem
