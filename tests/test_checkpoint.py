@@ -102,16 +102,70 @@ def test_a_synchronous_save_returns_once_serialized_and_commits_in_the_backgroun
 
 
 def test_a_synchronous_save_that_cannot_serialize_raises_at_once_and_commits_nothing(tmp_path):
-    class DiskFull:
+    class Unpicklable:
         def __reduce__(self):
-            raise OSError(28, "No space left on device")
+            raise TypeError("cannot pickle this")
 
     ckpt = Checkpointer(str(tmp_path), 0, 1)
-    with pytest.raises(OSError, match="No space left"):
-        ckpt.save(10, {"model": DiskFull()}, {"rng": 0})
+    with pytest.raises(TypeError, match="cannot pickle this"):  # not the file system: as it is
+        ckpt.save(10, {"model": Unpicklable()}, {"rng": 0})
     ckpt.wait()
     assert ckpt.committed_steps() == []
     assert Checkpointer(str(tmp_path), 0, 1).load_latest(warn=lambda m: None) is None
+
+
+def test_a_full_disk_is_one_named_error_and_leaves_no_temporary_files(tmp_path, monkeypatch):
+    """ENOSPC while serializing (torch's zip writer then raises its own RuntimeError with the
+    OSError as context) or at the background fsync: one CheckpointError naming the step's
+    folder, the cause and checkpoint_dir; no ``*.tmp-*`` file left; nothing committed."""
+    import errno
+    import os
+
+    from stoker.runtime import staging
+
+    real_write = staging.HashingWriter.write
+
+    def full(self, data):  # the disk fills up 1000 bytes into a file (rank 0's shared.pt)
+        if self.size_bytes > 1000:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, data)
+
+    big = {"model": {"w": torch.randn(64, 64)}}
+    monkeypatch.setattr(staging.HashingWriter, "write", full)
+    ckpt = Checkpointer(str(tmp_path), 0, 1)
+    with pytest.raises(CheckpointError) as info:
+        ckpt.save(5, big, {"rng": 0})
+    message = str(info.value)
+    assert "step-000000005" in message and "No space left on device" in message, message
+    assert "checkpoint_dir" in message and "\n" not in message
+    monkeypatch.setattr(staging.HashingWriter, "write", real_write)
+
+    def fsync_full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", fsync_full)
+    ckpt.save(6, big, {"rng": 0})  # serialized; the fsync fails in the background
+    with pytest.raises(CheckpointError, match=r"step-000000006: rank 0 could not write it "
+                                              r"\(No space left on device\)"):
+        ckpt.wait()
+    assert [p.name for p in tmp_path.rglob("*") if ".tmp-" in p.name] == []
+    assert ckpt.committed_steps() == []
+
+
+def test_a_save_removes_its_own_rank_s_temporaries_left_by_an_earlier_process(tmp_path):
+    """A save of a step that a killed or refused attempt also tried: its ``*.tmp-<pid>`` files
+    of this rank are removed (they would stay inside the committed folder); another rank's
+    are left to that rank."""
+    folder = tmp_path / "step-000000005"
+    folder.mkdir()
+    for name in ("rank-00000.pt.tmp-99999", "shared.pt.tmp-99999", "rank-00001.pt.tmp-99999"):
+        (folder / name).write_bytes(b"x" * 100)
+    ckpt = Checkpointer(str(tmp_path), 0, 1)
+    ckpt.save(5, state(5), {"rng": 0})
+    ckpt.wait()
+    assert sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name) == [
+        "rank-00001.pt.tmp-99999"]
+    assert ckpt.committed_steps() == [5]
 
 
 def test_fsspec_url_location():

@@ -187,3 +187,33 @@ def test_runtime_stops_with_a_checkpoint_when_the_lease_is_lost(make_spec):
     end = [e for e in events(spec.parent) if e["event"] == "end"][-1]
     assert end["outcome"] == "preempted" and end["step"] < 20 * 22
     assert (folder(spec, end["step"]) / MARKER).exists()
+
+
+def test_a_full_disk_at_a_save_is_one_line_and_exit_2_leaving_no_temporary_files(make_spec):
+    """Trial input: checkpoints on a disk that fills up. The ranks end the attempt with exit 2
+    and one line naming the folder and the cause (it was exit 1 with two tracebacks, the second
+    torch's 'unexpected pos'), and no half-written file stays behind."""
+    import subprocess
+
+    from image_support import skip_or_fail
+
+    spec = make_spec("full-disk", epochs=2, checkpoint_every_steps=5)
+    checkpoints = spec.parent / "checkpoints"
+    checkpoints.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                              str(checkpoints)], capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        skip_or_fail(f"cannot mount a small tmpfs (needs root): {mounted.stderr.strip()}")
+    try:
+        code, output = run(spec)
+        left = sorted(p.name for p in checkpoints.rglob("*") if ".tmp-" in p.name)
+    finally:
+        subprocess.run(["umount", "-l", str(checkpoints)], check=False)
+    assert code == 2, output[-3000:]
+    [line] = [x for x in output.splitlines() if "could not write it" in x]
+    assert "ERROR" in line and "No space left on device" in line, line
+    assert "step-000000005" in line and "checkpoint_dir" in line, line
+    # no traceback of the rank's (torchrun's own one, about the exit, stays in train.log)
+    assert "unexpected pos" not in output and "runtime/checkpoint.py" not in output, output
+    assert left == []
+    assert committed(spec) == []

@@ -49,3 +49,21 @@ def test_the_tests_own_poller_leaves_a_line_being_written_for_the_next_poll(tmp_
     (tmp_path / "progress.jsonl").write_text('{"event": "step", "step": 1}\nnot json\n')
     with pytest.raises(json.JSONDecodeError):  # a bad whole line must not pass silently
         events(tmp_path)
+
+
+def test_a_record_push_that_fails_names_the_error_not_only_its_type(tmp_path, caplog):
+    """Trial input: the store's disk full gave `records not pushed to … (OSError)`, no cause."""
+    import errno
+
+    from stoker.launch.store import RecordSync
+
+    class FullStore:  # JobStore's interface as RecordSync uses it
+        url = str(tmp_path / "store")
+
+        def push(self, job_dir):
+            raise OSError(errno.ENOSPC, "No space left on device\nsecond line")
+
+    with caplog.at_level("WARNING", logger="stoker.launch.store"):
+        assert not RecordSync(FullStore(), tmp_path / "job-1").sync()
+    [line] = [r.getMessage() for r in caplog.records if "records not pushed" in r.getMessage()]
+    assert "(OSError: [Errno 28] No space left on device second line)" in line, line

@@ -37,6 +37,7 @@ from pathlib import Path
 import fsspec
 
 from stoker.config import ConfigError
+from stoker.launch.stop_request import one_line
 
 log = logging.getLogger(__name__)
 
@@ -234,8 +235,9 @@ class RecordSync(threading.Thread):
             self.store.push(self.job_dir)
             return True
         except Exception as e:  # any store error: retried at the next tick
-            log.warning("job %s: records not pushed to %s (%s); retrying", self.job_dir.name,
-                        self.store.url, type(e).__name__)
+            log.warning("job %s: records not pushed to %s (%s: %s); retrying",
+                        self.job_dir.name, self.store.url, type(e).__name__,
+                        one_line(str(e))[:200])
             return False
 
     def run(self) -> None:

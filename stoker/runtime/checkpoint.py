@@ -29,6 +29,7 @@ moved aside to ``corrupt-step-<step>-<unix time>/`` (with a ``REASON`` file), ne
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -122,6 +123,7 @@ class Checkpointer:
         self._pending: threading.Thread | None = None
         self._verified: set[int] = set()  # steps this process wrote or verified
         self._error: BaseException | None = None
+        self._error_step = 0  # the step whose background part raised _error
         self.last_blocking_s = 0.0
         self.staging = HostStaging() if self.async_save else None
         self.fs.makedirs(self.root, exist_ok=True)
@@ -156,11 +158,26 @@ class Checkpointer:
     # -- writing ------------------------------------------------------------------------------
     @staticmethod
     def _sync(f: Any) -> None:
-        """Flush ``f`` and fsync it when it is a local file (an object store commits on close)."""
+        """Flush ``f`` and fsync it when it is a local file (an object store commits on close).
+
+        Raises:
+            OSError: the fsync failed (a full disk, an I/O error).
+        """
         f.flush()
-        if hasattr(f, "fileno"):
-            with contextlib.suppress(OSError, io.UnsupportedOperation):
-                os.fsync(f.fileno())
+        if not hasattr(f, "fileno"):
+            return
+        try:
+            fd = f.fileno()
+        except (OSError, io.UnsupportedOperation):  # no OS file behind it (an in-memory one)
+            return
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            # A file that cannot be synced (EINVAL: a special file; some FUSE mounts) is as
+            # durable as it gets; any other failure (ENOSPC, EIO) means the bytes may not be
+            # on the disk: the step must not be committed.
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
 
     def _write(self, path: str, payload: bytes) -> str:
         """Write bytes under a temporary name, flush + fsync, rename; return their sha256."""
@@ -186,9 +203,39 @@ class Checkpointer:
             writer = HashingWriter(f)
             torch.save(obj, writer)
         except BaseException:
-            f.close()
+            self._discard([_Written(f, tmp, path, "")])
             raise
         return _Written(f, tmp, path, writer.sha256)
+
+    def _discard(self, written: list[_Written]) -> None:
+        """Close and delete files a failed save left under their temporary names (a full disk
+        must not keep up to a whole checkpoint of them)."""
+        for w in written:
+            with contextlib.suppress(Exception):
+                w.file.close()
+            with contextlib.suppress(Exception):
+                self.fs.rm(w.tmp)
+
+    def unwritable(self, step: int, error: BaseException) -> CheckpointError | None:
+        """The one-line error for a save of ``step`` that the file system refused (an
+        ``OSError`` anywhere in ``error``'s chain: a full disk, a read-only folder), naming
+        the folder and what to do; None for any other error. (torch's zip writer raises its
+        own ``RuntimeError`` with the ``OSError`` as its context.)"""
+        seen: set[int] = set()
+        cause: BaseException | None = error
+        while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
+            if isinstance(cause, LeaseLost):  # fencing, not the file system
+                return None
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        if not isinstance(cause, OSError):
+            return None
+        why = cause.strerror or str(cause) or type(cause).__name__
+        hint = ("free space there, lower train.keep_latest_k, or point checkpoint_dir at a "
+                "larger disk" if cause.errno == errno.ENOSPC
+                else "check that checkpoint_dir is a folder this user can write")
+        return CheckpointError(f"checkpoint {self.step_dir(step)}: rank {self.rank} could not "
+                               f"write it ({why}): {hint}; the step stays uncommitted")
 
     def _seal(self, written: _Written) -> str:
         """The second half: flush + fsync, close, rename. Returns the file's sha256."""
@@ -228,7 +275,12 @@ class Checkpointer:
             # The loop waits for the serialization alone (the live tensors hold still until
             # their bytes are in the files); making them durable (fsync), the commit and the
             # purge run in the background, as an async save's do.
-            written = self._serialize_step(step, shared, rank_state)
+            try:
+                written = self._serialize_step(step, shared, rank_state)
+            except Exception as e:
+                if (refused := self.unwritable(step, e)) is not None:
+                    raise refused from e
+                raise
             self._pending = threading.Thread(
                 target=self._commit_guarded, args=(step, written, metrics),
                 name=f"ckpt-{step}-rank-{self.rank}", daemon=True,
@@ -271,13 +323,13 @@ class Checkpointer:
             write = self._write_step_retried if self.remote else self._write_step
             write(step, state["shared"], state["rank"], metrics)
         except BaseException as e:  # re-raised in the training thread by wait()
-            self._error = e
+            self._error, self._error_step = e, step
 
     def _commit_guarded(self, step: int, written: list[_Written], metrics: dict) -> None:
         try:
             self._commit_step(step, written, metrics)
         except BaseException as e:  # re-raised in the training thread by wait()
-            self._error = e
+            self._error, self._error_step = e, step
 
     def _write_step_retried(self, step: int, shared: dict | None, rank_state: dict,
                             metrics: dict) -> None:
@@ -311,14 +363,33 @@ class Checkpointer:
         not yet durable: :meth:`_commit_step` finishes them."""
         folder = self.step_dir(step)
         self.fs.makedirs(folder, exist_ok=True)
+        self._remove_stale_temporaries(folder)
         written = [self._serialize(f"{folder}/rank-{self.rank:05d}.pt", rank_state)]
         if self.rank == 0:
             try:
                 written.append(self._serialize(f"{folder}/shared.pt", shared))
             except BaseException:
-                written[0].file.close()
+                self._discard(written)
                 raise
         return written
+
+    def _remove_stale_temporaries(self, folder: str) -> None:
+        """Delete this rank's ``*.tmp-<pid>`` files in ``folder`` that another process left (a
+        save of the same step killed or refused in an earlier attempt); other ranks' are
+        theirs."""
+        own = [f"rank-{self.rank:05d}.pt", f"rank-{self.rank:05d}.pt{DIGEST_SUFFIX}"]
+        if self.rank == 0:
+            own += ["shared.pt", MARKER]
+        mine = f".tmp-{os.getpid()}"
+        try:
+            entries = self.fs.ls(folder, detail=False)
+        except (FileNotFoundError, OSError):
+            return
+        for entry in entries:
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if any(name.startswith(f"{o}.tmp-") for o in own) and not name.endswith(mine):
+                with contextlib.suppress(Exception):
+                    self.fs.rm(entry)
 
     def _commit_step(self, step: int, written: list[_Written],
                      metrics: dict | None = None) -> None:
@@ -331,9 +402,7 @@ class Checkpointer:
             for w in written:
                 digests.append(self._seal(w))
         except BaseException:
-            for w in written[len(digests) + 1:]:  # the failed one closed itself
-                with contextlib.suppress(Exception):
-                    w.file.close()
+            self._discard(written[len(digests):])
             raise
         if self.rank != 0:
             # Rank 0 commits from this record: it never reads this rank's file.
@@ -390,6 +459,8 @@ class Checkpointer:
             self._pending = None
         if self._error is not None:
             error, self._error = self._error, None
+            if (refused := self.unwritable(self._error_step, error)) is not None:
+                raise refused from error
             raise CheckpointError(f"checkpoint save failed: {error}") from error
 
     def _purge(self, latest: int) -> None:
