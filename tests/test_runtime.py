@@ -328,6 +328,7 @@ def test_changed_trajectory_is_refused(make_spec, tmp_path):
     spec = RunSpec.load(make_spec("trajectory", tracking=False))
     trainer = Trainer(spec, SINGLE, StopFlag())
     trainer.save()
+    trainer.ckpt.wait()  # committed (the commit runs in the background)
     changed = spec.model_copy(update={"train": spec.train.model_copy(update={"epochs": 5})})
     with pytest.raises(CheckpointError, match=r"train.epochs: 2 -> 5"):
         Trainer(changed, SINGLE, StopFlag())

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -169,6 +170,11 @@ def data_workers_lost(reason: str, trainer) -> int:
     """Log ``reason``, end the rank's data workers (all of them: one may hang with the stop
     signals held) and return EXIT_STOP_LOST: an infrastructure failure, which the launcher
     retries from the last checkpoint."""
+    # The workers are dead or about to be: torch's SIGCHLD handler would raise "DataLoader
+    # worker … is killed" at the next death, anywhere, even inside the log call below (seen
+    # in CI after the watchdog had killed a frozen worker and its sibling died a moment later).
+    with contextlib.suppress(ValueError, OSError):  # ValueError: not the main thread
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     log.error("%s at step %s: ending this attempt as an infrastructure failure (exit %d; the "
               "job resumes from the last checkpoint)", reason, trainer.step if trainer else 0,
               EXIT_STOP_LOST)
