@@ -264,8 +264,9 @@ class Checkpointer:
 
         Raises:
             CheckpointError: an earlier save's background part failed (``wait()`` raises it
-                too). An error while serializing this save (``OSError``: disk full) propagates
-                as it is, and leaves the step uncommitted.
+                too), or the file system refused this save's serialization (a full disk: the
+                one line of :meth:`unwritable`). Any other error while serializing propagates
+                as it is. Either way the step stays uncommitted and no temporary file stays.
         """
         started = time.perf_counter()
         self.wait()  # the previous save is written: its staging buffers are free again
@@ -289,8 +290,7 @@ class Checkpointer:
                 self._pending.start()
             except BaseException:
                 self._pending = None
-                for w in written:
-                    w.file.close()
+                self._discard(written)
                 raise
         else:
             ready = self.staging.begin()
