@@ -41,8 +41,9 @@ install: $(VENV)/.installed
 run: install
 	$(VENV)/bin/stoker run $(ARGS)
 
-# Two pytest-xdist workers by default (the suite waits on servers and subprocesses about half
-# its time); the Docker tests share one worker (tests/conftest.py). TEST_WORKERS=0: one process.
+# Two pytest-xdist workers by default, one per core here (the suite is bound by CPU: three
+# workers were no faster on 2 cores); the Docker tests share one worker (tests/conftest.py).
+# TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: install
 	$(VENV)/bin/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
