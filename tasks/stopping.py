@@ -59,6 +59,8 @@ def attempt_state(code: int, request: StopRequest | None,
         return Cancelled(name=name, data=code, message=f"{message}: {request.describe()}")
     if outcome == Outcome.INFRASTRUCTURE:
         return Failed(name="InfrastructureFailure", data=code, message=message)
+    if outcome == Outcome.STORAGE:
+        return Failed(name="StorageError", data=code, message=message)
     return Failed(name="UserError", data=code, message=message)
 
 
@@ -70,7 +72,8 @@ def _cancel_runs(client, flow_run_id, message: str, flow_run_too: bool = True) -
         task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(
             any_=[StateType.CRASHED, StateType.FAILED, StateType.RUNNING]))))
     for task_run in open_or_crashed:
-        if task_run.state and task_run.state.name in ("InfrastructureFailure", "UserError"):
+        if task_run.state and task_run.state.name in (
+                "InfrastructureFailure", "StorageError", "UserError"):
             continue  # an earlier attempt's own outcome
         client.set_task_run_state(task_run.id, Cancelled(message=message), force=True)
     if flow_run_too:

@@ -36,6 +36,7 @@ from stoker.launch.retry import (
     budget_spent,
     describe_exit,
     run_with_retries,
+    will_retry,
 )
 from stoker.launch.status import JOB_LOG
 from stoker.launch.stop_request import (
@@ -58,6 +59,7 @@ from stoker.launch.supervisor import (
     nproc,
     write_spec,
 )
+from stoker.runtime import CheckpointWriteError
 from stoker.runtime.preemption import SENDER_PREFIX, record_stop_sender
 from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
@@ -220,6 +222,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             state.result()  # the attempt raised (timeout, cancel): raise it here
         return codes[number]
 
+    this_run: list[Attempt] = []  # this run's attempts so far, for the retry decision
+
     def record(attempt: Attempt) -> None:
         nonlocal preempted
         preempted += attempt.outcome == Outcome.PREEMPTED
@@ -246,9 +250,11 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             else logger.warning
         level("attempt %d ended: %s (exit %s) after %.1f s", number, attempt.outcome,
               describe_exit(attempt.exit_code, ended_by.get(number)), attempt.duration_s)
-        # Its last progress line ("restarting ..."), after the line above and before the next
-        # attempt starts (the watcher alone could say it up to 5 s later, after "attempt N+1 on").
-        watcher.report_now()
+        # Its last progress line ("restarting ...", or "no retry left"), after the line above
+        # and before the next attempt starts (the watcher alone could say it up to 5 s later,
+        # after "attempt N+1 on").
+        this_run.append(attempt)
+        watcher.report_now(number, will_retry(config.retry, this_run))
         if attempt.outcome == Outcome.INFRASTRUCTURE and read_text(run_file):
             finish_run(client, read_text(run_file), "KILLED")
 
@@ -308,6 +314,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         if attempts[-1].exit_code == 2 and error:  # the ranks named bad input: say it
             raise ConfigError(f"{error} (job {job_dir.name}; its output: stoker logs "
                               f"{job_dir.name})")
+        if attempts[-1].outcome == Outcome.STORAGE and error:  # a full disk: the ranks' line
+            raise CheckpointWriteError(f"{error} (job {job_dir.name}; its output: stoker logs "
+                                       f"{job_dir.name})")
         spent = budget_spent(config.retry, attempts)
         raise TrainingFailed(
             f"job {job_dir.name} did not complete: {summary}" + (

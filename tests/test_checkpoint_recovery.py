@@ -189,10 +189,11 @@ def test_runtime_stops_with_a_checkpoint_when_the_lease_is_lost(make_spec):
     assert (folder(spec, end["step"]) / MARKER).exists()
 
 
-def test_a_full_disk_at_a_save_is_one_line_and_exit_2_leaving_no_temporary_files(make_spec):
-    """Trial input: checkpoints on a disk that fills up. The ranks end the attempt with exit 2
-    and one line naming the folder and the cause (it was exit 1 with two tracebacks, the second
-    torch's 'unexpected pos'), and no half-written file stays behind."""
+def test_a_full_disk_at_a_save_is_one_line_and_exit_74_leaving_no_temporary_files(make_spec):
+    """Trial input: checkpoints on a disk that fills up. The ranks end the attempt with exit 74
+    (EX_IOERR: it was exit 1 with two tracebacks, the second torch's 'unexpected pos', then
+    exit 2, which read as bad input) and one line naming the folder and the cause; their end
+    event says `storage`, and no half-written file stays behind."""
     import subprocess
 
     from image_support import skip_or_fail
@@ -209,7 +210,8 @@ def test_a_full_disk_at_a_save_is_one_line_and_exit_2_leaving_no_temporary_files
         left = sorted(p.name for p in checkpoints.rglob("*") if ".tmp-" in p.name)
     finally:
         subprocess.run(["umount", "-l", str(checkpoints)], check=False)
-    assert code == 2, output[-3000:]
+    assert code == 74, output[-3000:]
+    assert [e["outcome"] for e in events(spec.parent) if e["event"] == "end"] == ["storage"]
     # rank 0's line; rank 1's too when rank 0's shared.pt filled the disk before its own file
     lines = [x for x in output.splitlines() if "could not write it" in x]
     assert any("rank 0 could not write it" in x for x in lines), output[-3000:]

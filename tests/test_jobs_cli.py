@@ -145,6 +145,29 @@ def left_by_a_killed_run(jobs: Path, name: str, reached: int, stop_checkpoint: b
     return job
 
 
+def test_a_job_stopped_at_once_counts_its_lost_steps_and_is_not_said_to_have_died(tmp_path):
+    """New-user trial, a double Ctrl-C: `stoker status` said `steps lost 0` beside `reached
+    step 705/1449, resumes at step 700` (the open attempt's steps counted only once the next
+    run closed it); and once closed, the attempt read both `interrupted (stopped by SIGINT
+    (Ctrl-C))` and `its run's process died`."""
+    from stoker.launch.supervisor import close_left_open
+    from stoker.runtime.preemption import SENDER_PREFIX, record_stop_sender
+
+    job = left_by_a_killed_run(tmp_path / "jobs", "hhhh8888-twice", 6372, False)
+    record_stop_sender(job, f"{SENDER_PREFIX}SIGINT (Ctrl-C)")  # the first Ctrl-C's record
+    before = CliRunner().invoke(app, ["status", "hhhh", "--work-dir", str(tmp_path)]).output
+    assert re.search(r"^state +stopped \(stopped by SIGINT \(Ctrl-C\)\)", before, re.M), before
+    assert "reached step 6372/8000, resumes at step 6350" in before, before
+    assert "steps lost 22" in before.splitlines(), before
+    [closed] = close_left_open(AttemptLog(job), str(job / "checkpoints"), lambda line: None)
+    assert closed["stopped_by"] == "SIGINT (Ctrl-C)" and closed["steps_lost"] == 22
+    after = CliRunner().invoke(app, ["status", "hhhh", "--work-dir", str(tmp_path)]).output
+    assert "steps lost 22" in after.splitlines(), after
+    assert "its run's process died" not in after, after
+    assert ("its run was stopped at once, without waiting to record the attempt's end (the "
+            "next run closed it); its ranks recorded no end: reached step 6372") in after, after
+
+
 def test_status_says_why_a_left_open_attempt_was_closed_and_what_its_ranks_did(tmp_path):
     """New-user trial: after `kill -9` of `stoker run`, the next run closed the attempt and
     `stoker status` said only `interrupted after 10.7 s`, though its ranks had committed a stop

@@ -18,10 +18,26 @@ from stoker.launch.retry import Outcome, classify_exit, describe_exit, run_with_
 @pytest.mark.parametrize(("code", "outcome"), [
     (0, Outcome.COMPLETED), (75, Outcome.PREEMPTED), (137, Outcome.INFRASTRUCTURE),
     (-9, Outcome.INFRASTRUCTURE), (1, Outcome.USER_ERROR), (2, Outcome.USER_ERROR),
-    (143, Outcome.USER_ERROR),
+    (143, Outcome.USER_ERROR), (74, Outcome.STORAGE),
 ])
 def test_exit_code_contract(code, outcome):
     assert classify_exit(code) is outcome
+
+
+def test_a_full_disk_is_its_own_outcome_and_is_not_retried():
+    """New-user trial: a checkpoint on a full disk read `UserError('exit 2: user_error')`, as
+    if the training code had a bug. The ranks exit 74 (EX_IOERR): `storage_error`, a Failed
+    state named StorageError, never retried (the next attempt would meet the same disk), even
+    with a budget for user errors."""
+    from tasks.stopping import attempt_state
+
+    state = attempt_state(74, None)
+    assert (state.type.value, state.name, state.message) == (
+        "FAILED", "StorageError", "exit 74: storage_error")
+    codes = iter([74, 0])
+    attempts = run_with_retries(lambda n: next(codes), RetryConfig(
+        max_user_errors=3, max_infra_failures=3, backoff_s=0), sleep=lambda s: None)
+    assert [a.outcome for a in attempts] == [Outcome.STORAGE]
 
 
 @pytest.mark.parametrize(("code", "text"), [
@@ -281,8 +297,9 @@ def test_torchruns_stop_lines_with_forked_ranks_stay_in_the_job_log(tmp_path):
     """QA: with forked ranks torchrun words a stop differently (`Closing process N via signal`,
     `Terminating process N via signal`) and logs the traceback of its own wait for the ranks
     (`ProcessExitedException: process 1 terminated with exit code 75`) line by line: kept in
-    train.log, not passed on. A failure other than 75 keeps its one `failed (exitcode ...)`
-    line, and a rank's own traceback goes through."""
+    train.log, not passed on. So is torchrun's `failed (exitcode ...)` for an exit the rank
+    named itself (2, 74, 137); a kill or a bug keeps that line, and a rank's own traceback goes
+    through."""
     from stoker.launch.supervisor import LineLog
 
     def agent(level: str, where: str, text: str) -> str:
@@ -300,8 +317,14 @@ def test_torchruns_stop_lines_with_forked_ranks_stay_in_the_job_log(tmp_path):
              agent("W", "multiprocessing/spawn.py:165", "Terminating process 5556 via signal "
                    "SIGTERM"),
              agent("E", f"{api}:836", "failed (exitcode: 75) local_rank: 1 (pid: 5556) of fn: "
-                   "forked_rank (start_method: fork)"), *trace]
+                   "forked_rank (start_method: fork)"), *trace,
+             # an exit the rank chose and named in its own line (trial: the full disk's 2
+             # reached the terminal): 2 bad input, 74 storage, 137 an infrastructure failure
+             *(agent("E", f"{api}:836", f"failed (exitcode: {code}) local_rank: 0 (pid: 5555) "
+                     "of fn: forked_rank (start_method: fork)") for code in (2, 74, 137))]
     kept = [agent("E", f"{api}:836", "failed (exitcode: -9) local_rank: 1 (pid: 5556) of fn: "
+                  "forked_rank (start_method: fork)"),
+            agent("E", f"{api}:836", "failed (exitcode: 1) local_rank: 1 (pid: 5556) of fn: "
                   "forked_rank (start_method: fork)"),
             "[rank0] 2026-12-01 18:29:28,316 ERROR stoker.runtime: training failed at step 3",
             "Traceback (most recent call last):", '  File "/x/stoker/runtime/trainer.py"']

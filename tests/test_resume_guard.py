@@ -46,6 +46,42 @@ def last_line(result: subprocess.CompletedProcess) -> str:
     return result.stderr.strip().splitlines()[-1]
 
 
+def full_disk_run(work: Path, disk: Path) -> subprocess.CompletedProcess:
+    """``stoker run`` with ``checkpoint_dir`` on a 1 MB tmpfs (the demo's first checkpoint does
+    not fit); needs root, and fails under CI=true without it."""
+    from image_support import skip_or_fail
+
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        skip_or_fail(f"cannot mount a small tmpfs (needs root): {mounted.stderr.strip()}")
+    try:
+        return stoker_run(work, "train.epochs=1", "train.checkpoint_every_steps=5",
+                          f"checkpoint_dir={disk}")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def attempt_states(work: Path) -> dict[str, tuple[str, str]]:
+    """``attempt-N`` task run -> (state type, state name) on the work folder's local Prefect
+    server (the last flow run)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from stoker.local_server import LocalServer
+
+    record = LocalServer(work / ".prefect").running()
+    assert record is not None, "the local Prefect server is not running"
+    with temporary_settings({PREFECT_API_URL: record["api_url"]}), \
+            get_client(sync_client=True) as client:
+        [last] = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
+        runs = client.read_task_runs()
+    return {t.name: (t.state.type.value, t.state.name) for t in runs
+            if t.flow_run_id == last.id and t.name.startswith("attempt-")}
+
+
 def test_job_id_with_other_settings_and_a_rank_named_error_exit_2_in_one_line(tmp_path):
     work = tmp_path / "work"
     try:
@@ -55,6 +91,19 @@ def test_job_id_with_other_settings_and_a_rank_named_error_exit_2_in_one_line(tm
         assert last_line(bad_mean).startswith(
             "error: train.image_mean has 2 value(s) for 1 channel(s)"), bad_mean.stderr[-3000:]
         assert "stoker logs " in last_line(bad_mean)
+        # A full disk at a checkpoint: no config error but an outcome of its own, in every
+        # place that names it (trial: `UserError('exit 2: user_error')`, `ConfigError: see
+        # the error line`, and torchrun's `failed (exitcode: 2)` in the terminal).
+        full = full_disk_run(work, tmp_path / "small-disk")
+        assert full.returncode == 2, full.stderr[-3000:]
+        assert last_line(full).startswith("error: checkpoint "), full.stderr[-3000:]
+        assert "could not write it (No space left on device)" in last_line(full)
+        assert "Finished in state Failed (CheckpointWriteError: see the error line)" in \
+            full.stderr, full.stderr[-3000:]
+        assert "attempt 1 ended: storage_error (exit 74)" in full.stderr, full.stderr[-3000:]
+        assert "user_error" not in full.stderr and "ConfigError" not in full.stderr
+        assert "failed (exitcode:" not in full.stderr, full.stderr[-3000:]
+        assert attempt_states(work)["attempt-1"] == ("FAILED", "StorageError")
         # A user error raised in a flow task is said once on the terminal (QA: five times:
         # the task's exception and end, the flow's exception and end, then the error line).
         unreachable = stoker_run(work, "data.repo_url=http://127.0.0.1:9/repo.git")

@@ -73,7 +73,7 @@ def test_a_requested_stop_reads_stopping_not_restarting(tmp_path):
                   {"event": "checkpoint", "step": 16, "time": 3.5},
                   {"event": "end", "step": 16, "time": 3.6, "outcome": "preempted"}]:
         append_jsonl(tmp_path / "progress.jsonl", event)
-    watcher.poll()
+    watcher.report_now(1, retrying=True)
     assert seen[-1][1] == "restarting (attempt 2, resuming at step 16/66)"
     request_stop(tmp_path, "cost-guard", "stalled")
     watcher.poll()
@@ -98,7 +98,7 @@ def test_a_prefect_cancel_reads_stopping_not_restarting(tmp_path):
                   {"event": "checkpoint", "step": 16, "time": 3.5},
                   {"event": "end", "step": 16, "time": 3.6, "outcome": "preempted"}]:
         append_jsonl(tmp_path / "progress.jsonl", event)
-    watcher.poll()
+    watcher.report_now(1, retrying=True)
     assert seen[-1] == "restarting (attempt 2, resuming at step 16/66)"  # a preemption
     record_stop_sender(tmp_path, "a Prefect cancel of flow run 'just-coati'")
     watcher.poll()
@@ -133,3 +133,65 @@ def test_no_step_line_after_stoker_run_said_stopping(tmp_path, monkeypatch):
     watcher.poll()
     assert len(seen) == 2 and seen[-1] == ("stopping (SIGINT (Ctrl-C)): checkpoint committed at "
                                            "step 16/66"), seen
+
+
+def test_restarting_is_said_only_when_a_retry_follows(tmp_path):
+    """New-user trial: with retry.max_infra_failures=0, a lost data worker printed `restarting
+    (attempt 2, resuming at step …)` and `no retry left` 40 ms later. The watcher's own polls
+    leave the line out until the train task has decided (report_now)."""
+    from stoker.launch.supervisor import ProgressWatcher
+    from stoker.runtime.records import append_jsonl
+
+    def attempt(job, end: str) -> tuple[ProgressWatcher, list[str]]:
+        seen: list[str] = []
+        watcher = ProgressWatcher(job, lambda p, m: seen.append(m))
+        for event in [{"event": "start", "step": 0, "time": 0.0, "total_steps": 66},
+                      *steps(1, 12, 0.0, 0.2),
+                      {"event": "checkpoint", "step": 10, "time": 2.1},
+                      {"event": "end", "step": 12, "time": 2.6, "outcome": end}]:
+            append_jsonl(job / "progress.jsonl", event)
+        watcher.poll()
+        assert seen == [], seen  # ended, not decided yet: nothing said
+        return watcher, seen
+
+    (spent := tmp_path / "spent").mkdir()
+    watcher, seen = attempt(spent, "infrastructure")
+    watcher.report_now(1, retrying=False)
+    watcher.poll()
+    assert seen == ["step 12/66 (attempt 1): infrastructure, no retry left"], seen
+    (retried := tmp_path / "retried").mkdir()
+    watcher, seen = attempt(retried, "preempted")
+    watcher.report_now(1, retrying=True)
+    assert seen == ["restarting (attempt 2, resuming at step 10/66)"], seen
+
+
+def test_attempts_are_numbered_by_their_records_not_by_start_events(tmp_path):
+    """New-user trial: attempt 1 died before its ranks' start event (a data worker killed at
+    step 0); attempt 2 finished, and the progress line and `stoker status` said `step 45/45
+    (attempt 1): completed`. The attempt records (attempts.jsonl) number the attempts."""
+    from stoker.launch.attempts import AttemptLog
+    from stoker.launch.status import attempt_at, job_summary
+    from stoker.launch.supervisor import ProgressWatcher
+    from stoker.runtime.records import append_jsonl
+
+    log = AttemptLog(tmp_path)
+    log.start(1, "on_demand", "flow-run", "local")
+    log.end(1, {"number": 1, "exit_code": 137, "outcome": "infrastructure_failure",
+                "started": 0.0, "duration_s": 1.0})
+    log.start(2, "on_demand", "flow-run", "local")
+    started_2 = log.records()[-1]["started"]
+    seen: list[str] = []
+    watcher = ProgressWatcher(tmp_path, lambda p, m: seen.append(m))
+    for event in [{"event": "start", "step": 0, "time": started_2 + 1, "total_steps": 45},
+                  *steps(1, 45, started_2 + 1, 0.01),
+                  {"event": "end", "step": 45, "time": started_2 + 2, "outcome": "completed"}]:
+        append_jsonl(tmp_path / "progress.jsonl", event)
+    watcher.poll()
+    assert seen == ["step 45/45 (attempt 2): completed"], seen
+    assert job_summary(tmp_path).progress.attempt == 2
+    # untrusted records: no number, a flag for a time, a time after the start
+    assert attempt_at([{"number": True, "started": 0}, {"number": 3, "started": "0"},
+                       {"number": 4, "started": 9.0}], 5.0) is None
+    assert attempt_at([{"number": 1, "started": 0.0}], True) is None
+    assert job_progress([{"event": "start", "step": 0, "time": 5.0, "total_steps": 9}],
+                        [{"number": 4, "started": 9.0}]).attempt == 1  # counted, as before

@@ -30,7 +30,7 @@ from stoker.runtime.records import append_jsonl, read_json, read_jsonl
 ATTEMPTS_FILE = "attempts.jsonl"
 # What the runtime's last `end` event says, as an attempt outcome (stoker.launch.retry.Outcome).
 _END_OUTCOME = {"completed": "completed", "preempted": "preempted", "failed": "user_error",
-                "infrastructure": "infrastructure_failure"}
+                "infrastructure": "infrastructure_failure", "storage": "storage_error"}
 # The checkpointer's layout (stoker.runtime.checkpoint, which imports torch): a step counts once
 # its folder holds the commit marker.
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
@@ -183,6 +183,18 @@ class AttemptLog:
             closed.append({**entry, "number": number})
         return closed
 
+    def steps_lost_if_closed(self, record: dict[str, Any]) -> int:
+        """The ``steps_lost`` an open attempt ``record`` (:meth:`records`) will get when the next
+        run closes it (:meth:`close_interrupted`): the step its ranks reached minus the last
+        checkpoint of ``progress.jsonl``; 0 for a closed record. For a job whose run died or
+        was stopped at once (a second Ctrl-C), so that ``stoker status`` counts them before
+        the next run does."""
+        started = record.get("started")
+        if is_closed(record) or not isinstance(started, int | float) or isinstance(started, bool):
+            return 0
+        lost = self._runtime_end(float(started))[0].get("steps_lost", 0)
+        return lost if isinstance(lost, int) else 0
+
     def _failed_saves(self, number: int) -> dict[str, Any]:
         """``{"failed_saves": [steps]}`` for the saves attempt ``number`` gave up after their
         upload tries (the runtime's ``checkpoint_failed`` events since it started; {} if none)."""
@@ -233,7 +245,10 @@ def describe_interrupted(record: dict[str, Any]) -> str | None:
     if not record.get("interrupted") or "runtime_outcome" not in record:
         return None
     parts = []
-    if record.get("left_open"):
+    if record.get("left_open") and record.get("stopped_by"):  # a second Ctrl-C: not a death
+        parts.append("its run was stopped at once, without waiting to record the attempt's end "
+                     "(the next run closed it)")
+    elif record.get("left_open"):
         parts.append("its run's process died (no one recorded the attempt's end; the next run "
                      "closed it)")
     parts.append(_ranks_did(record))
@@ -251,6 +266,8 @@ def _ranks_did(record: dict[str, Any]) -> str:
         return f"its ranks completed training at step {end}"
     if outcome == "user_error":
         return f"its ranks failed at step {end}"
+    if outcome == "storage_error":
+        return f"its ranks could not write a checkpoint (the storage refused it) at step {end}"
     if outcome == "infrastructure_failure":  # a data worker or a peer rank lost: no stop
         committed = record.get("committed_step") or 0
         last = f"last checkpoint at step {committed}" if committed else "no checkpoint committed"

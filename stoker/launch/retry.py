@@ -1,7 +1,8 @@
 """How an attempt ended (from the runtime's exit-code contract) and which attempts to retry.
 
 No Prefect here: the ``train`` task wraps these functions. The exit-code contract is the runtime's
-(see ``stoker.runtime.launch``): 0 done, 75 preempted, 137 killed (infrastructure), else a bug.
+(see ``stoker.runtime.launch``): 0 done, 75 preempted, 137 killed (infrastructure), 74 the
+checkpoint storage refused a write (a full disk), else a bug or bad input.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from enum import StrEnum
 from tenacity import Retrying, retry_if_result, stop_never, wait_exponential
 
 from stoker.config import RetryConfig
-from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_OK, EXIT_PREEMPTED
+from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE
 
 
 class Outcome(StrEnum):
@@ -24,6 +25,7 @@ class Outcome(StrEnum):
     PREEMPTED = "preempted"
     INFRASTRUCTURE = "infrastructure_failure"
     USER_ERROR = "user_error"
+    STORAGE = "storage_error"  # the checkpoint storage refused a write: not retried
     STOPPED = "stopped"  # the cost guard or a user asked for the stop: not retried
 
 
@@ -35,6 +37,8 @@ def classify_exit(code: int) -> Outcome:
         return Outcome.PREEMPTED
     if code in (137, -signal.SIGKILL):
         return Outcome.INFRASTRUCTURE
+    if code == EXIT_STORAGE:
+        return Outcome.STORAGE
     return Outcome.USER_ERROR
 
 
@@ -91,6 +95,15 @@ BUDGET_FIELDS = {Outcome.PREEMPTED: "retry.max_preemptions",
                  Outcome.INFRASTRUCTURE: "retry.max_infra_failures"}
 
 
+def will_retry(policy: RetryConfig, attempts: list[Attempt]) -> bool:
+    """Whether the last of ``attempts`` (this run's, oldest first) is retried: its outcome is
+    one that retries and its budget (``budget_for``) covers every attempt that ended so."""
+    if not attempts or attempts[-1].outcome not in RETRYABLE:
+        return False
+    outcome = attempts[-1].outcome
+    return sum(a.outcome == outcome for a in attempts) <= budget_for(policy, outcome)
+
+
 def budget_spent(policy: RetryConfig, attempts: list[Attempt]) -> str | None:
     """Why retrying stopped, when the last attempt's outcome ran out of its budget, in words:
     ``"3 infrastructure_failure attempts, more than retry.max_infra_failures=2"``; None when the
@@ -130,12 +143,6 @@ def run_with_retries(launch: Callable[[int], int], policy: RetryConfig,
         on_attempt(attempt)
         return attempt
 
-    def should_retry(attempt: Attempt) -> bool:
-        if attempt.outcome not in RETRYABLE:
-            return False
-        used = sum(1 for a in attempts if a.outcome == attempt.outcome)
-        return used <= budget_for(policy, attempt.outcome)
-
     backoff = wait_exponential(multiplier=policy.backoff_s, max=policy.backoff_max_s)
 
     def wait(state) -> float:
@@ -144,7 +151,7 @@ def run_with_retries(launch: Callable[[int], int], policy: RetryConfig,
             return 0.0
         return backoff(state)
 
-    retrying = Retrying(retry=retry_if_result(should_retry), stop=stop_never, sleep=sleep,
-                        wait=wait)
+    retrying = Retrying(retry=retry_if_result(lambda _: will_retry(policy, attempts)),
+                        stop=stop_never, sleep=sleep, wait=wait)
     retrying(once)
     return attempts

@@ -73,13 +73,31 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
-def job_progress(events: list[dict]) -> JobProgress | None:
-    """The job's current view from its events (oldest first); None before the first start."""
+def attempt_at(records: list[dict], time_s: object) -> int | None:
+    """The number of the attempt that was running at ``time_s`` (Unix seconds): the newest of
+    the job's attempt records (``attempts.jsonl``, :meth:`AttemptLog.records`) that started at
+    or before it; None when none did or a value is not a number (untrusted records)."""
+    if not isinstance(time_s, int | float) or isinstance(time_s, bool):
+        return None
+    numbers = [r["number"] for r in records
+               if isinstance(r.get("number"), int) and not isinstance(r.get("number"), bool)
+               and isinstance(r.get("started"), int | float) and r["started"] <= time_s]
+    return max(numbers, default=None)
+
+
+def job_progress(events: list[dict], records: list[dict] | None = None) -> JobProgress | None:
+    """The job's current view from its events (oldest first); None before the first start.
+
+    ``records``: the job's attempt records (:meth:`AttemptLog.records`), which number the
+    attempts (an attempt that died before its ranks' ``start`` event has a record but no
+    event); without them, or when no record covers the last start, the ``start`` events are
+    counted."""
     starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
     if not starts:
         return None
     start = events[starts[-1]]
-    attempt, total = len(starts), int(start.get("total_steps") or 1)
+    attempt = attempt_at(records or [], start.get("time")) or len(starts)
+    total = int(start.get("total_steps") or 1)
     current = events[starts[-1] + 1:]
     steps = [e for e in current if e.get("event") == "step"]
     step = int(steps[-1]["step"]) if steps else int(start.get("step") or 0)
@@ -166,8 +184,8 @@ def job_summary(job_dir: Path, now: float | None = None,
     events = [e for e in read_events(job_dir)
               if isinstance(e.get("time"), int | float) and isinstance(e.get("step"), int)]
     failed = tuple(e["step"] for e in events if e.get("event") == "checkpoint_failed")
-    progress = job_progress(events)
     records = AttemptLog(job_dir).records()
+    progress = job_progress(events, records)
     history = closed(records)
     beat = read_json(job_dir / "heartbeat.json", default=None, warn=quiet)
     beat_time = beat.get("time") if isinstance(beat, dict) else None
@@ -209,7 +227,12 @@ def job_summary(job_dir: Path, now: float | None = None,
         cost_usd=float(cost) if isinstance(cost, int | float) else None,
         mlflow_run_id=read_text(job_dir / "mlflow_run_id", warn=quiet),
         heartbeat_age_s=now - beat_time if isinstance(beat_time, int | float) else None,
-        progress=progress, owner=owner, steps_lost=steps_lost(history, events),
+        progress=progress, owner=owner,
+        # An attempt that no live run trains and no one closed (its run died, or a second
+        # Ctrl-C stopped it at once) has lost its steps already (trial: `steps lost 0` beside
+        # `reached step 705/1449, resumes at step 700`).
+        steps_lost=steps_lost(history, events) + (
+            AttemptLog(job_dir).steps_lost_if_closed(records[-1]) if records and not live else 0),
         failed_saves=failed, stopped_by=stopped_by if state == "stopped" else None,
         stalled=state == "stopped" and request is not None and request.stalled)
 

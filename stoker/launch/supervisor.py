@@ -175,6 +175,7 @@ class ProgressWatcher(threading.Thread):
         self.stopped = threading.Event()
         self._lock = threading.Lock()  # a poll of the thread and report_now never interleave
         self._last: str | None = None
+        self._retrying: dict[int, bool] = {}  # attempt number -> retried (report_now)
         self._since = time.time()  # a stop sender recorded before this run is not this run's
         # Only the new bytes are read at each poll (the file grows by a line per step), and
         # only what job_progress looks at is kept: every start, end and checkpoint event, and
@@ -217,7 +218,9 @@ class ProgressWatcher(threading.Thread):
             self._add(event)
         if self._starts() == self._starts_before:
             return  # this run's first attempt has not started yet
-        progress = job_progress([*self._marks, *self._steps])
+        # The attempt records number the attempts (one that died before its ranks' start event
+        # has no event: counting events said "attempt 1" of attempt 2, trial).
+        progress = job_progress([*self._marks, *self._steps], AttemptLog(self.job_dir).records())
         if progress is None:
             return
         if progress.state == "training" and stop_reason() is not None:
@@ -230,6 +233,11 @@ class ProgressWatcher(threading.Thread):
             if reason:
                 message = (f"stopping ({reason}): checkpoint committed at step "
                            f"{progress.resume_step or progress.step}/{progress.total_steps}")
+            elif (retrying := self._retrying.get(progress.attempt)) is None:
+                return  # the train task says it once it has decided (report_now)
+            elif not retrying:  # its retry budget is spent (trial: "restarting" said anyway)
+                message = (f"step {progress.step}/{progress.total_steps} (attempt "
+                           f"{progress.attempt}): {progress.outcome}, no retry left")
         if message != self._last:
             self._last = message
             self.on_progress(progress.percent, message)
@@ -242,10 +250,18 @@ class ProgressWatcher(threading.Thread):
         self.stopped.set()
         self._poll_safely()
 
-    def report_now(self) -> None:
+    def report_now(self, attempt: int | None = None, retrying: bool | None = None) -> None:
         """Report what the events say now, from the caller's thread: called as an attempt ends,
         so that its last line comes before the next attempt's (not up to ``every_s`` later,
-        after "attempt 2 on ...")."""
+        after "attempt 2 on ...").
+
+        ``attempt``, ``retrying``: the job's attempt number that just ended and whether it is
+        retried. Ranks that ended it to be resumed (preempted, an infrastructure failure they
+        found) read as ``restarting (attempt N+1, …)`` only once the caller says a retry
+        follows; until then the thread's polls leave that line out, and without a retry it
+        reads ``…: infrastructure, no retry left``."""
+        if attempt is not None and retrying is not None:
+            self._retrying[attempt] = retrying
         self._poll_safely()
 
     def _poll_safely(self) -> None:
@@ -320,12 +336,16 @@ class LineLog:
     # What a rank logs for a named user error (exit 2): ``[rank0] <time> ERROR stoker.runtime: ...``
     RANK_ERROR = re.compile(r"^\[rank\d+\] .*? ERROR stoker\.runtime[\w.]*: (.+)$")
     # torchrun's own lines about a stop that Stoker reports itself ("attempt 2 ended: preempted
-    # (exit 75)"): kept in the file, not passed on (they read as warnings and errors). With
-    # forked ranks torchrun words them differently, and logs the traceback of its own wait for
-    # the ranks (each line prefixed) beside a rank's exit: the rank's own log says why.
+    # (exit 75)"), and its "failed (exitcode: N)" for an exit the rank chose and named in its
+    # own line (2 bad input, 74 storage, 137 an infrastructure failure it found: the launcher's
+    # line says which rank): kept in the file, not passed on (they read as warnings and
+    # errors). With forked ranks torchrun words them differently, and logs the traceback of its
+    # own wait for the ranks (each line prefixed) beside a rank's exit: the rank's own log says
+    # why. A rank killed by a signal (exitcode -9) or a bug (1) keeps torchrun's line.
     AGENT_NOISE = re.compile(
         r"torch/distributed/elastic/\S+\] (Sending process \d+ closing signal|Closing process "
-        r"\d+ via signal|Received \S+ death signal|failed \(exitcode: 75\)|Traceback \(most "
+        r"\d+ via signal|Received \S+ death signal|failed \(exitcode: (?:75|74|2|137)\)|"
+        r"Traceback \(most "
         r"recent call last\)|\s|torch\.multiprocessing\.spawn\.Process\w*Exception: )"
         r"|torch/multiprocessing/spawn\.py:\d+\] Terminating process \d+ via signal")
 

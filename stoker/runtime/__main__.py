@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(spec_path: Path, stop: StopFlag) -> int:
     """Load the spec and train; ``stop`` is already listening. Returns the exit code."""
     from stoker.config import ConfigError
-    from stoker.runtime import EXIT_OK, EXIT_PREEMPTED
+    from stoker.runtime import EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, CheckpointWriteError
     from stoker.runtime.bucket import attach, caused_by_lost_lease
     from stoker.runtime.checkpoint import CheckpointError
     from stoker.runtime.data import DataError, DataStall, data_worker_killed
@@ -85,6 +85,12 @@ def run(spec_path: Path, stop: StopFlag) -> int:
             record_stop_committed(trainer.step)
             return EXIT_PREEMPTED
         return EXIT_OK
+    except CheckpointWriteError as e:
+        # The storage refused the write (a full disk): neither a bug nor bad input, and a retry
+        # would meet the same disk. Its own outcome (storage), not retried.
+        log.error("%s", e)
+        outcome = "storage"
+        return EXIT_STORAGE
     except CheckpointError as e:
         if caused_by_lost_lease(e):
             # Another node owns the job: stop as a lost local lease does (exit 75).

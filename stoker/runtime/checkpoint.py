@@ -46,13 +46,17 @@ import fsspec
 import torch
 from tenacity import Retrying, stop_after_attempt, wait_exponential
 
-from stoker.runtime import CheckpointError  # defined there: the orchestrator names it torch-free
+# Defined there: the orchestrator names them without importing torch.
+from stoker.runtime import CheckpointError, CheckpointWriteError
 from stoker.runtime.lease import LeaseLost
 from stoker.runtime.staging import HashingWriter, HostStaging
 
 log = logging.getLogger(__name__)
 
 MARKER = "COMMITTED"
+# Why a step folder has no marker: a killed process, or a save the storage refused (a full
+# disk), which the reader cannot tell apart.
+UNFINISHED = "its save did not finish: interrupted, or refused by the storage"
 DIGEST_SUFFIX = ".sha256"  # rank-00001.pt.sha256: that rank's own digest of its file, for rank 0
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 
@@ -216,7 +220,7 @@ class Checkpointer:
             with contextlib.suppress(Exception):
                 self.fs.rm(w.tmp)
 
-    def unwritable(self, step: int, error: BaseException) -> CheckpointError | None:
+    def unwritable(self, step: int, error: BaseException) -> CheckpointWriteError | None:
         """The one-line error for a save of ``step`` that the file system refused (an
         ``OSError`` anywhere in ``error``'s chain: a full disk, a read-only folder), naming
         the folder and what to do; None for any other error. (torch's zip writer raises its
@@ -234,8 +238,8 @@ class Checkpointer:
         hint = ("free space there, lower train.keep_latest_k, or point checkpoint_dir at a "
                 "larger disk" if cause.errno == errno.ENOSPC
                 else "check that checkpoint_dir is a folder this user can write")
-        return CheckpointError(f"checkpoint {self.step_dir(step)}: rank {self.rank} could not "
-                               f"write it ({why}): {hint}; the step stays uncommitted")
+        return CheckpointWriteError(f"checkpoint {self.step_dir(step)}: rank {self.rank} could "
+                                    f"not write it ({why}): {hint}; the step stays uncommitted")
 
     def _seal(self, written: _Written) -> str:
         """The second half: flush + fsync, close, rename. Returns the file's sha256."""
@@ -264,9 +268,10 @@ class Checkpointer:
 
         Raises:
             CheckpointError: an earlier save's background part failed (``wait()`` raises it
-                too), or the file system refused this save's serialization (a full disk: the
-                one line of :meth:`unwritable`). Any other error while serializing propagates
-                as it is. Either way the step stays uncommitted and no temporary file stays.
+                too), or the file system refused this save's serialization (a full disk: a
+                ``CheckpointWriteError``, the one line of :meth:`unwritable`). Any other error
+                while serializing propagates as it is. Either way the step stays uncommitted
+                and no temporary file stays.
         """
         started = time.perf_counter()
         self.wait()  # the previous save is written: its staging buffers are free again
@@ -453,7 +458,8 @@ class Checkpointer:
         return record["sha256"] if ok else None
 
     def wait(self) -> None:
-        """Block until the pending async save (if any) is done; re-raise its error."""
+        """Block until the pending async save (if any) is done; re-raise its error (a
+        ``CheckpointWriteError`` when the file system refused it, else ``CheckpointError``)."""
         if self._pending is not None:
             self._pending.join()
             self._pending = None
@@ -545,7 +551,7 @@ class Checkpointer:
         """
         folder = self.step_dir(step)
         if not self.fs.exists(f"{folder}/{MARKER}"):
-            raise CheckpointError(f"checkpoint {folder}: no {MARKER} marker (interrupted save)")
+            raise CheckpointError(f"checkpoint {folder}: no {MARKER} marker ({UNFINISHED})")
         try:
             marker, blobs = self._verify_and_read(step)
             shared = torch.load(io.BytesIO(blobs["shared.pt"]), map_location=map_location,
@@ -574,7 +580,7 @@ class Checkpointer:
         for step, committed in reversed(self._steps()):
             folder = self.step_dir(step)
             if not committed:
-                warn(f"checkpoint {folder}: no {MARKER} marker (interrupted save); skipped")
+                warn(f"checkpoint {folder}: no {MARKER} marker ({UNFINISHED}); skipped")
                 continue
             try:
                 return self.load_step(step, map_location)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stoker.runtime.checkpoint import Checkpointer, CheckpointError, Loaded
+from stoker.runtime.checkpoint import UNFINISHED, Checkpointer, CheckpointError, Loaded
 from stoker.runtime.distributed import DistEnv, all_reduce_min, broadcast_from_main
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def resume_point(ckpt: Checkpointer, env: DistEnv, on_none: str = "restart",
         if committed:
             candidates.append(step)
         elif not candidates:  # an interrupted save newer than any commit
-            skipped.append(f"{ckpt.step_dir(step)}: no COMMITTED marker (interrupted save)")
+            skipped.append(f"{ckpt.step_dir(step)}: no COMMITTED marker ({UNFINISHED})")
     result: Loaded | None = None
     index = 0
     while True:  # every rank loops until rank 0 proposes -1 (only rank 0 knows candidates)
