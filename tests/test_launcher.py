@@ -1,3 +1,4 @@
+import getpass
 import os
 import re
 import signal
@@ -150,6 +151,9 @@ def test_launcher_kills_the_tree_on_timeout(tmp_path, make_spec):
     assert leftovers == []
 
 
+INDUCTOR_CACHE = f"torchinductor_{getpass.getuser()}"  # torch.compile's, in the system's tmp
+
+
 def test_a_killed_launcher_leaves_nothing_in_the_temporary_folder(tmp_path, make_spec):
     """The launcher kept its stop-committed marker in a temporary folder of its own, which a
     SIGKILL (a second Ctrl-C, a takeover) left behind: one folder in /tmp per such attempt
@@ -176,7 +180,9 @@ def test_a_killed_launcher_leaves_nothing_in_the_temporary_folder(tmp_path, make
     code = launcher.run(spec, on_line=lambda line: None, timeout_s=180)
     killer.join()
     assert code in (-9, 137)
-    assert [p.name for p in tmp.iterdir() if p.name.startswith("stoker-launch-")] == []
+    # nothing but torch's compile cache, one per user and meant to last: torchrun's own
+    # folders were in the launcher's, which this call deletes
+    assert [p.name for p in tmp.iterdir()] in ([], [INDUCTOR_CACHE])
 
 
 def test_spot_falls_back_to_on_demand_after_n_preemptions():
@@ -358,3 +364,39 @@ def test_rank_lines_reach_the_prefect_log_at_the_ranks_own_level():
         forward(line)
     assert [level for level, _ in seen] == [logging.WARNING, logging.ERROR] + [logging.INFO] * 4
     assert [msg for _, msg in seen] == lines
+
+
+def test_an_attempt_leaves_no_temporary_folders_behind(make_spec, tmp_path):
+    """Trial: every attempt left torchrun's `torchelastic_*` folder, and often multiprocessing's
+    `pymp-*`, in /tmp (the launcher and the ranks end with os._exit, so their clean-up never
+    runs). They now live in the attempt's own temporary folder, deleted when it ends."""
+    import shutil
+    import tempfile
+
+    # short, as /tmp is: multiprocessing's Unix sockets in it may not pass 107 bytes
+    temporaries = Path(tempfile.mkdtemp(prefix="t-", dir="/tmp"))
+    spec = make_spec("temporaries", tracking=False, epochs=1, num_workers=1)
+    lines: list[str] = []
+    try:
+        code = LocalLauncher(2, env={"TMPDIR": str(temporaries)}).run(spec, on_line=lines.append)
+        left = sorted(p.name for p in temporaries.iterdir())
+    finally:
+        shutil.rmtree(temporaries, ignore_errors=True)
+    assert code == 0, "\n".join(lines[-40:])
+    assert left in ([], [INDUCTOR_CACHE])  # torch's compile cache is meant to last
+
+
+def test_a_long_temporary_folder_does_not_starve_the_data_workers(make_spec, tmp_path):
+    """Found while moving the temporaries: in a TMPDIR whose path leaves no room for
+    multiprocessing's Unix sockets (`pymp-*/listener-*`, 107 bytes at most), a DataLoader
+    worker could not hand a batch over (`AF_UNIX path too long`) and its rank waited for it
+    until train.data_timeout_s, then failed the attempt. The attempt's folder then goes to /tmp.
+    """
+    deep = tmp_path / ("deep-" + "x" * max(1, 90 - len(str(tmp_path))))
+    deep.mkdir()
+    spec = make_spec("deep", tracking=False, epochs=1, num_workers=1, data_timeout_s=20)
+    lines: list[str] = []
+    code = LocalLauncher(2, env={"TMPDIR": str(deep)}).run(spec, on_line=lines.append)
+    assert code == 0, "\n".join(lines[-40:])
+    assert not any("AF_UNIX path too long" in line for line in lines)
+    assert [p.name for p in deep.iterdir()] in ([], [INDUCTOR_CACHE])

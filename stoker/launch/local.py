@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from stoker.runtime.launch import PARKED_MARKER, exit_code_for
+from stoker.runtime.launch import ATTEMPT_TMP_ENV, PARKED_MARKER, attempt_folder, exit_code_for
 from stoker.runtime.preemption import STOP_COMMITTED_ENV, STOP_COMMITTED_FILE, die_with_parent
 from stoker.stopping import interrupted
 
@@ -225,6 +226,9 @@ class LocalLauncher:
         # The stop-committed marker in the job folder, not in a temporary folder of the
         # launcher's: a SIGKILLed launcher (a second Ctrl-C) left one in /tmp per attempt.
         env[STOP_COMMITTED_ENV] = str(Path(spec_path).parent / STOP_COMMITTED_FILE)
+        # The attempt's temporary folder (torchrun's logs, multiprocessing's sockets): the
+        # launcher deletes it as the attempt ends, and this call after a SIGKILL of it too.
+        env[ATTEMPT_TMP_ENV] = attempt_folder()
         argv, token = self.torchrun_args(spec_path), uuid.uuid4().hex
         standby = take_standby(self.python, env)
         self.process = None
@@ -260,6 +264,7 @@ class LocalLauncher:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.process.pid, signal.SIGKILL)
             reader.join(timeout=5)
+            shutil.rmtree(env[ATTEMPT_TMP_ENV], ignore_errors=True)
         return code
 
     def _wait(self, reader: threading.Thread, parked: list[int],

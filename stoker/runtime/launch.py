@@ -44,6 +44,7 @@ import re
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
@@ -67,6 +68,8 @@ def exit_code_for(exitcode: int) -> int:
 
 
 WORKER_START_ENV = "STOKER_WORKER_START"
+# The attempt's temporary folder (attempt_temporaries), named by the local launcher.
+ATTEMPT_TMP_ENV = "STOKER_ATTEMPT_TMPDIR"
 WORKER_STARTS = ("fork", "exec")
 RUNTIME_MODULE = "stoker.runtime"
 
@@ -154,19 +157,75 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stoker.runtime.launch: {e}", file=sys.stderr, flush=True)
         return 2
     argv = sys.argv[1:] if argv is None else argv
-    given = os.environ.get(STOP_COMMITTED_ENV, "").strip()
-    if given:  # the caller's (the local launcher: in the job folder, which the lease guards)
-        marker = Path(given)
-        marker.unlink(missing_ok=True)  # an earlier attempt's: not this stop's
-        try:
-            return _run_torchrun(argv, marker, start)
-        finally:
-            with contextlib.suppress(OSError):
-                marker.unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory(prefix="stoker-launch-") as tmp:
-        marker = Path(tmp) / STOP_COMMITTED_FILE
+    with attempt_temporaries() as tmp:
+        given = os.environ.get(STOP_COMMITTED_ENV, "").strip()
+        if given:  # the caller's (the local launcher: in the job folder, which the lease guards)
+            marker = Path(given)
+            marker.unlink(missing_ok=True)  # an earlier attempt's: not this stop's
+            try:
+                return _run_torchrun(argv, marker, start)
+            finally:
+                with contextlib.suppress(OSError):
+                    marker.unlink(missing_ok=True)
+        marker = tmp / STOP_COMMITTED_FILE
         os.environ[STOP_COMMITTED_ENV] = str(marker)  # the workers inherit it
         return _run_torchrun(argv, marker, start)
+
+
+# multiprocessing's Unix sockets lie two levels down (``pymp-XXXXXXXX/listener-XXXXXXXX``, 32
+# bytes) and their path may not pass 107 bytes: in a longer folder a DataLoader worker cannot
+# hand a batch over ("AF_UNIX path too long") and its rank waits for it until
+# train.data_timeout_s.
+MAX_TEMPORARY_FOLDER = 107 - 32
+
+
+def attempt_folder() -> str:
+    """A new ``stoker-*`` folder for one attempt's temporaries: in the system's temporary folder
+    (``TMPDIR``), or in ``/tmp`` when that one's path is too long for multiprocessing's sockets
+    (``MAX_TEMPORARY_FOLDER``, e.g. a scheduler's per-job ``TMPDIR`` deep in a scratch disk)."""
+    folder = tempfile.mkdtemp(prefix="stoker-")
+    if len(os.fsencode(folder)) > MAX_TEMPORARY_FOLDER and os.path.isdir("/tmp"):
+        os.rmdir(folder)
+        folder = tempfile.mkdtemp(prefix="stoker-", dir="/tmp")
+    return folder
+
+
+@contextlib.contextmanager
+def attempt_temporaries() -> Iterator[Path]:
+    """The attempt's temporary folder, made the temporary folder of this launcher and of its
+    ranks (``tempfile.tempdir`` for the forked ones, ``TMPDIR`` for exec'd ones) and deleted
+    with everything in it when the attempt ends: the one ``STOKER_ATTEMPT_TMPDIR`` names (the
+    local launcher's, which it deletes too, also after a SIGKILL of this process), else a new
+    one (:func:`attempt_folder`).
+
+    torchrun's log folder (``torchelastic_*``) and multiprocessing's (``pymp-*``, the ranks' and
+    their DataLoader workers') land there: those processes end with ``os._exit``, so their own
+    clean-up never runs, and the folders collected in ``/tmp``, a few per attempt.
+    ``torch.compile``'s cache stays where it was (``TORCHINDUCTOR_CACHE_DIR``, by default
+    ``torchinductor_<user>`` in the system's temporary folder), so a resumed attempt reuses the
+    kernels compiled before."""
+    import getpass
+    import shutil
+
+    previous_dir, previous_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor is None:
+        with contextlib.suppress(Exception):  # no user name (a container's uid): torch's default
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+                tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
+    folder = os.environ.get(ATTEMPT_TMP_ENV, "").strip() or attempt_folder()
+    os.makedirs(folder, exist_ok=True)
+    tempfile.tempdir, os.environ["TMPDIR"] = folder, folder
+    try:
+        yield Path(folder)
+    finally:
+        tempfile.tempdir = previous_dir  # a parked standby's next attempt gets its own
+        for name, value in (("TMPDIR", previous_env), ("TORCHINDUCTOR_CACHE_DIR", inductor)):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _runs_the_runtime(args) -> bool:
