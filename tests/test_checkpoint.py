@@ -164,11 +164,19 @@ def test_a_save_removes_its_own_rank_s_temporaries_left_by_an_earlier_process(tm
     for name in ("rank-00000.pt.tmp-99999", "shared.pt.tmp-99999", "rank-00001.pt.tmp-99999"):
         (folder / name).write_bytes(b"x" * 100)
     ckpt = Checkpointer(str(tmp_path), 0, 1)
-    ckpt.save(5, state(5), {"rng": 0})
-    ckpt.wait()
+    listed_in: list[str] = []  # the folder's listing (a request in a bucket): not the loop's
+    listing = ckpt.fs.ls
+    ckpt.fs.ls = lambda *a, **k: (listed_in.append(threading.current_thread().name),
+                                  listing(*a, **k))[1]
+    try:
+        ckpt.save(5, state(5), {"rng": 0})
+        ckpt.wait()
+    finally:
+        del ckpt.fs.ls
     assert sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name) == [
         "rank-00001.pt.tmp-99999"]
     assert ckpt.committed_steps() == [5]
+    assert listed_in and threading.main_thread().name not in listed_in, listed_in
 
 
 def test_fsspec_url_location():

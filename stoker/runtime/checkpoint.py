@@ -368,7 +368,6 @@ class Checkpointer:
         not yet durable: :meth:`_commit_step` finishes them."""
         folder = self.step_dir(step)
         self.fs.makedirs(folder, exist_ok=True)
-        self._remove_stale_temporaries(folder)
         written = [self._serialize(f"{folder}/rank-{self.rank:05d}.pt", rank_state)]
         if self.rank == 0:
             try:
@@ -399,8 +398,10 @@ class Checkpointer:
     def _commit_step(self, step: int, written: list[_Written],
                      metrics: dict | None = None) -> None:
         """Make this rank's files durable; rank > 0 publishes its digest, rank 0 commits from
-        every rank's digest and purges."""
+        every rank's digest and purges. First it deletes what an earlier process of this rank
+        left in the folder (a listing: in a bucket a request, off the training thread here)."""
         folder = self.step_dir(step)
+        self._remove_stale_temporaries(folder)
         rank_file = f"rank-{self.rank:05d}.pt"
         digests: list[str] = []
         try:
