@@ -287,30 +287,15 @@ class Checkpointer:
                 if (refused := self.unwritable(step, e)) is not None:
                     raise refused from e
                 raise
-            self._pending = threading.Thread(
-                target=self._commit_guarded, args=(step, written, metrics),
-                name=f"ckpt-{step}-rank-{self.rank}", daemon=True,
-            )
-            try:
-                self._pending.start()
-            except BaseException:
-                self._pending = None
-                self._discard(written)
-                raise
+            self._in_background(step, lambda: self._commit_step(step, written, metrics),
+                                undo=lambda: self._discard(written))
         else:
             ready = self.staging.begin()
             if not defer_copy:
                 state, ready = self.staging.copy(state, ready), None
-            self._pending = threading.Thread(
-                target=self._run_guarded, args=(step, state, metrics, ready, defer_copy),
-                name=f"ckpt-{step}-rank-{self.rank}", daemon=True,
-            )
-            try:
-                self._pending.start()
-            except BaseException:
-                self._pending = None
-                self.staging.cancel()
-                raise
+            self._in_background(
+                step, lambda: self._stage_and_write(step, state, metrics, ready, defer_copy),
+                undo=self.staging.cancel)
         self.last_blocking_s = time.perf_counter() - started
 
     def wait_staged(self) -> float:
@@ -319,22 +304,35 @@ class Checkpointer:
         had finished). On a GPU the compute stream waits for the copy, not the host."""
         return self.staging.wait() if self.staging is not None else 0.0
 
-    def _run_guarded(self, step: int, state: dict, metrics: dict, ready: Any,
-                     copy_here: bool) -> None:
-        try:
-            if copy_here:
-                state = self.staging.copy(state, ready)
-            self.staging.settle()
-            write = self._write_step_retried if self.remote else self._write_step
-            write(step, state["shared"], state["rank"], metrics)
-        except BaseException as e:  # re-raised in the training thread by wait()
-            self._error, self._error_step = e, step
+    def _in_background(self, step: int, work: Callable[[], None],
+                       undo: Callable[[], None]) -> None:
+        """Run ``work`` in the save's own thread (``ckpt-<step>-rank-<r>``, joined by
+        :meth:`wait`, which raises its error in the training thread); ``undo`` when the thread
+        cannot start (the error is then raised here)."""
+        def guarded() -> None:
+            try:
+                work()
+            except BaseException as e:  # re-raised in the training thread by wait()
+                self._error, self._error_step = e, step
 
-    def _commit_guarded(self, step: int, written: list[_Written], metrics: dict) -> None:
+        self._pending = threading.Thread(target=guarded, name=f"ckpt-{step}-rank-{self.rank}",
+                                         daemon=True)
         try:
-            self._commit_step(step, written, metrics)
-        except BaseException as e:  # re-raised in the training thread by wait()
-            self._error, self._error_step = e, step
+            self._pending.start()
+        except BaseException:
+            self._pending = None
+            undo()
+            raise
+
+    def _stage_and_write(self, step: int, state: dict, metrics: dict, ready: Any,
+                         copy_here: bool) -> None:
+        """An async save's background part: the host copy (``copy_here``, deferred), then the
+        whole write of the step, retried when the store is remote."""
+        if copy_here:
+            state = self.staging.copy(state, ready)
+        self.staging.settle()
+        write = self._write_step_retried if self.remote else self._write_step
+        write(step, state["shared"], state["rank"], metrics)
 
     def _write_step_retried(self, step: int, shared: dict | None, rank_state: dict,
                             metrics: dict) -> None:
