@@ -158,7 +158,7 @@ def test_restarting_is_said_only_when_a_retry_follows(tmp_path):
     watcher, seen = attempt(spent, "infrastructure")
     watcher.report_now(1, retrying=False)
     watcher.poll()
-    assert seen == ["step 12/66 (attempt 1): infrastructure, no retry left"], seen
+    assert seen == ["step 12/66 (attempt 1): infrastructure_failure, no retry left"], seen
     (retried := tmp_path / "retried").mkdir()
     watcher, seen = attempt(retried, "preempted")
     watcher.report_now(1, retrying=True)

@@ -29,7 +29,7 @@ from stoker.runtime.records import append_jsonl, read_json, read_jsonl
 
 ATTEMPTS_FILE = "attempts.jsonl"
 # What the runtime's last `end` event says, as an attempt outcome (stoker.launch.retry.Outcome).
-_END_OUTCOME = {"completed": "completed", "preempted": "preempted", "failed": "user_error",
+END_OUTCOME = {"completed": "completed", "preempted": "preempted", "failed": "user_error",
                 "infrastructure": "infrastructure_failure", "storage": "storage_error"}
 # The checkpointer's layout (stoker.runtime.checkpoint, which imports torch): a step counts once
 # its folder holds the commit marker.
@@ -215,7 +215,7 @@ class AttemptLog:
         events = [e for e in every if isinstance(e.get("time"), int | float)
                   and e["time"] >= started]
         ends = [e for e in events if e.get("event") == "end"]
-        ranks: dict[str, Any] = {"runtime_outcome": _END_OUTCOME.get(
+        ranks: dict[str, Any] = {"runtime_outcome": END_OUTCOME.get(
             ends[-1].get("outcome"), "interrupted") if ends else "interrupted"}
         if ends and isinstance(ends[-1].get("step"), int):
             ranks["runtime_end_step"] = ends[-1]["step"]

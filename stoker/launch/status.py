@@ -36,6 +36,15 @@ class JobProgress:
     start_step: int | None = None  # the step the current attempt started (resumed) at
 
     @property
+    def outcome_name(self) -> str | None:
+        """The runtime's word for how the attempt ended (its ``end`` event: ``failed``,
+        ``storage``, ...) as the attempt's outcome reads everywhere else (``user_error``,
+        ``storage_error``, ...: ``stoker.launch.retry.Outcome``)."""
+        from stoker.launch.attempts import END_OUTCOME
+
+        return END_OUTCOME.get(self.outcome, self.outcome) if self.outcome else None
+
+    @property
     def percent(self) -> float:
         """Share of steps done, 0-100, one decimal."""
         return round(100 * self.step / max(self.total_steps, 1), 1)
@@ -52,7 +61,7 @@ class JobProgress:
             return (f"restarting (attempt {self.attempt + 1}, resuming at step "
                     f"{self.resume_step or 0}/{self.total_steps})")
         if self.state in ("completed", "ended"):
-            return f"{where}: {self.outcome}"
+            return f"{where}: {self.outcome_name}"
         if self.state == "idle":
             return (f"not running: reached step {self.step}/{self.total_steps}, resumes at step "
                     f"{self.resume_step or 0} (run the same command)")

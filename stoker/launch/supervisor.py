@@ -237,7 +237,7 @@ class ProgressWatcher(threading.Thread):
                 return  # the train task says it once it has decided (report_now)
             elif not retrying:  # its retry budget is spent (trial: "restarting" said anyway)
                 message = (f"step {progress.step}/{progress.total_steps} (attempt "
-                           f"{progress.attempt}): {progress.outcome}, no retry left")
+                           f"{progress.attempt}): {progress.outcome_name}, no retry left")
         if message != self._last:
             self._last = message
             self.on_progress(progress.percent, message)
