@@ -172,7 +172,7 @@ def test_a_killed_orchestrator_is_taken_over_and_its_attempt_is_billed(api_env, 
     assert f"its run's process died (no one recorded the attempt's end; the next run closed " \
         f"it); {did}" in status.stdout, status.stdout
     assert "attempt 1 closed as interrupted by this run: the run that started it died" in \
-        (job / "train.log").read_text() and f"progress.jsonl recorded that {did}" in \
+        (job / "train.log").read_text() and f"in progress.jsonl, {did}" in \
         (job / "train.log").read_text()
     billed = sum(a["duration_s"] for a in history)
     assert run.data.metrics["billed_s"] == pytest.approx(billed, abs=0.01)

@@ -161,6 +161,11 @@ def test_a_job_stopped_at_once_counts_its_lost_steps_and_is_not_said_to_have_die
     assert "steps lost 22" in before.splitlines(), before
     [closed] = close_left_open(AttemptLog(job), str(job / "checkpoints"), lambda line: None)
     assert closed["stopped_by"] == "SIGINT (Ctrl-C)" and closed["steps_lost"] == 22
+    # Trial: train.log's line said "the run that started it died" here too.
+    note = (job / "train.log").read_text().splitlines()[-1]
+    assert ("attempt 1 closed as interrupted by this run: the run that started it was stopped "
+            "at once (a second signal after SIGINT (Ctrl-C)), so no one recorded its end") in \
+        note and "died" not in note, note
     after = CliRunner().invoke(app, ["status", "hhhh", "--work-dir", str(tmp_path)]).output
     assert "steps lost 22" in after.splitlines(), after
     assert "its run's process died" not in after, after
@@ -196,8 +201,8 @@ def test_status_says_why_a_left_open_attempt_was_closed_and_what_its_ranks_did(t
         log = (job / "train.log").read_text().splitlines()
         assert len(log) == 3 and log[-1].endswith(
             f"attempt 1 closed as interrupted by this run: the run that started it died, so no "
-            f"one recorded its end and its output after that is not in this log; progress.jsonl "
-            f"recorded that {did} (runtime outcome {'preempted' if stop else 'interrupted'}; "
+            f"one recorded its end and its output after that is not in this log; in "
+            f"progress.jsonl, {did} (runtime outcome {'preempted' if stop else 'interrupted'}; "
             f"billed {closed['duration_s']:.1f} s)")
         assert forwarded == [log[-1][-len(forwarded[0]):]]  # the Prefect log says it too
         assert close_left_open(AttemptLog(job), str(job / "checkpoints"), print) == []

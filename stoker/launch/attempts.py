@@ -283,11 +283,14 @@ def _ranks_did(record: dict[str, Any]) -> str:
 
 
 def left_open_note(record: dict[str, Any]) -> str:
-    """The line ``train.log`` gets when a run closes an attempt a dead run left open: its own
-    output after that run died was not captured (no one read it), and what ``progress.jsonl``
-    recorded of its ranks."""
+    """The line ``train.log`` gets when a run closes an attempt its own run left open: that run
+    died (``kill -9``, a lost node) or was stopped at once (a second Ctrl-C: the record's
+    ``stopped_by``), so its output after that was not captured (no one read it); and what the
+    ranks recorded in ``progress.jsonl``."""
     billed = float(record.get("duration_s") or 0)
+    by = record.get("stopped_by")
+    cause = f"was stopped at once (a second signal after {by})" if by else "died"
     return (f"attempt {record.get('number')} closed as interrupted by this run: the run that "
-            "started it died, so no one recorded its end and its output after that is not in "
-            f"this log; progress.jsonl recorded that {_ranks_did(record)} (runtime outcome "
+            f"started it {cause}, so no one recorded its end and its output after that is not "
+            f"in this log; in progress.jsonl, {_ranks_did(record)} (runtime outcome "
             f"{record.get('runtime_outcome')}; billed {billed:.1f} s)")
