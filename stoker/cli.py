@@ -266,11 +266,11 @@ class _TracebackFree(logging.Formatter):
 
 
 class _UserErrorOnce(logging.Filter):
-    """On the terminal, a user error (``_user_errors``) raised in a flow is said once, by the
-    command's last line (``error: ...``): Prefect's lines that repeat it (the task's exception and
-    end, the flow's exception) are dropped, the flow's end reads ``Finished in state Failed
-    (DatasetError: see the error line)``, and the lines of Stoker's own state hook go. The Prefect
-    UI's logs (the API handler) keep every line."""
+    """On the terminal, a user error (``_user_errors``) or a job's failure (``TrainingFailed``)
+    raised in a flow is said once, by the command's last line (``error: ...``): Prefect's lines
+    that repeat it (the task's exception and end, the flow's exception) are dropped, the flow's
+    end reads ``Finished in state Failed (DatasetError: see the error line)``, and the lines of
+    Stoker's own state hook go. The Prefect UI's logs (the API handler) keep every line."""
 
     HOOK = "cancel_stopped_flow_run"
 
@@ -310,9 +310,12 @@ def _with_subclasses(classes: tuple[type, ...]) -> list[str]:
 
 def quiet_console_tracebacks() -> None:
     """Prefect's terminal lines keep their message but not the traceback: a failed task repeats
-    it several times. A user error is said once (:class:`_UserErrorOnce`). The Prefect UI's task
-    log (the API handler) keeps every traceback and line."""
-    names = tuple(_with_subclasses(_user_errors()))
+    it several times. A user error, or a job that did not complete (``TrainingFailed``), is said
+    once (:class:`_UserErrorOnce`). The Prefect UI's task log (the API handler) keeps every
+    traceback and line."""
+    from stoker.launch.supervisor import TrainingFailed
+
+    names = tuple(_with_subclasses((*_user_errors(), TrainingFailed)))
     for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler) \

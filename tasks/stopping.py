@@ -44,16 +44,21 @@ from stoker.stopping import exit_now, rearm, stop_reason
 
 
 def attempt_state(code: int, request: StopRequest | None,
-                  ended_by_rank: int | None = None) -> State:
+                  ended_by_rank: int | None = None, retried: bool = True) -> State:
     """The attempt task run's final state, named after its outcome; ``data`` is the exit code.
-    ``ended_by_rank``: the rank whose own exit 137 ended the attempt (not a kill), if known."""
+    ``ended_by_rank``: the rank whose own exit 137 ended the attempt (not a kill), if known.
+    ``retried``: whether another attempt follows (:func:`stoker.launch.retry.will_retry`); when
+    none does, a preemption or an infrastructure failure says ``no retry left`` (its budget,
+    ``retry.max_preemptions`` or ``retry.max_infra_failures``, is spent)."""
     outcome = outcome_of(code, request is not None)
     message = f"exit {describe_exit(code, ended_by_rank)}: {outcome}"
     if outcome == Outcome.COMPLETED:
         return Completed(data=code, message=message)
     if outcome == Outcome.PREEMPTED:
         return Completed(name="Preempted", data=code, message=f"{message} (checkpoint "
-                         "committed, resumed)")
+                         f"committed, {'resumed' if retried else NO_RETRY})")
+    if outcome == Outcome.INFRASTRUCTURE and not retried:
+        return Failed(name="InfrastructureFailure", data=code, message=f"{message}, {NO_RETRY}")
     if outcome == Outcome.STOPPED:
         name = "StoppedByGuard" if request.by == "cost-guard" else "StoppedByUser"
         return Cancelled(name=name, data=code, message=f"{message}: {request.describe()}")
@@ -62,6 +67,9 @@ def attempt_state(code: int, request: StopRequest | None,
     if outcome == Outcome.STORAGE:
         return Failed(name="StorageError", data=code, message=message)
     return Failed(name="UserError", data=code, message=message)
+
+
+NO_RETRY = "no retry left"  # an attempt's state message when its retry budget is spent
 
 
 def _cancel_runs(client, flow_run_id, message: str, flow_run_too: bool = True) -> None:
@@ -165,10 +173,12 @@ class StopLogFilter(logging.Filter):
         message = record.getMessage()
         if message.startswith(self.INFRASTRUCTURE_LINES) and record.levelno > logging.WARNING:
             # An attempt that lost its node, a rank or its data workers: retried from the last
-            # checkpoint while retry.max_infra_failures allows (the train task fails, with an
-            # ERROR, once it does not). Expected on spot capacity: a warning, not an error, and
-            # no traceback (Prefect attaches an empty one to a returned Failed state).
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            # checkpoint while retry.max_infra_failures allows. Expected on spot capacity: a
+            # warning, not an error. One that is not retried (its state says "no retry left")
+            # stays an ERROR (trial: a WARNING, though the job had failed). Neither carries a
+            # traceback (Prefect attaches an empty one to a returned Failed state).
+            if NO_RETRY not in message:
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.exc_info = record.exc_text = None
             return True
         if message.startswith("Finished in state Failed") and TrainingStopped.__name__ in message:

@@ -35,6 +35,7 @@ from stoker.launch.retry import (
     Outcome,
     budget_spent,
     describe_exit,
+    outcome_of,
     run_with_retries,
     will_retry,
 )
@@ -199,7 +200,11 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         except (subprocess.TimeoutExpired, TimeoutError):
             raise TimeoutError(f"train_timeout_s={config.train_timeout_s:g} s reached: job "
                                f"{job_dir.name} stopped (process tree terminated)") from None
-        return attempt_state(codes[number], read_stop_request(job_dir), ended_by.get(number))
+        request = read_stop_request(job_dir)
+        ended = Attempt(number, codes[number], outcome_of(codes[number], request is not None),
+                        0.0, 0.0)  # for the retry decision only (record() keeps the real one)
+        return attempt_state(codes[number], request, ended_by.get(number),
+                             retried=will_retry(config.retry, [*this_run, ended]))
 
     def launch(number: int) -> int:
         if lease.lost:  # another run took the job over: never launch a second trainer

@@ -168,6 +168,8 @@ def test_a_data_worker_killed_by_sigkill_is_an_infrastructure_failure(uninterrup
     assert attempts[0].exit_code == 137
     killed = int((tmp_path / "probe" / "killed").read_text())
     assert f"DataLoader worker (pid {killed}) was killed by SIGKILL" in output, output
+    # Trial: "the job resumes from the last checkpoint", also where no retry was left.
+    assert "retried from the last checkpoint while retry.max_infra_failures allows" in output
     assert "training failed" not in output
     assert "ended the attempt itself with exit 137" in output, output  # the rank's own 137
     assert_same_weights(spec.parent, uninterrupted[0])

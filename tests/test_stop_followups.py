@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,6 +87,13 @@ def test_a_stop_that_does_not_commit_counts_the_steps_it_lost(server, tmp_path):
         "; no retry left (1 infrastructure_failure attempt, more than "
         "retry.max_infra_failures=0); once its cause is fixed, the same command resumes from "
         f"the last checkpoint (its output: stoker logs {job.name})"), output[-3000:]
+    # Trial: the attempt's lines were WARNINGs as for a retried one, though none followed.
+    assert re.search(r"\| ERROR +\| .*Finished in state InfrastructureFailure\('exit [^']*: "
+                     r"infrastructure_failure, no retry left'", output), output[-3000:]
+    assert not re.search(r"\| WARNING +\| .*InfrastructureFailure", output), output[-3000:]
+    # Trial: the TrainingFailed text was printed 4 times; the last line says it once.
+    assert output.count("did not complete") == 1, output[-3000:]
+    assert "Finished in state Failed (TrainingFailed: see the error line)" in output
 
     (attempt,) = AttemptLog(job).history()
     assert attempt["outcome"] == "infrastructure_failure", attempt

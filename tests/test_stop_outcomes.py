@@ -244,6 +244,28 @@ def test_prefect_crash_lines_of_a_stop_read_as_what_happened(monkeypatch):
     failed.exc_info = (None, None, None)
     assert StopLogFilter().filter(failed)
     assert (failed.levelno, failed.exc_info) == (logging.WARNING, None)
+    # One that is not retried (its budget spent) stays an ERROR (trial: a WARNING), untraced.
+    spent = record("Task run failed with state: InfrastructureFailure(message='exit 137 "
+                   "(SIGKILL): infrastructure_failure, no retry left', type=FAILED)")
+    spent.exc_info = (None, None, None)
+    assert StopLogFilter().filter(spent)
+    assert (spent.levelno, spent.levelname, spent.exc_info) == (logging.ERROR, "ERROR", None)
+
+
+def test_an_attempt_state_says_when_no_retry_follows():
+    """New-user trial: with retry.max_infra_failures=0 the attempt read as one that is retried
+    (and a preemption past retry.max_preemptions read "resumed")."""
+    from tasks.stopping import attempt_state
+
+    assert attempt_state(137, None, retried=True).message == \
+        "exit 137 (SIGKILL): infrastructure_failure"
+    spent = attempt_state(137, None, retried=False)
+    assert (spent.name, spent.message, spent.is_failed()) == (
+        "InfrastructureFailure", "exit 137 (SIGKILL): infrastructure_failure, no retry left",
+        True)
+    assert attempt_state(75, None).message == "exit 75: preempted (checkpoint committed, resumed)"
+    assert attempt_state(75, None, retried=False).message == \
+        "exit 75: preempted (checkpoint committed, no retry left)"
 
 
 def test_the_spent_retry_budget_is_named():
@@ -324,9 +346,14 @@ def test_a_retried_infrastructure_failure_is_logged_as_a_warning_on_the_server(h
     def attempt():
         return attempt_state(137, None, 1)
 
+    @task(name="attempt-2")
+    def last_attempt():  # not retried: its budget is spent
+        return attempt_state(137, None, 1, retried=False)
+
     @flow
     def one_attempt():
         install_stop_log_filter()
+        last_attempt(return_state=True)
         return attempt(return_state=True)
 
     state = one_attempt(return_state=True)
@@ -335,9 +362,13 @@ def test_a_retried_infrastructure_failure_is_logged_as_a_warning_on_the_server(h
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(
             any_=[state.state_details.flow_run_id])))
     levels = {log.message.split("(", 1)[0]: log.level for log in logs
-              if "InfrastructureFailure" in log.message}
+              if "InfrastructureFailure" in log.message and "no retry left" not in log.message}
     assert levels == {"Task run failed with state: InfrastructureFailure": logging.WARNING,
                       "Finished in state InfrastructureFailure": logging.WARNING}, levels
+    spent = {log.message.split("(", 1)[0]: log.level for log in logs
+             if "InfrastructureFailure" in log.message and "no retry left" in log.message}
+    assert spent == {"Task run failed with state: InfrastructureFailure": logging.ERROR,
+                     "Finished in state InfrastructureFailure": logging.ERROR}, spent
     assert not [log for log in logs if "NoneType: None" in log.message]
 
 

@@ -181,9 +181,9 @@ def data_workers_lost(reason: str, trainer) -> int:
     # in CI after the watchdog had killed a frozen worker and its sibling died a moment later).
     with contextlib.suppress(ValueError, OSError):  # ValueError: not the main thread
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    log.error("%s at step %s: ending this attempt as an infrastructure failure (exit %d; the "
-              "job resumes from the last checkpoint)", reason, trainer.step if trainer else 0,
-              EXIT_STOP_LOST)
+    log.error("%s at step %s: ending this attempt as an infrastructure failure (exit %d; "
+              "retried from the last checkpoint while retry.max_infra_failures allows)", reason,
+              trainer.step if trainer else 0, EXIT_STOP_LOST)
     from stoker.runtime.data import kill_children
 
     if trainer is not None:
