@@ -119,7 +119,7 @@ def _conclude(ckpt: Checkpointer, env: DistEnv, point: ResumePoint,
     for step, reason in failed:
         ckpt.set_aside(step, reason)
     if nothing:
-        warn("NO USABLE CHECKPOINT: restarting this job from step 0. Skipped "
+        warn("no usable checkpoint: restarting this job from step 0; skipped "
              f"{len(point.skipped)} folder(s): " + "; ".join(point.skipped)
              + " (set train.on_no_usable_checkpoint=refuse to stop instead)")
     elif point.skipped:
