@@ -29,6 +29,9 @@ _installed: list[bool] = []  # install() was called in this process (``stoker ru
 _outcome: list[str] = []  # what the stop left of the job (note_outcome)
 _hooks: list[Callable[[str], None]] = []  # on_stop: run before the training tree is signalled
 _interrupt_hooks: list[Callable[[BaseException], None]] = []  # on_interrupt
+_probes: list[Callable[[], str | None]] = []  # outcome_probe: asked after a second signal
+_kill_hooks: list[Callable[[str], None]] = []  # on_kill: run after a second signal's kill
+KILL_HOOKS_WAIT_S = 3.0  # at most, for the on_kill hooks, before the process ends
 
 
 class Interrupted(KeyboardInterrupt):
@@ -104,6 +107,49 @@ def on_interrupt(hook: Callable[[BaseException], None]) -> Iterator[None]:
         _interrupt_hooks.remove(hook)
 
 
+@contextlib.contextmanager
+def on_kill(hook: Callable[[str], None]) -> Iterator[None]:
+    """While inside (a flow body), a second stop signal, which kills the training tree at once
+    and ends the process, first calls ``hook(stop_reason())`` (e.g. to record the flow run
+    Cancelled: no one else would, and it stayed Running). The hooks run in a thread and get
+    :data:`KILL_HOOKS_WAIT_S` in all (a server that does not answer does not hold the exit
+    back); a hook that raises is ignored."""
+    _kill_hooks.append(hook)
+    try:
+        yield
+    finally:
+        _kill_hooks.remove(hook)
+
+
+def _run_kill_hooks(reason: str) -> None:
+    """Call the :func:`on_kill` hooks in a daemon thread; wait at most KILL_HOOKS_WAIT_S."""
+    if not _kill_hooks:
+        return
+    import threading
+
+    def run() -> None:
+        for hook in list(_kill_hooks):
+            with contextlib.suppress(Exception):
+                hook(reason)
+
+    thread = threading.Thread(target=run, name="stoker-on-kill", daemon=True)
+    thread.start()
+    thread.join(KILL_HOOKS_WAIT_S)
+
+
+@contextlib.contextmanager
+def outcome_probe(probe: Callable[[], str | None]) -> Iterator[None]:
+    """While inside (the training task), a second stop signal, which kills the training tree at
+    once, asks ``probe()`` what the first stop had already left of the job when
+    :func:`note_outcome` has not said it yet (``"job digits-1: its ranks committed a stop
+    checkpoint at step 757"``; None: nothing recorded). A probe that raises is ignored."""
+    _probes.append(probe)
+    try:
+        yield
+    finally:
+        _probes.remove(probe)
+
+
 def interrupted(error: BaseException) -> None:
     """For launchers: their wait for an attempt was interrupted by ``error`` and they are about
     to stop its process tree; runs the :func:`on_interrupt` hooks. Never raises."""
@@ -129,8 +175,10 @@ def _handle(signum: int, _frame) -> None:
         raise Interrupted(signum)
     # Second signal: the user does not want to wait for the stop checkpoint.
     kill_descendants()
+    line = second_signal_line()  # before the hooks: what the ranks had left when killed
+    _run_kill_hooks(stop_reason() or "an interrupt")
     with contextlib.suppress(OSError):
-        os.write(2, f"{_after_echo(signum)}{second_signal_line()}\n".encode())
+        os.write(2, f"{_after_echo(signum)}{line}\n".encode())
     os._exit(128 + _received[0])
 
 
@@ -147,9 +195,16 @@ def second_signal_line() -> str:
     """``stoker run``'s last line after a second stop signal: what the first stop had already
     left when the ranks' end is known (:func:`note_outcome`: a third trial's second Ctrl-C came
     after the stop checkpoint had committed, and the line said there was none), else that it
-    did not wait for the stop checkpoint."""
-    if _outcome:
-        return (f"stoker run: stopped at once (second signal); {_outcome[0]}; run the same "
+    did not wait for the stop checkpoint. Between the ranks' end and that note, the
+    :func:`outcome_probe` says what they recorded (a fourth trial's second Ctrl-C came then)."""
+    what = _outcome[0] if _outcome else None
+    for probe in [] if what else list(_probes):
+        with contextlib.suppress(Exception):
+            what = probe()
+        if what:
+            break
+    if what:
+        return (f"stoker run: stopped at once (second signal); {what}; run the same "
                 "command to resume")
     return ("stoker run: stopped at once (second signal), without waiting for the stop "
             "checkpoint; run the same command to resume from the last committed checkpoint")

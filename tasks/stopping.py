@@ -40,7 +40,7 @@ from prefect.states import Cancelled, Completed, Failed, State
 
 from stoker.launch.retry import Outcome, describe_exit, outcome_of
 from stoker.launch.stop_request import StopRequest, TrainingStopped
-from stoker.stopping import exit_now, rearm, stop_reason
+from stoker.stopping import exit_now, on_kill, rearm, stop_reason
 
 
 def attempt_state(code: int, request: StopRequest | None,
@@ -97,12 +97,26 @@ def stops_as_cancelled(body):
 
     @functools.wraps(body)
     def wrapper(*args, **kwargs):
+        from prefect.runtime import flow_run
+
+        run_id = flow_run.get_id()
         try:
-            return body(*args, **kwargs)
+            with on_kill(lambda reason: cancel_stopped_at_once(run_id, reason)):
+                return body(*args, **kwargs)
         except Interrupted:
             return stopped_by_signal()
 
     return wrapper
+
+
+def cancel_stopped_at_once(flow_run_id: str | None, reason: str) -> None:
+    """A second stop signal ends ``stoker run`` at once (:func:`stoker.stopping.on_kill`): its
+    flow run and open task runs become Cancelled, ``stopped at once (a second signal after
+    SIGINT (Ctrl-C))``, as a single Ctrl-C's do (trial: left Running, then marked Crashed, "its
+    process died", by the next command)."""
+    if flow_run_id:
+        with get_client(sync_client=True) as client:
+            _cancel_runs(client, flow_run_id, f"stopped at once (a second signal after {reason})")
 
 
 def stopped_by_signal() -> State:

@@ -58,6 +58,7 @@ from stoker.launch.supervisor import (
     finish_run,
     lineage_tags,
     nproc,
+    tag_outcome,
     write_spec,
 )
 from stoker.runtime import CheckpointWriteError
@@ -66,7 +67,13 @@ from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import ensure_store
-from stoker.stopping import note_outcome, on_interrupt, on_stop, stop_reason
+from stoker.stopping import (
+    note_outcome,
+    on_interrupt,
+    on_stop,
+    outcome_probe,
+    stop_reason,
+)
 from stoker.tracking.cost import cost_report, steps_lost
 from stoker.tracking.events import training_event
 from tasks.stopping import attempt_state, crash_orphaned_flow_run
@@ -119,6 +126,11 @@ def _prefect_sender(error: BaseException) -> str | None:
     name = flow_run.get_name() or flow_run.get_id()
     return (f"a Prefect cancel of flow run {name!r}" if intent == "cancel"
             else f"Prefect's runner ({intent}) of flow run {name!r}")
+
+
+def _said_of(job_dir: Path, what: str | None) -> str | None:
+    """``what`` the stop left, as ``stoker run``'s last line names it: ``job NAME: what``."""
+    return f"job {job_dir.name}: {what}" if what else None
 
 
 def _record_prefect_sender(job_dir: Path, error: BaseException) -> None:
@@ -236,13 +248,14 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         lost, reached, committed = (0, 0, 0) if attempt.outcome == Outcome.COMPLETED \
             else lost_steps(job_dir, attempt.started, checkpoints)
         request = read_stop_request(job_dir) if attempt.outcome == Outcome.STOPPED else None
-        attempts_log.end(number, {**attempt.to_dict(), "capacity_type": capacities[number],
-                                  "steps_lost": lost,
-                                  **({"ended_by_rank": ended_by[number]}
-                                     if ended_by.get(number) is not None else {}),
-                                  # `stoker status`: who stopped it, as for a Ctrl-C (trial)
-                                  **({"stopped_by": f"{request.by}: {request.reason}"}
-                                     if request is not None else {})})
+        ended = {**attempt.to_dict(), "capacity_type": capacities[number], "steps_lost": lost,
+                 **({"ended_by_rank": ended_by[number]}
+                    if ended_by.get(number) is not None else {}),
+                 # `stoker status`: who stopped it, as for a Ctrl-C (trial)
+                 **({"stopped_by": f"{request.by}: {request.reason}"}
+                    if request is not None else {})}
+        attempts_log.end(number, ended)
+        tag_outcome(client, read_text(run_file), ended)  # as attempts.jsonl says, on MLflow
         if lost:
             logger.warning("attempt %d lost %d step(s): it reached step %d, the last committed "
                            "checkpoint is step %d", number, lost, reached, committed)
@@ -282,7 +295,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         # On a worker a Prefect cancel is a SIGTERM to this process, raised as Prefect's
         # TerminationSignal into the launcher's wait: the ranks' stop line names it too.
         with on_stop(lambda reason: record_stop_sender(job_dir, f"{SENDER_PREFIX}{reason}")), \
-                on_interrupt(lambda error: _record_prefect_sender(job_dir, error)):
+                on_interrupt(lambda error: _record_prefect_sender(job_dir, error)), \
+                outcome_probe(lambda: _said_of(job_dir, attempts_log.open_attempt_end(
+                    checkpoints))):
             attempts = [] if finished is not None else run_with_retries(
                 launch, config.retry, on_attempt=record,
                 stop_requested=lambda: read_stop_request(job_dir) is not None)
@@ -295,6 +310,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
                 note_outcome(f"job {job_dir.name}: {what}")  # stoker run's last line says it
             if closed and closed[-1].get("steps_lost"):  # a stop whose checkpoint did not commit
                 log_steps_lost(closed[-1].get("reached_step", 0))
+            if closed:
+                tag_outcome(client, read_text(run_file), closed[-1])
         if read_text(run_file):
             finish_run(client, read_text(run_file), "KILLED")
         raise

@@ -103,7 +103,11 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     attempts = AttemptLog(job).history()  # started + ended records, folded per attempt
     assert [a["outcome"] for a in attempts] == ["preempted", "stopped"]  # not relaunched
     run_id = (job / "mlflow_run_id").read_text().strip()
-    assert MlflowClient(config.tracking_uri()).get_run(run_id).info.status == "KILLED"
+    run = MlflowClient(config.tracking_uri()).get_run(run_id)
+    assert run.info.status == "KILLED"
+    # As attempts.jsonl and stoker status (trial: the ranks' tag said `preempted`).
+    assert (run.data.tags["stoker.last_outcome"], run.data.tags["stoker.stopped_by"]) == (
+        "stopped", "cost-guard: stalled: no progress for 600 s"), run.data.tags
 
     with get_client(sync_client=True) as client:
         [flow_run] = client.read_flow_runs()

@@ -146,6 +146,11 @@ def test_ctrl_c_commits_a_checkpoint_and_exits_130(tmp_path):
     assert "stop requested (SIGTERM: stoker run got SIGINT (Ctrl-C)): checkpoint committed at " \
         f"step {end['step']}" in log, log[-3000:]
     assert mlflow_status(work, job_dir) == "KILLED"
+    # The run's tags say what attempts.jsonl and stoker status say (trial: `preempted`).
+    tags = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(
+        (job_dir / "mlflow_run_id").read_text().strip()).data.tags
+    assert (tags["stoker.last_outcome"], tags["stoker.stopped_by"]) == (
+        "interrupted", "SIGINT (Ctrl-C)"), tags
     last = max(e["step"] for e in read_events(job_dir) if e["event"] == "step")
     assert last < 40 * 22  # it stopped, it did not train to the end
     [(flow_state, message)] = prefect_states(work, "flow_run").values()
@@ -175,6 +180,14 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     os.killpg(process.pid, signal.SIGINT)
     assert process.wait(timeout=30) == 130
     assert wait_gone(work, timeout_s=10) == []
+    # Its flow run and task runs are Cancelled at once, not left Running (then marked Crashed
+    # by the next command, "its process died": trial).
+    why = "stopped at once (a second signal after SIGINT (Ctrl-C))"
+    assert list(prefect_states(work, "flow_run").values()) == [("CANCELLED", why)]
+    tasks = prefect_states(work, "task_run")
+    assert tasks["attempt-1"] == ("CANCELLED", why), tasks
+    assert not [name for name, (kind, _) in tasks.items() if kind in ("RUNNING", "PENDING")]
+    assert "CRASHED" not in state_history(work), state_history(work)
 
 
 @pytest.mark.parametrize(("sig", "code", "reason"), [
@@ -274,6 +287,42 @@ def test_a_second_signal_after_the_stop_committed_says_what_it_kept():
         assert stopping.second_signal_line() == (
             "stoker run: stopped at once (second signal); job digits-1: its ranks committed a "
             "stop checkpoint at step 757; run the same command to resume")
+    finally:  # this test process's own handlers back
+        for sig in stopping.STOP_SIGNALS:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+
+
+def test_a_second_signal_between_the_ranks_end_and_its_record_says_what_they_kept(tmp_path):
+    """Fourth trial: a second Ctrl-C right after the ranks committed their stop checkpoint, but
+    before stoker run had recorded the attempt's end, still said "without waiting for the stop
+    checkpoint". The job's progress.jsonl already said what they kept."""
+    from stoker import stopping
+    from stoker.launch.attempts import AttemptLog
+    from stoker.runtime.progress import ProgressWriter
+
+    log = AttemptLog(tmp_path)
+    log.start(1, "on_demand", "flow-run-1")
+    progress = ProgressWriter(tmp_path, world_size=2)
+    progress.event("start", 700, total_steps=1449, resumed=True)
+
+    def probe() -> str | None:  # as tasks.train's
+        what = log.open_attempt_end()
+        return f"job digits-1: {what}" if what else None
+
+    stopping.install()
+    try:
+        with stopping.outcome_probe(probe):
+            progress.event("step", 757, epoch=3, loss=0.1, lr=0.01, samples_per_s=900.0)
+            # No end yet: the second signal kills ranks that had not saved.
+            assert "without waiting for the stop checkpoint" in stopping.second_signal_line()
+            progress.event("checkpoint", 757, path=str(tmp_path / "checkpoints"))
+            progress.event("end", 757, outcome="preempted")
+            assert stopping.second_signal_line() == (
+                "stoker run: stopped at once (second signal); job digits-1: its ranks "
+                "committed a stop checkpoint at step 757; run the same command to resume")
+        progress.close()
+        assert "without waiting" in stopping.second_signal_line()  # only while inside
     finally:  # this test process's own handlers back
         for sig in stopping.STOP_SIGNALS:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT

@@ -183,6 +183,18 @@ class AttemptLog:
             closed.append({**entry, "number": number})
         return closed
 
+    def open_attempt_end(self, checkpoint_location: str | None = None) -> str | None:
+        """What the ranks of the open attempt recorded as their end in ``progress.jsonl``, in
+        words (``its ranks committed a stop checkpoint at step 757``); None when no attempt is
+        open or its ranks recorded no end. For ``stoker run``'s last line after a second
+        signal that came once the ranks had ended (:func:`stoker.stopping.outcome_probe`)."""
+        open_ = [r for _, r in sorted(self._latest().items()) if r.get("state") == "started"]
+        started = open_[-1].get("started") if open_ else None
+        if not isinstance(started, int | float) or isinstance(started, bool):
+            return None
+        ranks = self._runtime_end(float(started), checkpoint_location)[0]
+        return None if ranks.get("runtime_outcome") == "interrupted" else _ranks_did(ranks)
+
     def steps_lost_if_closed(self, record: dict[str, Any]) -> int:
         """The ``steps_lost`` an open attempt ``record`` (:meth:`records`) will get when the next
         run closes it (:meth:`close_interrupted`): the step its ranks reached minus the last

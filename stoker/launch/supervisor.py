@@ -291,6 +291,24 @@ def close_left_open(attempts: AttemptLog, checkpoint_location: str,
     return closed
 
 
+def tag_outcome(client: MlflowClient, run_id: str | None, record: dict) -> None:
+    """Put an ended attempt's ``outcome`` (an attempts.jsonl ``record``: ``stopped``,
+    ``interrupted``, ``infrastructure_failure``, ...) on the job's MLflow run as
+    ``stoker.last_outcome``, and who stopped it as ``stoker.stopped_by``: the ranks' own tag
+    says ``preempted`` for any stop checkpoint, a user's stop included (trial: it differed from
+    ``stoker status``). Never raises: tracking must not mask the attempt's outcome."""
+    if not run_id or not isinstance(record.get("outcome"), str):
+        return
+    tags = {"stoker.last_outcome": record["outcome"]}
+    if isinstance(record.get("stopped_by"), str):
+        tags["stoker.stopped_by"] = record["stopped_by"]
+    try:
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not tag MLflow run %s with the attempt's outcome: %s", run_id, e)
+
+
 def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
     """Close a run an attempt left RUNNING (a SIGKILL gives the runtime no chance to)."""
     if run_id and client.get_run(run_id).info.status == "RUNNING":
