@@ -80,45 +80,40 @@ def kill_descendants() -> list[int]:
     return [c.pid for c in children]
 
 
-@contextlib.contextmanager
-def on_stop(hook: Callable[[str], None]) -> Iterator[None]:
+def on_stop(hook: Callable[[str], None]) -> contextlib.AbstractContextManager[None]:
     """While inside (the training task, while ranks run), call ``hook(stop_reason())`` when the
     first stop signal arrives, before :class:`Interrupted` unwinds to the launcher that signals
     the training tree (e.g. to record for the ranks who stops them). A hook that raises is
     ignored. While one is registered, the line printed at once says the ranks save first."""
-    _hooks.append(hook)
-    try:
-        yield
-    finally:
-        _hooks.remove(hook)
+    return _registered(_hooks, hook)
 
 
-@contextlib.contextmanager
-def on_interrupt(hook: Callable[[BaseException], None]) -> Iterator[None]:
+def on_interrupt(hook: Callable[[BaseException], None]) -> contextlib.AbstractContextManager[None]:
     """While inside, call ``hook(error)`` when a launcher's wait for its attempt is interrupted
     by ``error`` (:func:`interrupted`: a stop signal, a Prefect cancel's ``TerminationSignal``, a
     timeout), before the launcher signals the training tree: e.g. to record for the ranks who
     stops them where no handler of ours saw a signal (a worker's flow process, where SIGTERM
     belongs to Prefect). A hook that raises is ignored."""
-    _interrupt_hooks.append(hook)
-    try:
-        yield
-    finally:
-        _interrupt_hooks.remove(hook)
+    return _registered(_interrupt_hooks, hook)
 
 
-@contextlib.contextmanager
-def on_kill(hook: Callable[[str], None]) -> Iterator[None]:
+def on_kill(hook: Callable[[str], None]) -> contextlib.AbstractContextManager[None]:
     """While inside (a flow body), a second stop signal, which kills the training tree at once
     and ends the process, first calls ``hook(stop_reason())`` (e.g. to record the flow run
     Cancelled: no one else would, and it stayed Running). The hooks run in a thread and get
     :data:`KILL_HOOKS_WAIT_S` in all (a server that does not answer does not hold the exit
     back); a hook that raises is ignored."""
-    _kill_hooks.append(hook)
+    return _registered(_kill_hooks, hook)
+
+
+@contextlib.contextmanager
+def _registered(hooks: list, hook: Callable) -> Iterator[None]:
+    """``hook`` in ``hooks`` while inside."""
+    hooks.append(hook)
     try:
         yield
     finally:
-        _kill_hooks.remove(hook)
+        hooks.remove(hook)
 
 
 def _run_kill_hooks(reason: str) -> None:
@@ -137,17 +132,12 @@ def _run_kill_hooks(reason: str) -> None:
     thread.join(KILL_HOOKS_WAIT_S)
 
 
-@contextlib.contextmanager
-def outcome_probe(probe: Callable[[], str | None]) -> Iterator[None]:
+def outcome_probe(probe: Callable[[], str | None]) -> contextlib.AbstractContextManager[None]:
     """While inside (the training task), a second stop signal, which kills the training tree at
     once, asks ``probe()`` what the first stop had already left of the job when
     :func:`note_outcome` has not said it yet (``"job digits-1: its ranks committed a stop
     checkpoint at step 757"``; None: nothing recorded). A probe that raises is ignored."""
-    _probes.append(probe)
-    try:
-        yield
-    finally:
-        _probes.remove(probe)
+    return _registered(_probes, probe)
 
 
 def interrupted(error: BaseException) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import rank_processes
 from local_servers import stop_local_servers
 from mlflow import MlflowClient
 
@@ -175,6 +176,11 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     work = tmp_path / "work"
     process = start_run(work, "train.preemption_grace_s=60")
     wait_for_training(work, process)
+    # A rank that cannot save (stalled): what makes a user press Ctrl-C twice, and what keeps
+    # the stop under way at the second one on a fast machine (its ranks committed in 0.3 s).
+    ranks = rank_processes(psutil.Process(process.pid))
+    assert ranks, "no rank found"
+    ranks[max(ranks)].send_signal(signal.SIGSTOP)
     os.killpg(process.pid, signal.SIGINT)
     time.sleep(0.3)
     os.killpg(process.pid, signal.SIGINT)
