@@ -186,9 +186,13 @@ def second_signal_line() -> str:
     left when the ranks' end is known (:func:`note_outcome`: a third trial's second Ctrl-C came
     after the stop checkpoint had committed, and the line said there was none), else that it
     did not wait for the stop checkpoint. Between the ranks' end and that note, the
-    :func:`outcome_probe` says what they recorded (a fourth trial's second Ctrl-C came then)."""
-    what = _outcome[0] if _outcome else None
-    for probe in [] if what else list(_probes):
+    :func:`outcome_probe` says what they recorded (a fourth trial's second Ctrl-C came then).
+    Once the first stop is recorded (the note), the line is :func:`stopped_line`'s, as the flow
+    run's state says (fifth trial: "stopped at once" beside Prefect's "stopped by SIGINT")."""
+    if _outcome:
+        return stopped_line()
+    what = None
+    for probe in list(_probes):
         with contextlib.suppress(Exception):
             what = probe()
         if what:
