@@ -57,13 +57,12 @@ def attempt_state(code: int, request: StopRequest | None,
     if outcome == Outcome.PREEMPTED:
         return Completed(name="Preempted", data=code, message=f"{message} (checkpoint "
                          f"committed, {'resumed' if retried else NO_RETRY})")
-    if outcome == Outcome.INFRASTRUCTURE and not retried:
-        return Failed(name="InfrastructureFailure", data=code, message=f"{message}, {NO_RETRY}")
     if outcome == Outcome.STOPPED:
         name = "StoppedByGuard" if request.by == "cost-guard" else "StoppedByUser"
         return Cancelled(name=name, data=code, message=f"{message}: {request.describe()}")
     if outcome == Outcome.INFRASTRUCTURE:
-        return Failed(name="InfrastructureFailure", data=code, message=message)
+        return Failed(name="InfrastructureFailure", data=code,
+                      message=message if retried else f"{message}, {NO_RETRY}")
     if outcome == Outcome.STORAGE:
         return Failed(name="StorageError", data=code, message=message)
     return Failed(name="UserError", data=code, message=message)

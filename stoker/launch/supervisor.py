@@ -299,12 +299,13 @@ def tag_outcome(client: MlflowClient, run_id: str | None, record: dict) -> None:
     ``stoker status``). Never raises: tracking must not mask the attempt's outcome."""
     if not run_id or not isinstance(record.get("outcome"), str):
         return
-    tags = {"stoker.last_outcome": record["outcome"]}
+    from mlflow.entities import RunTag
+
+    tags = [RunTag("stoker.last_outcome", record["outcome"])]
     if isinstance(record.get("stopped_by"), str):
-        tags["stoker.stopped_by"] = record["stopped_by"]
+        tags.append(RunTag("stoker.stopped_by", record["stopped_by"]))
     try:
-        for key, value in tags.items():
-            client.set_tag(run_id, key, value)
+        client.log_batch(run_id, tags=tags)  # one request
     except Exception as e:  # noqa: BLE001
         log.warning("could not tag MLflow run %s with the attempt's outcome: %s", run_id, e)
 
