@@ -72,3 +72,29 @@ def test_why_free_names_an_expiry_in_the_past_and_a_garbled_record():
         "%H:%M:%S UTC", time.gmtime(now - 5))
     assert why_free({"expires": "soon"}, now) == "it is unreadable"
     assert not holder_alive({"expires": "soon"}, now)
+
+
+def test_the_bucket_lease_of_a_run_stopped_at_once_is_taken_over_at_info(tmp_path, caplog):
+    """The job store's lease (here a folder store, as a bucket's) says the same as the local
+    one: its dead owner's stop signal is in the local job folder."""
+    from stoker.launch.bucket_lease import BucketLease
+    from stoker.launch.store import JobStore
+
+    store, job_dir = JobStore(str(tmp_path / "store")), tmp_path / "jobs" / "k-1"
+    job_dir.mkdir(parents=True)
+    dead = {"token": "old", "host": socket.gethostname(), "pid": dead_pid(),
+            "flow_run_id": None, "acquired": time.time() - 30, "renewed": time.time() - 30,
+            "expires": time.time() - 1, "ttl_s": 60}
+    store.put(f"{store.root}/k-1/lease.json", json.dumps(dead).encode())
+    with caplog.at_level(logging.INFO, logger="stoker.launch.bucket_lease"):
+        BucketLease(store, "k-1", ttl_s=30, job_dir=job_dir).acquire().release()
+    (job_dir / STOP_SENDER_FILE).write_text(json.dumps(
+        {"sender": f"{SENDER_PREFIX}SIGINT (Ctrl-C)", "time": time.time() - 5}))
+    store.put(f"{store.root}/k-1/lease.json", json.dumps(dead).encode())
+    with caplog.at_level(logging.INFO, logger="stoker.launch.bucket_lease"):
+        BucketLease(store, "k-1", ttl_s=30, job_dir=job_dir).acquire().release()
+    first, second = [r for r in caplog.records if "taking over" in r.getMessage()]
+    assert first.levelno == logging.WARNING and "expired" in first.getMessage()
+    assert second.levelno == logging.INFO
+    assert second.getMessage().endswith(
+        "it was stopped at once (a second signal after SIGINT (Ctrl-C))")

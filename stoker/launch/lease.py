@@ -64,7 +64,7 @@ def why_free(lease: dict[str, Any], now: float | None = None) -> str:
     return f"its process is gone (the lease ran until {until})"
 
 
-def _stopped_by(job_dir: Path, lease: dict[str, Any]) -> str | None:
+def stopped_at_once(job_dir: Path, lease: dict[str, Any]) -> str | None:
     """The stop signal the dead owner of ``lease`` recorded before it ended (``SIGINT
     (Ctrl-C)``: a second Ctrl-C ends ``stoker run`` without releasing its lease); None when it
     recorded none while it held the lease (it died: ``kill -9``, a lost node)."""
@@ -123,7 +123,7 @@ class JobLease:
                 raise JobBusy(f"job {self.job_dir.name} is being trained by {describe(current)}; "
                               "wait for it, stop it, or set job_id to start another job")
             if current is not None and current["token"] != self.token:
-                stopped_by = _stopped_by(self.job_dir, current)
+                stopped_by = stopped_at_once(self.job_dir, current)
                 if stopped_by:  # its owner was stopped at once (a second Ctrl-C): no surprise
                     log.info("job %s: taking over the lease of %s: it was stopped at once (a "
                              "second signal after %s)", self.job_dir.name, owner(current),
