@@ -11,6 +11,7 @@ import sys
 import time
 
 from stoker.launch.lease import JobLease, holder_alive, why_free
+from stoker.runtime.preemption import SENDER_PREFIX, STOP_SENDER_FILE
 
 
 def dead_pid() -> int:
@@ -32,9 +33,68 @@ def test_a_dead_owner_with_a_future_expiry_is_named_as_gone_not_expired(tmp_path
     assert "expired" not in caplog.text
 
 
+def dead_owner_lease(job_dir, acquired: float) -> None:
+    (job_dir / "lease.json").write_text(json.dumps({
+        "token": "old", "host": socket.gethostname(), "pid": dead_pid(), "flow_run_id": None,
+        "acquired": acquired, "renewed": acquired, "expires": time.time() + 300, "ttl_s": 60}))
+
+
+def test_taking_over_from_a_run_stopped_at_once_is_info_not_a_warning(tmp_path, caplog):
+    """Trial: after a double Ctrl-C, the resume's "taking over the lease ... its process is
+    gone" WARNING looked like a crash; that run recorded its stop signal (stop-sender.json)
+    and was stopped at once, which the line now says, at INFO."""
+    dead_owner_lease(tmp_path, time.time() - 30)
+    (tmp_path / STOP_SENDER_FILE).write_text(json.dumps(
+        {"sender": f"{SENDER_PREFIX}SIGINT (Ctrl-C)", "time": time.time() - 5}))
+    with caplog.at_level(logging.INFO, logger="stoker.launch.lease"):
+        JobLease(tmp_path).acquire().release()
+    [record] = [r for r in caplog.records if "taking over" in r.getMessage()]
+    assert record.levelno == logging.INFO
+    assert record.getMessage().endswith(
+        "it was stopped at once (a second signal after SIGINT (Ctrl-C))")
+
+
+def test_a_stop_recorded_before_the_dead_owner_took_the_lease_is_not_its_own(tmp_path, caplog):
+    """An earlier run's stop signal does not explain this owner's death (kill -9)."""
+    dead_owner_lease(tmp_path, time.time() - 30)
+    (tmp_path / STOP_SENDER_FILE).write_text(json.dumps(
+        {"sender": f"{SENDER_PREFIX}SIGINT (Ctrl-C)", "time": time.time() - 60}))
+    with caplog.at_level(logging.INFO, logger="stoker.launch.lease"):
+        JobLease(tmp_path).acquire().release()
+    [record] = [r for r in caplog.records if "taking over" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert "its process is gone" in record.getMessage()
+
+
 def test_why_free_names_an_expiry_in_the_past_and_a_garbled_record():
     now = 1_800_000_000.0
     assert why_free({"expires": now - 5}, now) == "its lease expired at " + time.strftime(
         "%H:%M:%S UTC", time.gmtime(now - 5))
     assert why_free({"expires": "soon"}, now) == "it is unreadable"
     assert not holder_alive({"expires": "soon"}, now)
+
+
+def test_the_bucket_lease_of_a_run_stopped_at_once_is_taken_over_at_info(tmp_path, caplog):
+    """The job store's lease (here a folder store, as a bucket's) says the same as the local
+    one: its dead owner's stop signal is in the local job folder."""
+    from stoker.launch.bucket_lease import BucketLease
+    from stoker.launch.store import JobStore
+
+    store, job_dir = JobStore(str(tmp_path / "store")), tmp_path / "jobs" / "k-1"
+    job_dir.mkdir(parents=True)
+    dead = {"token": "old", "host": socket.gethostname(), "pid": dead_pid(),
+            "flow_run_id": None, "acquired": time.time() - 30, "renewed": time.time() - 30,
+            "expires": time.time() - 1, "ttl_s": 60}
+    store.put(f"{store.root}/k-1/lease.json", json.dumps(dead).encode())
+    with caplog.at_level(logging.INFO, logger="stoker.launch.bucket_lease"):
+        BucketLease(store, "k-1", ttl_s=30, job_dir=job_dir).acquire().release()
+    (job_dir / STOP_SENDER_FILE).write_text(json.dumps(
+        {"sender": f"{SENDER_PREFIX}SIGINT (Ctrl-C)", "time": time.time() - 5}))
+    store.put(f"{store.root}/k-1/lease.json", json.dumps(dead).encode())
+    with caplog.at_level(logging.INFO, logger="stoker.launch.bucket_lease"):
+        BucketLease(store, "k-1", ttl_s=30, job_dir=job_dir).acquire().release()
+    first, second = [r for r in caplog.records if "taking over" in r.getMessage()]
+    assert first.levelno == logging.WARNING and "expired" in first.getMessage()
+    assert second.levelno == logging.INFO
+    assert second.getMessage().endswith(
+        "it was stopped at once (a second signal after SIGINT (Ctrl-C))")

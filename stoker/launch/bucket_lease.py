@@ -22,9 +22,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from stoker.launch.lease import JobBusy, holder_alive, owner, why_free
+from stoker.launch.lease import JobBusy, holder_alive, owner, stopped_at_once, why_free
 from stoker.launch.store import JobStore
 from stoker.runtime.lease import LeaseLost, describe
 
@@ -112,12 +113,15 @@ class BucketLease:
             stops (exit 75).
         token: the lease token (default: a new one); the job claim passes its local lease's,
             so that the runtime, launched under that token, can check the bucket lease too.
+        job_dir: the job's local folder, where a run stopped at once (a second Ctrl-C) recorded
+            its stop signal: taking over its lease is then logged at INFO, not as a WARNING.
     """
 
     def __init__(self, store: JobStore, name: str, ttl_s: float,
                  flow_run_id: str | None = None,
-                 on_lost: Callable[[str], None] | None = None, token: str | None = None):
-        self.on_lost = on_lost
+                 on_lost: Callable[[str], None] | None = None, token: str | None = None,
+                 job_dir: Path | None = None):
+        self.on_lost, self.job_dir = on_lost, job_dir
         self._lost_told = threading.Lock()
         self.name, self.ttl_s, self.flow_run_id = name, ttl_s, flow_run_id
         path = f"{store.root}/{name}/{LEASE_OBJECT}"
@@ -146,8 +150,13 @@ class BucketLease:
             raise JobBusy(f"job {self.name} is being trained by {describe(current)} "
                           "(lease in the bucket); wait for it or stop it")
         if current is not None:
-            log.warning("job %s: taking over the bucket lease of %s: %s", self.name,
-                        owner(current), why_free(current))
+            stopped_by = stopped_at_once(self.job_dir, current) if self.job_dir else None
+            if stopped_by:
+                log.info("job %s: taking over the bucket lease of %s: it was stopped at once (a "
+                         "second signal after %s)", self.name, owner(current), stopped_by)
+            else:
+                log.warning("job %s: taking over the bucket lease of %s: %s", self.name,
+                            owner(current), why_free(current))
         try:
             self.objects.put(self._record(), etag)
         except _Conflict:

@@ -201,7 +201,7 @@ class JobClaim:
         try:
             self.bucket_lease = BucketLease(self.store, job_dir.name, self.config.job_lease_s,
                                             self.flow_run_id, self._bucket_lease_lost,
-                                            token=self.lease.token).acquire()
+                                            token=self.lease.token, job_dir=job_dir).acquire()
         except BaseException:
             self._release()
             raise

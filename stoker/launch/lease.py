@@ -24,6 +24,7 @@ import psutil
 from filelock import FileLock
 
 from stoker.runtime.lease import LEASE_FILE, describe, read_lease
+from stoker.runtime.preemption import stop_signal_reason
 from stoker.runtime.records import write_json
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,16 @@ def why_free(lease: dict[str, Any], now: float | None = None) -> str:
     if now > expires:
         return f"its lease expired at {until}"
     return f"its process is gone (the lease ran until {until})"
+
+
+def stopped_at_once(job_dir: Path, lease: dict[str, Any]) -> str | None:
+    """The stop signal the dead owner of ``lease`` recorded before it ended (``SIGINT
+    (Ctrl-C)``: a second Ctrl-C ends ``stoker run`` without releasing its lease); None when it
+    recorded none while it held the lease (it died: ``kill -9``, a lost node)."""
+    acquired = lease.get("acquired")
+    if not isinstance(acquired, int | float) or isinstance(acquired, bool):
+        return None
+    return stop_signal_reason(job_dir, float(acquired))
 
 
 def owner(lease: dict[str, Any]) -> str:
@@ -112,8 +123,14 @@ class JobLease:
                 raise JobBusy(f"job {self.job_dir.name} is being trained by {describe(current)}; "
                               "wait for it, stop it, or set job_id to start another job")
             if current is not None and current["token"] != self.token:
-                log.warning("job %s: taking over the lease of %s: %s", self.job_dir.name,
-                            owner(current), why_free(current))
+                stopped_by = stopped_at_once(self.job_dir, current)
+                if stopped_by:  # its owner was stopped at once (a second Ctrl-C): no surprise
+                    log.info("job %s: taking over the lease of %s: it was stopped at once (a "
+                             "second signal after %s)", self.job_dir.name, owner(current),
+                             stopped_by)
+                else:
+                    log.warning("job %s: taking over the lease of %s: %s", self.job_dir.name,
+                                owner(current), why_free(current))
                 self.previous = current
             write_json(self.path, self._record(time.time()))
         self._acquired = time.time()
