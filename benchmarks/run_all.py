@@ -12,8 +12,7 @@ section. The published table is written only from a clean checkout: with uncommi
 status --porcelain``) a full run stops before it starts, unless ``--allow-dirty``, which marks
 the table. A quick run's table is marked the same way.
 
-    python benchmarks/run_all.py                 # full size: about an hour on 2 CPU cores (most of it
-                                                 # in the pipeline-overhead and trainer-throughput pairs)
+    python benchmarks/run_all.py                 # full size: about an hour on 2 CPU cores
     python benchmarks/run_all.py --quick         # smoke run: every script once, tiny
     python benchmarks/run_all.py --only bench_checkpoint,bench_dataset
     python benchmarks/run_all.py --only bench_cost_guard --merge   # update one row in place
