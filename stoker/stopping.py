@@ -60,10 +60,14 @@ def note_outcome(what: str) -> None:
 
 def stopped_line() -> str:
     """``stoker run``'s last line after a stop: the signal, what the ranks did (steps lost, if
-    any: see :func:`note_outcome`), and how to resume."""
-    what = f"; {_outcome[0]}" if _outcome else ""
-    return (f"stoker run: stopped by {stop_reason() or 'an interrupt'}{what}; run the same "
-            "command to resume")
+    any: see :func:`note_outcome`), and how to resume. A stop before any training attempt (the
+    data pull, the image build) left nothing to resume: the same command runs again (trial:
+    a Ctrl-C during the pull said "run the same command to resume")."""
+    if not _outcome:
+        return (f"stoker run: stopped by {stop_reason() or 'an interrupt'}; run the same "
+                "command again")
+    return (f"stoker run: stopped by {stop_reason() or 'an interrupt'}; {_outcome[0]}; run the "
+            "same command to resume")
 
 
 def kill_descendants() -> list[int]:

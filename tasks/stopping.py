@@ -56,7 +56,7 @@ def attempt_state(code: int, request: StopRequest | None,
         return Completed(data=code, message=message)
     if outcome == Outcome.PREEMPTED:
         return Completed(name="Preempted", data=code, message=f"{message} (checkpoint "
-                         f"committed, {'resumed' if retried else NO_RETRY})")
+                         f"committed, {'to be resumed' if retried else NO_RETRY})")
     if outcome == Outcome.STOPPED:
         name = "StoppedByGuard" if request.by == "cost-guard" else "StoppedByUser"
         return Cancelled(name=name, data=code, message=f"{message}: {request.describe()}")

@@ -267,7 +267,9 @@ def test_an_attempt_state_says_when_no_retry_follows():
     assert (spent.name, spent.message, spent.is_failed()) == (
         "InfrastructureFailure", "exit 137 (SIGKILL): infrastructure_failure, no retry left",
         True)
-    assert attempt_state(75, None).message == "exit 75: preempted (checkpoint committed, resumed)"
+    # Said as the attempt ends, before the next one starts (trial: "resumed" read as done).
+    assert attempt_state(75, None).message == \
+        "exit 75: preempted (checkpoint committed, to be resumed)"
     assert attempt_state(75, None, retried=False).message == \
         "exit 75: preempted (checkpoint committed, no retry left)"
 

@@ -352,8 +352,9 @@ def test_the_last_line_after_a_stop_says_the_steps_it_lost():
             "reached step 69, last checkpoint at step 40, 29 step(s) lost; run the same command "
             "to resume")
         stopping.install()  # a new run of the command forgets it
+        # Nothing trained in this run (a Ctrl-C during the pull): nothing to resume yet.
         assert stopping.stopped_line() == (
-            "stoker run: stopped by an interrupt; run the same command to resume")
+            "stoker run: stopped by an interrupt; run the same command again")
     finally:  # this test process's own handlers back
         for sig in stopping.STOP_SIGNALS:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
