@@ -63,11 +63,10 @@ def stopped_line() -> str:
     any: see :func:`note_outcome`), and how to resume. A stop before any training attempt (the
     data pull, the image build) left nothing to resume: the same command runs again (trial:
     a Ctrl-C during the pull said "run the same command to resume")."""
+    stopped = f"stoker run: stopped by {stop_reason() or 'an interrupt'}"
     if not _outcome:
-        return (f"stoker run: stopped by {stop_reason() or 'an interrupt'}; run the same "
-                "command again")
-    return (f"stoker run: stopped by {stop_reason() or 'an interrupt'}; {_outcome[0]}; run the "
-            "same command to resume")
+        return f"{stopped}; run the same command again"
+    return f"{stopped}; {_outcome[0]}; run the same command to resume"
 
 
 def kill_descendants() -> list[int]:

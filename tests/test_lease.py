@@ -39,16 +39,28 @@ def dead_owner_lease(job_dir, acquired: float) -> None:
         "acquired": acquired, "renewed": acquired, "expires": time.time() + 300, "ttl_s": 60}))
 
 
+def record_stop(job_dir, age_s: float) -> None:
+    """``stoker run``'s record of its Ctrl-C (stop-sender.json), ``age_s`` seconds ago."""
+    (job_dir / STOP_SENDER_FILE).write_text(json.dumps(
+        {"sender": f"{SENDER_PREFIX}SIGINT (Ctrl-C)", "time": time.time() - age_s}))
+
+
+def takeover_line(job_dir, caplog, stop_age_s: float) -> logging.LogRecord:
+    """The log record of taking over a dead owner's lease (taken 30 s ago) whose job folder
+    holds a stop recorded ``stop_age_s`` seconds ago."""
+    dead_owner_lease(job_dir, time.time() - 30)
+    record_stop(job_dir, stop_age_s)
+    with caplog.at_level(logging.INFO, logger="stoker.launch.lease"):
+        JobLease(job_dir).acquire().release()
+    [record] = [r for r in caplog.records if "taking over" in r.getMessage()]
+    return record
+
+
 def test_taking_over_from_a_run_stopped_at_once_is_info_not_a_warning(tmp_path, caplog):
     """Trial: after a double Ctrl-C, the resume's "taking over the lease ... its process is
     gone" WARNING looked like a crash; that run recorded its stop signal (stop-sender.json)
     and was stopped at once, which the line now says, at INFO."""
-    dead_owner_lease(tmp_path, time.time() - 30)
-    (tmp_path / STOP_SENDER_FILE).write_text(json.dumps(
-        {"sender": f"{SENDER_PREFIX}SIGINT (Ctrl-C)", "time": time.time() - 5}))
-    with caplog.at_level(logging.INFO, logger="stoker.launch.lease"):
-        JobLease(tmp_path).acquire().release()
-    [record] = [r for r in caplog.records if "taking over" in r.getMessage()]
+    record = takeover_line(tmp_path, caplog, stop_age_s=5)
     assert record.levelno == logging.INFO
     assert record.getMessage().endswith(
         "it was stopped at once (a second signal after SIGINT (Ctrl-C))")
@@ -56,12 +68,7 @@ def test_taking_over_from_a_run_stopped_at_once_is_info_not_a_warning(tmp_path, 
 
 def test_a_stop_recorded_before_the_dead_owner_took_the_lease_is_not_its_own(tmp_path, caplog):
     """An earlier run's stop signal does not explain this owner's death (kill -9)."""
-    dead_owner_lease(tmp_path, time.time() - 30)
-    (tmp_path / STOP_SENDER_FILE).write_text(json.dumps(
-        {"sender": f"{SENDER_PREFIX}SIGINT (Ctrl-C)", "time": time.time() - 60}))
-    with caplog.at_level(logging.INFO, logger="stoker.launch.lease"):
-        JobLease(tmp_path).acquire().release()
-    [record] = [r for r in caplog.records if "taking over" in r.getMessage()]
+    record = takeover_line(tmp_path, caplog, stop_age_s=60)
     assert record.levelno == logging.WARNING
     assert "its process is gone" in record.getMessage()
 
@@ -88,8 +95,7 @@ def test_the_bucket_lease_of_a_run_stopped_at_once_is_taken_over_at_info(tmp_pat
     store.put(f"{store.root}/k-1/lease.json", json.dumps(dead).encode())
     with caplog.at_level(logging.INFO, logger="stoker.launch.bucket_lease"):
         BucketLease(store, "k-1", ttl_s=30, job_dir=job_dir).acquire().release()
-    (job_dir / STOP_SENDER_FILE).write_text(json.dumps(
-        {"sender": f"{SENDER_PREFIX}SIGINT (Ctrl-C)", "time": time.time() - 5}))
+    record_stop(job_dir, 5)
     store.put(f"{store.root}/k-1/lease.json", json.dumps(dead).encode())
     with caplog.at_level(logging.INFO, logger="stoker.launch.bucket_lease"):
         BucketLease(store, "k-1", ttl_s=30, job_dir=job_dir).acquire().release()
