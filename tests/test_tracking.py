@@ -187,6 +187,28 @@ def test_an_attempt_shorter_than_one_interval_still_logs_system_metrics(dataset,
     system = {k for k in run.data.metrics if k.startswith("system/")}
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system
 
+def test_the_first_system_cpu_sample_of_an_attempt_is_measured_not_zero(dataset, tmp_path):
+    """MLflow samples CPU with psutil.cpu_percent(), which keeps its previous reading per thread:
+    every attempt's first system/cpu point read 0, and so did a short attempt's only point."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = tmp_path / "sampled"
+    job.mkdir()
+    RunSpec(train=TrainConfig(epochs=2, checkpoint_every_steps=1000),
+            data_dir=dataset.local_path, job_dir=str(job), tracking_uri=uri,
+            experiment="sampled", run_name="sampled",
+            system_metrics_interval_s=0.5).dump(job / "spec.yaml")
+    lines: list[str] = []
+    assert LocalLauncher(1, python=sys.executable).run(job / "spec.yaml",
+                                                       on_line=lines.append) == 0, lines
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("sampled").experiment_id])
+    history = sorted(client.get_metric_history(run.info.run_id,
+                                               "system/cpu_utilization_percentage"),
+                     key=lambda m: m.step)
+    # a training attempt keeps a core busy: no point (the first included) reads 0
+    assert history and all(point.value > 0 for point in history), history
+
+
 def test_training_run_logs_the_dataset_as_an_mlflow_input(dataset, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     job = tmp_path / "with-input"

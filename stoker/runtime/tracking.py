@@ -23,6 +23,39 @@ SECRET_KEY = re.compile(r"(token|password|passwd|secret|api_?key|access_?key|cre
 # Experiment tag the MLflow UI reads to choose its layout (model training, not GenAI).
 EXPERIMENT_KIND = "mlflow.experimentKind"
 
+def _cpu_monitor(since):
+    """MLflow's CPU monitor, with ``cpu_utilization_percentage`` (percent of all cores busy,
+    0-100) measured between its own samples, the first since ``since`` (``psutil.cpu_times()``).
+
+    MLflow's reads ``psutil.cpu_percent()``, which keeps its previous reading per thread: the
+    first sample of the monitor's thread, and the end-of-attempt sample taken on another thread,
+    read 0.0, so every attempt's first point (and a short attempt's only one) was 0.
+    """
+    import psutil
+    from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
+
+    def busy_and_total(times) -> tuple[float, float]:
+        # As psutil counts: guest time is already in user/nice; idle and iowait are not busy.
+        total = sum(times) - getattr(times, "guest", 0) - getattr(times, "guest_nice", 0)
+        return total - times.idle - getattr(times, "iowait", 0), total
+
+    class SinceLastSampleCPUMonitor(CPUMonitor):
+        def __init__(self):
+            super().__init__()
+            self._last = busy_and_total(since)
+
+        def collect_metrics(self):
+            super().collect_metrics()  # memory, and psutil's per-thread CPU figure, replaced:
+            busy, total = busy_and_total(psutil.cpu_times())
+            if total > self._last[1]:
+                share = (busy - self._last[0]) / (total - self._last[1])
+                self._metrics["cpu_utilization_percentage"][-1] = round(
+                    100 * min(max(share, 0.0), 1.0), 1)
+                self._last = busy, total
+
+    return SinceLastSampleCPUMonitor()
+
+
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """Flatten nested dicts to dotted keys with string values; secret-looking keys are masked."""
     flat: dict[str, str] = {}
@@ -57,6 +90,10 @@ class RunTracker:
                  on_created: Callable[[str], None] | None = None):
         from mlflow import MlflowClient
 
+        import psutil
+
+        # The first system/cpu sample measures from here (the opening of the run).
+        self._cpu_times_at_open = psutil.cpu_times()
         ensure_store(tracking_uri)
         self.client = MlflowClient(tracking_uri)
         self.flush_every_s = flush_every_s
@@ -86,12 +123,15 @@ class RunTracker:
     def _start_system_metrics(self, tracking_uri: str, interval_s: float):
         """MLflow's system metrics (``system/*``): CPU, memory, disk, network, and GPU through
         NVML when present; each NVML query is guarded, so an unsupported one skips only itself."""
+        from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         # WARNING, not ERROR: a failed sample or publish is said; "no NVML here" (INFO) is not.
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval_s,
                                        resume_logging=self._resumed, tracking_uri=tracking_uri)
+        monitor.monitors = [_cpu_monitor(self._cpu_times_at_open) if isinstance(m, CPUMonitor)
+                            else m for m in monitor.monitors]
         self._system_first_step = monitor._logging_step
         monitor.start()
         return monitor
