@@ -88,9 +88,8 @@ class RunTracker:
                  params: dict[str, str] | None = None, artifact_location: str | None = None,
                  flush_every_s: float = 2.0, system_metrics_interval_s: float | None = None,
                  on_created: Callable[[str], None] | None = None):
-        from mlflow import MlflowClient
-
         import psutil
+        from mlflow import MlflowClient
 
         # The first system/cpu sample measures from here (the opening of the run).
         self._cpu_times_at_open = psutil.cpu_times()
