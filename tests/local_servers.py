@@ -1,13 +1,25 @@
-"""Stop the local Prefect servers (stoker.local_server) that tests started."""
+"""The local Prefect servers (stoker.local_server) of tests: the environment that starts one,
+and stopping those that tests started."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import psutil
+from prefect_server import seed_prefect_home
 
 from stoker.local_server import LocalServer
+
+
+def embedded_env(work: Path) -> dict[str, str]:
+    """The environment of a ``stoker`` command in its default embedded mode on the local Prefect
+    server of ``work`` (neither PREFECT_API_URL nor PREFECT_HOME: its home is
+    ``work/.prefect``), whose home starts with the migrated database
+    (:func:`prefect_server.seed_prefect_home`)."""
+    seed_prefect_home(work / ".prefect")
+    return {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
 
 
 def stop_local_servers(root: Path) -> list[int]:

@@ -3,22 +3,77 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 import httpx
+import prefect
+from filelock import FileLock
 from mlflow_server import free_port
 
 from stoker.launch.local import terminate_tree
 
+# A fresh sqlite database costs a starting server about 7 s and 6 CPU-s of migrations (and the
+# block types' registration): 11.6 s to a healthy server here, 4.5 s with both done. Tests start
+# some twenty-five servers (PrefectServer's, and the local ones `stoker run` starts in a new work
+# folder: tests/local_servers.embedded_env), so each starts from a copy of one migrated database,
+# made once per Prefect version and user and shared by the xdist workers. What a server does at
+# start is unchanged: it checks the schema and finds nothing to migrate. (A user's first
+# `stoker run` pays the migrations once; prefect_test_harness still makes its own database.)
+TEMPLATE = Path(tempfile.gettempdir()) / f"stoker-tests-prefect-{os.getuid()}" / prefect.__version__
+MEMO = "memo_store.toml"  # Prefect's record that the block types are registered in the database
+
+
+def migrated_template() -> Path:
+    """The folder of the migrated template: ``prefect.db`` and ``memo_store.toml``."""
+    if (TEMPLATE / "prefect.db").exists():
+        return TEMPLATE
+    TEMPLATE.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{TEMPLATE}.lock"):
+        if not (TEMPLATE / "prefect.db").exists():
+            staging = Path(tempfile.mkdtemp(prefix="making-", dir=TEMPLATE.parent))
+            with PrefectServer(staging / "server", seeded=False):
+                pass
+            made = staging / "template"
+            made.mkdir()
+            # sqlite's backup: one self-contained file, whatever the WAL still held
+            with closing(sqlite3.connect(staging / "server" / "prefect.db")) as source, \
+                    closing(sqlite3.connect(made / "prefect.db")) as copy:
+                source.backup(copy)
+            shutil.copy2(staging / "server" / "home" / MEMO, made / MEMO)
+            made.rename(TEMPLATE)
+            shutil.rmtree(staging, ignore_errors=True)
+    return TEMPLATE
+
+
+def seed_prefect_home(home: Path, database: Path | None = None) -> Path:
+    """Put a copy of the migrated database in a Prefect home that has none (a server started
+    there then skips the migrations); ``database``: where the server's database is, when not
+    ``home/prefect.db``. Returns ``home``."""
+    database = database or home / "prefect.db"
+    if database.exists():
+        return home
+    template = migrated_template()
+    home.mkdir(parents=True, exist_ok=True)
+    database.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(template / "prefect.db", database)
+    shutil.copy2(template / MEMO, home / MEMO)
+    return home
+
 
 class PrefectServer:
-    """``prefect server start`` on a free loopback port; ``env`` points clients at it."""
+    """``prefect server start`` on a free loopback port; ``env`` points clients at it.
+    ``seeded``: start from a copy of the migrated database (:func:`seed_prefect_home`)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, seeded: bool = True):
         self.root = root
+        self.seeded = seeded
         self.port = free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.env = {
@@ -45,6 +100,8 @@ class PrefectServer:
 
     def __enter__(self) -> PrefectServer:
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.seeded:
+            seed_prefect_home(self.root / "home", self.root / "prefect.db")
         log = open(self.root / "server.log", "w")  # noqa: SIM115 - closed with the process
         env = {k: v for k, v in self.env.items() if k != "PREFECT_API_URL"}
         self.process = subprocess.Popen(
@@ -66,3 +123,4 @@ class PrefectServer:
     def __exit__(self, *exc) -> None:
         if self.process is not None:
             terminate_tree(self.process.pid, grace_s=10)
+

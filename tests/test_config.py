@@ -293,10 +293,12 @@ def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_pa
     import sys
 
     import psutil
+    from prefect_server import seed_prefect_home
 
     unreachable = "http://127.0.0.1:9/none.git"  # port 9 (discard): refused at once
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     mark = {"STOKER_TEST_MARK": str(tmp_path)}  # inherited by every process the command starts
+    seed_prefect_home(tmp_path / "prefect")
     result = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
          f"data.repo_url={unreachable}"], capture_output=True, text=True,

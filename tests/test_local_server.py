@@ -19,6 +19,7 @@ import psutil
 import pytest
 from local_servers import stop_local_servers
 from mlflow import MlflowClient
+from prefect_server import seed_prefect_home
 
 from stoker.local_server import PORT_FILE, SERVER_NICE, LocalServer, server_pids
 
@@ -38,6 +39,7 @@ def stoker(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
 def work(tmp_path):
     """A work folder whose local server is always stopped after the test."""
     work = tmp_path / "work"
+    seed_prefect_home(work / ".prefect")
     yield work
     stop_local_servers(tmp_path)
     assert server_pids(work / ".prefect") == []
@@ -201,7 +203,6 @@ def test_a_prefect_background_server_of_the_same_home_is_adopted(work):
     from mlflow_server import free_port
 
     home = work / ".prefect"
-    home.mkdir(parents=True)
     port = free_port()
     subprocess.run([sys.executable, "-m", "prefect", "server", "start", "--background",
                     "--host", "127.0.0.1", "--port", str(port)], check=True, timeout=300,

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from local_servers import embedded_env
 from mlflow import MlflowClient
 
 pytestmark = pytest.mark.integration
@@ -20,7 +21,7 @@ def test_a_closed_output_pipe_does_not_fail_training_or_registration(tmp_path):
     when the process worker that started the flow run is SIGKILLed: the run still finishes,
     registers its model and marks the job done; the rest of the output lands in the log file."""
     work = tmp_path / "work"
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    env = embedded_env(work)
     process = subprocess.Popen(
         [sys.executable, "-m", "stoker.cli", "run", f"work_dir={work}", "train.epochs=3",
          "tracking.system_metrics_interval_s=null"],

@@ -3,13 +3,12 @@ the ranks can see is still one line and exit code 2 (new-user QA findings)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from local_servers import stop_local_servers
+from local_servers import embedded_env, stop_local_servers
 
 from stoker.config import ConfigError, PipelineConfig
 from stoker.launch.job import check_resumable
@@ -36,7 +35,7 @@ def test_a_job_refuses_other_data_or_another_trajectory(make_spec, dataset):
 
 
 def stoker_run(work: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    env = embedded_env(work)
     return subprocess.run([sys.executable, "-m", "stoker.cli", "run", f"work_dir={work}",
                            "tracking.system_metrics_interval_s=null", *overrides],
                           capture_output=True, text=True, timeout=600, env=env)

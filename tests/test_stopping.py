@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import rank_processes
-from local_servers import stop_local_servers
+from local_servers import embedded_env, stop_local_servers
 from mlflow import MlflowClient
 
 from stoker.launch.attempts import AttemptLog
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 
 def start_run(work: Path, *overrides: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    env = embedded_env(work)
     command = [sys.executable, "-m", "stoker.cli", "run", f"work_dir={work}", "train.epochs=40",
                "tracking.system_metrics_interval_s=null", *overrides]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
@@ -242,8 +242,7 @@ def test_sigkill_of_stoker_run_leaves_the_server_and_the_next_command_crashes_it
     guard = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "cost-guard", f"work_dir={work}",
          "policy.window_s=10", "policy.sample_interval_s=5"], capture_output=True, text=True,
-        timeout=300, env={k: v for k, v in os.environ.items()
-                          if k not in ("PREFECT_API_URL", "PREFECT_HOME")})
+        timeout=300, env=embedded_env(work))
     assert guard.returncode == 0, guard.stderr[-3000:]
     states = prefect_states(work, "flow_run")
     assert sorted(kind for kind, _ in states.values()) == ["COMPLETED", "CRASHED"], states
