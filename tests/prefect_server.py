@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import sqlite3
@@ -13,7 +14,6 @@ from contextlib import closing
 from pathlib import Path
 
 import httpx
-import prefect
 from filelock import FileLock
 from mlflow_server import free_port
 
@@ -26,7 +26,8 @@ from stoker.launch.local import terminate_tree
 # made once per Prefect version and user and shared by the xdist workers. What a server does at
 # start is unchanged: it checks the schema and finds nothing to migrate. (A user's first
 # `stoker run` pays the migrations once; prefect_test_harness still makes its own database.)
-TEMPLATE = Path(tempfile.gettempdir()) / f"stoker-tests-prefect-{os.getuid()}" / prefect.__version__
+TEMPLATE = (Path(tempfile.gettempdir()) / f"stoker-tests-prefect-{os.getuid()}"
+            / importlib.metadata.version("prefect"))  # (importing prefect here costs ~1 s)
 MEMO = "memo_store.toml"  # Prefect's record that the block types are registered in the database
 
 
