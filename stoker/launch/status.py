@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,10 +129,23 @@ def job_progress(events: list[dict], records: list[dict] | None = None) -> JobPr
     done = int(window[-1]["step"]) - int(window[0]["step"])
     elapsed = float(window[-1]["time"]) - float(window[0]["time"])
     eta = (total - step) * elapsed / done if done > 0 and elapsed >= 0 else None
-    rate = steps[-1].get("samples_per_s")
-    return JobProgress("training", attempt, step, total,
-                       samples_per_s=float(rate) if rate is not None else None,
+    return JobProgress("training", attempt, step, total, samples_per_s=window_rate(window),
                        eta_s=eta if eta is None or math.isfinite(eta) else None)
+
+
+def window_rate(window: list[dict]) -> float | None:
+    """The throughput of a window of ``step`` events, samples/s: the harmonic mean of their
+    ``samples_per_s`` (each one step's own, global batch / step time), which is all their samples
+    over all their step time (the batch is the same every step); None without a usable value.
+
+    One step's figure swung by 2x between status lines (2285, 4221, 3512, 2754 samples/s at
+    15 ms steps); 20 steps' is steady. Values that are not positive finite numbers (a record
+    is untrusted) are left out."""
+    rates = [float(e["samples_per_s"]) for e in window
+             if isinstance(e.get("samples_per_s"), int | float)
+             and not isinstance(e["samples_per_s"], bool)
+             and math.isfinite(e["samples_per_s"]) and e["samples_per_s"] > 0]
+    return statistics.harmonic_mean(rates) if rates else None
 
 
 JOB_LOG = "train.log"  # every line the attempts printed (torchrun, ranks), appended, each timed
