@@ -46,8 +46,9 @@ def test_throughput_is_the_windows_not_the_last_steps():
     assert progress.samples_per_s == pytest.approx(expected)
     assert f"{expected:.0f} samples/s" in progress.describe()
     # an untrusted record: values that are not positive numbers are left out
-    for e, bad in zip(events[-20:], [None, "fast", True, -1.0, float("nan"), float("inf"), 0]):
-        e["samples_per_s"] = bad
+    bad = [None, "fast", True, -1.0, float("nan"), float("inf"), 0]
+    for e, value in zip(events[-len(bad):], bad, strict=True):
+        e["samples_per_s"] = value
     assert job_progress(events).samples_per_s > 0
     for e in events[-20:]:
         e.pop("samples_per_s")
