@@ -236,6 +236,7 @@ def xdist_group(item) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it appends them to nodeids)
 def pytest_collection_modifyitems(config, items):
     """xdist groups (above); ``gpu``-marked tests need CUDA: skipped with a reason without it
     (CI has no GPU)."""

@@ -7,10 +7,12 @@ a resolver message that names neither file.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -56,3 +58,22 @@ def test_every_requirement_is_pinned_to_a_version_in_its_range():
 def test_ci_installs_with_the_constraints_file():
     assert "CONSTRAINTS=${CONSTRAINTS:-.ci/constraints.txt}" in (ROOT / ".ci" / "run").read_text()
     assert "--constraint $(CONSTRAINTS)" in (ROOT / "Makefile").read_text()
+
+
+@pytest.fixture(scope="module")
+def module_resource() -> object:
+    """Stands for a module's expensive shared fixture (a Prefect server, a trained job)."""
+    return object()
+
+
+def test_the_tests_of_a_module_scoped_fixture_share_one_xdist_worker(module_resource, request):
+    """`make test` runs `--dist loadgroup`, and tests/conftest.py groups the tests of a module
+    with a module-scoped fixture so that one worker makes it once. With pytest 9.2 and
+    pytest-xdist 3.8 the group was silently dropped (pytest-dev/pytest-xdist#1386), and so it
+    was when conftest's hook ran after xdist's: every module's server was started on both
+    workers."""
+    # on a worker, xdist keeps `--dist loadgroup` as this option (and `dist` reads "no")
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not getattr(request.config.option,
+                                                                 "loadgroup", False):
+        pytest.skip("runs under pytest-xdist --dist loadgroup only (as `make test` runs it)")
+    assert request.node.nodeid.endswith("@test_constraints.py"), request.node.nodeid
