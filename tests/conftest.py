@@ -18,6 +18,12 @@ os.environ["DVC_NO_ANALYTICS"] = "1"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
+# Prefect sets up its logging (a console handler on the sys.stderr of that moment) when
+# prefect.main is first imported. First imported inside a test with capsys, the handler wrote to
+# that test's stream once it was closed, and every later flow of the worker failed
+# (ValueError: I/O operation on closed file, then a RecursionError through Prefect's print
+# patch): set up here, on the stream pytest keeps for the whole session.
+import prefect.main  # noqa: E402,F401
 from local_servers import stop_local_servers  # noqa: E402
 
 pytest_plugins = ["image_fixtures"]  # the training image, shared by image and docker tests
