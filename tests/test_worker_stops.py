@@ -4,6 +4,7 @@ of the worker itself. Speed figures are in ``benchmarks/bench_cancel.py``, not a
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import sys
@@ -44,6 +45,22 @@ def flow_run_state(server: PrefectServer, flow_run_id: str):
     with temporary_settings({PREFECT_API_URL: server.api_url}), \
             get_client(sync_client=True) as client:
         return client.read_flow_run(uuid.UUID(flow_run_id)).state
+
+
+def flow_run_logs(server: PrefectServer, flow_run_id: str) -> list[tuple[float, str]]:
+    """The flow run's log lines on the server: (Unix time, message), oldest first."""
+    import httpx
+
+    found, offset = [], 0
+    while True:
+        page = httpx.post(f"{server.api_url}/logs/filter", timeout=30, json={
+            "logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC",
+            "offset": offset, "limit": 200}).json()
+        found += [(dt.datetime.fromisoformat(r["timestamp"]).timestamp(), r["message"])
+                  for r in page]
+        if len(page) < 200:
+            return found
+        offset += len(page)
 
 
 def flow_run_name(server: PrefectServer, flow_run_id: str) -> str:
@@ -111,9 +128,10 @@ def test_a_prefect_cancel_commits_the_stop_checkpoint_and_ends_cancelled(deploye
 def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_path):
     """Worker death: SIGKILL of the process worker while its flow run trains -> the flow process
     trains on, its MLflow run ends FINISHED, the model is registered, the job is marked done and
-    the flow run is Completed."""
+    the flow run is Completed; its progress lines keep reaching the Prefect log (trial: they
+    stopped with the worker until the flow ended)."""
     work = tmp_path / "work"
-    params = {"config": {"work_dir": str(work), "train": {"epochs": 3},
+    params = {"config": {"work_dir": str(work), "train": {"epochs": 12},
                          "overrides": ["tracking.system_metrics_interval_s=null"]}}
     out = deployed.prefect("deployment", "run", "pipeline/pipeline", "--params",
                            json.dumps(params)).stdout
@@ -136,6 +154,7 @@ def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_pa
         assert flow_process is not None, "training never started"
         worker.kill()  # SIGKILL: its pipes to the flow process are gone with it
         worker.wait(timeout=30)
+        killed_at = time.time()
         flow_process.wait(timeout=600)
     finally:
         terminate_tree(worker.pid, grace_s=5)
@@ -147,3 +166,6 @@ def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_pa
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     assert client.get_run(done["run_id"]).info.status == "FINISHED"
     assert client.get_model_version("stoker-digits", "1").run_id == done["run_id"]
+    after = [line for at, line in flow_run_logs(deployed, flow_run_id)
+             if at > killed_at + 6 and line.startswith("step ") and "samples/s" in line]
+    assert after, "no progress line reached the Prefect log after the worker died"
