@@ -32,6 +32,20 @@ def test_eta_follows_recent_step_time_not_the_start_up():
     assert progress.describe() == "step 100/1000 (attempt 1), 640 samples/s, ETA 90 s"
 
 
+def test_the_warm_up_steps_of_an_attempt_are_left_out_of_the_eta():
+    """Trial: `step 15/3000 (attempt 1), 174 samples/s, ETA 4 min 59 s` when 75 s were left:
+    the first steps of an attempt (data workers starting, the first all-reduce) are slow."""
+    events = [{"event": "start", "step": 0, "time": 0.0, "total_steps": 1000},
+              *steps(1, MIN_STEPS_FOR_ETA - 1, 0.0, 1.0),
+              *steps(MIN_STEPS_FOR_ETA, 15, MIN_STEPS_FOR_ETA - 1.0, 0.1)]
+    progress = job_progress(events)
+    assert progress.state == "training"
+    assert progress.eta_s == pytest.approx((1000 - 15) * 0.1)
+    assert progress.samples_per_s == pytest.approx(640)
+    # up to MIN_STEPS_FOR_ETA step events: still starting, no figure from the warm-up alone
+    assert job_progress(events[:1 + MIN_STEPS_FOR_ETA]).state == "starting"
+
+
 def test_throughput_is_the_windows_not_the_last_steps():
     """One step's samples/s swung by 2x between status lines (2285, 4221, 3512 samples/s at
     15 ms steps): the line shows the window's, all its samples over all its step time."""

@@ -23,8 +23,9 @@ WINDOW_STEPS = 20         # the moving average of step time covers this many rec
 class JobProgress:
     """One view of a job. ``state``: ``starting``, ``training``, ``restarting``, ``completed``,
     ``ended`` (the last attempt ended otherwise) or ``idle`` (no live run trains the job: what
-    ``stoker status`` shows for an unfinished one); ``eta_s`` is None until
-    ``MIN_STEPS_FOR_ETA`` steps of the current attempt were seen."""
+    ``stoker status`` shows for an unfinished one); ``eta_s`` is None until more
+    than ``MIN_STEPS_FOR_ETA`` steps of the current attempt were seen; the throughput and the ETA
+    leave out the attempt's first ``MIN_STEPS_FOR_ETA - 1`` (its warm-up)."""
 
     state: str
     attempt: int
@@ -122,10 +123,13 @@ def job_progress(events: list[dict], records: list[dict] | None = None) -> JobPr
         state = "restarting" if outcome in ("preempted", "infrastructure") else "ended"
         return JobProgress(state, attempt, int(ends[-1].get("step") or step), total,
                            resume_step=resume, outcome=outcome)
-    if len(steps) < MIN_STEPS_FOR_ETA:
+    if len(steps) <= MIN_STEPS_FOR_ETA:
         return JobProgress("starting", attempt, step, total,
                            start_step=int(start.get("step") or 0))
-    window = steps[-WINDOW_STEPS:]
+    # An attempt's first steps (data workers starting, the first all-reduce) ran 2-4x slower
+    # than the rest: a window that held them showed an ETA of 5 min for 75 s (trial). The
+    # window starts at the MIN_STEPS_FOR_ETA-th step event.
+    window = steps[MIN_STEPS_FOR_ETA - 1:][-WINDOW_STEPS:]
     done = int(window[-1]["step"]) - int(window[0]["step"])
     elapsed = float(window[-1]["time"]) - float(window[0]["time"])
     eta = (total - step) * elapsed / done if done > 0 and elapsed >= 0 else None
