@@ -21,8 +21,13 @@ def predict(
     model_uri: Annotated[str | None, typer.Option(
         help="MLflow model URI [default: models:/stoker-digits@champion (the demo's) when the "
         "store has it, else the champion of the store's only registered model]")] = None,
-    tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] =
-        "sqlite:///work/mlflow.db",
+    tracking_uri: Annotated[str | None, typer.Option(
+        help="MLflow tracking URI [default: the store of --work-dir, sqlite:///work/mlflow.db]",
+        show_default=False)] = None,
+    work_dir: Annotated[Path, typer.Option(
+        "--work-dir", "-w", help="The work folder whose MLflow store (<work-dir>/mlflow.db, "
+        "where `stoker run` logs by default) is read when --tracking-uri is not given")] =
+        Path("work"),
     logits: Annotated[bool, typer.Option(help="Also print the logits per class")] = False,
 ) -> None:
     """Load a registered model and print each image's class name and probability."""
@@ -30,9 +35,11 @@ def predict(
 
     for name, value in TELEMETRY_OFF.items():  # a read creates nothing: no PREFECT_HOME either
         os.environ.setdefault(name, value)
+    tracking_uri = tracking_uri or f"sqlite:///{work_dir / 'mlflow.db'}"
     store = sqlite_path(tracking_uri)
     relative = f" (from {Path.cwd()})" if store is not None and not store.is_absolute() else ""
-    where = f"tracking URI {tracking_uri}{relative}; point --tracking-uri at your store"
+    where = (f"tracking URI {tracking_uri}{relative}; point --work-dir or --tracking-uri at "
+             "your store")
     if store is not None and not store.is_file():
         fail(f"no MLflow store at {store}: {where}")
     images = expand_images(images)  # before the model loads (seconds)

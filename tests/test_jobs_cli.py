@@ -247,8 +247,16 @@ def test_predict_from_another_folder_creates_nothing_and_says_where_it_looked(tm
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         f"error: no MLflow store at work/mlflow.db: tracking URI sqlite:///work/mlflow.db (from "
-        f"{tmp_path}); point --tracking-uri at your store"]
+        f"{tmp_path}); point --work-dir or --tracking-uri at your store"]
     assert list(tmp_path.iterdir()) == []  # no stray work/mlflow.db, no work/.prefect
+    # Trial: every job command took --work-dir but predict; it reads that folder's store.
+    elsewhere = CliRunner().invoke(app, ["predict", "x.png", "--work-dir", str(tmp_path / "w")])
+    assert elsewhere.exit_code == 2
+    assert elsewhere.output.strip().splitlines() == [
+        f"error: no MLflow store at {tmp_path / 'w' / 'mlflow.db'}: tracking URI "
+        f"sqlite:///{tmp_path / 'w' / 'mlflow.db'}; point --work-dir or --tracking-uri at your "
+        "store"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_predict_names_a_missing_model_in_one_line(tmp_path):
@@ -274,7 +282,7 @@ def test_predict_names_a_missing_model_in_one_line(tmp_path):
     assert several.exit_code == 2 and several.output.strip().splitlines() == [
         "error: no --model-uri, and the store holds 2 registered models: colours-data, "
         f"shapes-data; e.g. --model-uri models:/colours-data@champion (tracking URI {uri}; "
-        "point --tracking-uri at your store)"]
+        "point --work-dir or --tracking-uri at your store)"]
 
     missing = CliRunner().invoke(app, ["predict", str(tmp_path / "nope.png"), "--tracking-uri",
                                        uri, "--model-uri", "models:/nope@champion"])
