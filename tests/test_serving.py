@@ -104,8 +104,9 @@ def test_stoker_predict_prints_class_names(champion, tmp_path):
     assert f"model: models:/{name}@champion (the store's only registered model)" in alone.stderr
     # --work-dir: the store `stoker run` wrote in that folder (<work-dir>/mlflow.db)
     by_folder = subprocess.run(
-        [str(BIN / "stoker"), "predict", *files, "-w", uri.removeprefix("sqlite:///")[
-            :-len("/mlflow.db")]], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [str(BIN / "stoker"), "predict", *files, "-w",
+         str(Path(uri.removeprefix("sqlite:///")).parent)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert by_folder.returncode == 0, by_folder.stderr[-3000:]
     assert by_folder.stdout == alone.stdout
