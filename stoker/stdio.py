@@ -6,12 +6,18 @@ the next write (MLflow's "Successfully registered model", a print, a log line) r
 :func:`guard_stdio`, a write that finds its reader gone points the descriptor at a file instead
 (``os.dup2``, so C code, child processes and the interpreter's final flush are covered too) and
 writes there: nothing is lost and nothing raises.
+
+Log handlers made before the guard (Prefect's console handler is made when Prefect is first
+imported) hold the raw stream: the guard re-points them too. Prefect's handler prints through a
+rich ``Console``, which answers a broken pipe with ``SystemExit(1)`` in the logging thread (a
+progress thread died silently that way after a worker was killed, trial).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import sys
 import threading
@@ -66,7 +72,8 @@ class GuardedStream:
 
 
 def guard_stdio(fallback: Path) -> None:
-    """Make ``sys.stdout`` and ``sys.stderr`` survive a dead reader (idempotent).
+    """Make ``sys.stdout`` and ``sys.stderr``, and the log handlers already writing to them,
+    survive a dead reader (idempotent).
 
     Args:
         fallback: file that receives the output once the reader is gone (appended to).
@@ -75,4 +82,20 @@ def guard_stdio(fallback: Path) -> None:
         stream = getattr(sys, name)
         if stream is None or isinstance(stream, GuardedStream):
             continue
-        setattr(sys, name, GuardedStream(stream, fallback))
+        guarded = GuardedStream(stream, fallback)
+        setattr(sys, name, guarded)
+        _rebind_handlers(stream, guarded)
+
+
+def _rebind_handlers(raw, guarded: GuardedStream) -> None:
+    """Point every logging ``StreamHandler`` that writes to ``raw`` at ``guarded``, and the rich
+    ``Console`` of a handler that prints through one (Prefect's ``PrefectConsoleHandler``)."""
+    known = logging.Logger.manager.loggerDict.values()
+    loggers = [logging.getLogger(), *(lg for lg in known if isinstance(lg, logging.Logger))]
+    for handler in {h for logger in loggers for h in logger.handlers}:
+        if not isinstance(handler, logging.StreamHandler) or handler.stream is not raw:
+            continue
+        handler.setStream(guarded)
+        console = getattr(handler, "console", None)
+        if console is not None and getattr(console, "file", None) is raw:
+            console.file = guarded

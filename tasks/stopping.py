@@ -279,10 +279,13 @@ def cancelled_promptly():
         raise
 
 
-def cancel_stopped_flow_run(_flow, flow_run, state) -> None:
+def cancel_stopped_flow_run(flow, flow_run, state) -> None:  # noqa: ARG001 - named as Prefect calls it
     """``on_crashed``/``on_failure`` hook of a flow: after a stop (a signal to ``stoker run``, or
     :class:`TrainingStopped`), the flow run and its crashed or failed task runs (``train``,
-    ``attempt-N``) become Cancelled with the reason."""
+    ``attempt-N``) become Cancelled with the reason.
+
+    The parameters are named as Prefect names them: a worker runs a crashed flow process's
+    ``on_crashed`` hooks with keyword arguments (``flow=``, ``flow_run=``, ``state=``)."""
     if state.is_failed() and TrainingStopped.__name__ in (state.message or ""):
         message = (state.message or "").split(f"{TrainingStopped.__name__}: ", 1)[-1]
     elif state.is_crashed() and stop_reason() is not None:

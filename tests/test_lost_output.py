@@ -72,3 +72,38 @@ def test_guarded_stream_moves_to_its_file_when_the_pipe_breaks(tmp_path):
     process.stdin.close()
     assert process.wait(timeout=60) == 0
     assert (tmp_path / "out.log").read_text() == "line 0\nline 1\nline 2\nto stderr\n"
+
+
+def test_prefect_log_lines_after_the_pipe_broke_go_to_the_file_and_stop_no_thread(tmp_path):
+    """Prefect's console handler is made at import, on the raw stderr, and prints through rich,
+    which answers a broken pipe with ``SystemExit(1)``: after a worker was SIGKILLed, the first
+    Prefect log line of the ``train`` task's progress thread ended that thread and its lines
+    stopped (trial). After ``guard_stdio`` the handler writes through the guard: a line logged
+    from a thread and from the main thread after the reader left lands in the file, and the
+    process goes on."""
+    script = "\n".join([
+        "import logging, sys, threading",
+        "from pathlib import Path",
+        "import prefect.main  # noqa: F401 - configures Prefect's console handler",
+        "from stoker.stdio import guard_stdio",
+        f"guard_stdio(Path({str(tmp_path / 'out.log')!r}))",
+        "log = logging.getLogger('probe')  # printed by the root logger's Prefect handler",
+        "sys.stdin.readline()",
+        "done = []",
+        "thread = threading.Thread(target=lambda: (log.warning('from a thread'), done.append(1)))",
+        "thread.start(); thread.join()",
+        "log.warning('from the main thread')",
+        "print('thread done' if done else 'thread died', flush=True)",
+    ])
+    process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    process.stdout.close()
+    process.stderr.close()
+    process.stdin.write(b"go\n")
+    process.stdin.close()
+    code = process.wait(timeout=120)
+    out = (tmp_path / "out.log").read_text() if (tmp_path / "out.log").exists() else ""
+    assert code == 0, out
+    assert "from a thread" in out and "from the main thread" in out, out
+    assert out.endswith("thread done\n"), out

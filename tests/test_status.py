@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stoker.launch.status import MIN_STEPS_FOR_ETA, job_progress
@@ -233,3 +235,34 @@ def test_attempts_are_numbered_by_their_records_not_by_start_events(tmp_path):
     assert attempt_at([{"number": 1, "started": 0.0}], True) is None
     assert job_progress([{"event": "start", "step": 0, "time": 5.0, "total_steps": 9}],
                         [{"number": 4, "started": 9.0}]).attempt == 1  # counted, as before
+
+
+def test_the_progress_thread_outlives_a_report_that_raises_system_exit(tmp_path):
+    """rich, which prints Prefect's console log lines, raises ``SystemExit(1)`` on a broken
+    pipe; in the watcher's thread that ended the thread silently and the progress lines
+    stopped (trial: after the worker was killed). A failed report is skipped, the next one is
+    made."""
+    from stoker.launch.supervisor import ProgressWatcher
+    from stoker.runtime.records import append_jsonl
+
+    seen: list[str] = []
+
+    def report(percent: float, message: str) -> None:
+        seen.append(message)
+        if len(seen) == 1:
+            raise SystemExit(1)
+
+    watcher = ProgressWatcher(tmp_path, report, every_s=0.05)
+    append_jsonl(tmp_path / "progress.jsonl", {"event": "start", "step": 0, "time": 0.0,
+                                               "total_steps": 66})
+    for event in steps(1, 8, 0.0, 0.2):
+        append_jsonl(tmp_path / "progress.jsonl", event)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.is_alive()
+    finally:
+        watcher.stopped.set()
+    assert len(seen) >= 2 and seen[1] == seen[0], seen  # said again once it could be said

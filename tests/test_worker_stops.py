@@ -169,3 +169,50 @@ def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_pa
     after = [line for at, line in flow_run_logs(deployed, flow_run_id)
              if at > killed_at + 6 and line.startswith("step ") and "samples/s" in line]
     assert after, "no progress line reached the Prefect log after the worker died"
+
+
+def test_a_killed_flow_process_ends_crashed_with_its_ranks_and_no_hook_error(deployed, tmp_path):
+    """``kill -9`` of the flow process on a worker: its ranks stop with it (no trainer left),
+    the worker reports the flow run Crashed and exits, and the worker's run of the flow's
+    ``on_crashed`` hook raises nothing (trial: the worker calls hooks with keyword arguments,
+    and ours took ``_flow``: an ERROR with a TypeError traceback in the run's log)."""
+    work = tmp_path / "work"
+    params = {"config": {"work_dir": str(work), "train": {"epochs": 200},
+                         "overrides": ["tracking.system_metrics_interval_s=null"]}}
+    out = deployed.prefect("deployment", "run", "pipeline/pipeline", "--params",
+                           json.dumps(params)).stdout
+    flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()
+                       if "UUID:" in line)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--run-once"],
+        env={**deployed.env, "PYTHONPATH": str(REPO)}, cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    ranks: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        flow_process = None
+        while time.monotonic() < deadline and flow_process is None:
+            assert worker.poll() is None, worker.stdout.read().decode(errors="replace")
+            jobs = list((work / "jobs").glob("*")) if (work / "jobs").is_dir() else []
+            if jobs and any(e["event"] == "step" for e in read_events(jobs[0])):
+                flow_process = next(p for p in psutil.Process(worker.pid).children()
+                                    if "prefect.engine" in " ".join(p.cmdline()))
+            time.sleep(0.05)
+        assert flow_process is not None, "training never started"
+        ranks = [p for p in flow_process.children(recursive=True)
+                 if p.name().startswith("stoker-rank")]
+        assert ranks, flow_process.children(recursive=True)
+        flow_process.kill()
+        output = worker.communicate(timeout=120)[0].decode(errors="replace")
+        _, alive = psutil.wait_procs(ranks, timeout=30)
+    finally:
+        terminate_tree(worker.pid, grace_s=5)
+        for rank in ranks:
+            if rank.is_running():
+                rank.kill()
+    assert worker.returncode == 0, output[-3000:]
+    assert not alive, alive  # no trainer outlives its flow process
+    assert flow_run_state(deployed, flow_run_id).type.value == "CRASHED"
+    hook_errors = [line for _, line in flow_run_logs(deployed, flow_run_id) if "hook" in line]
+    assert not hook_errors, hook_errors
+    assert "while running hook" not in output, output[-3000:]

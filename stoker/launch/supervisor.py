@@ -266,10 +266,11 @@ class ProgressWatcher(threading.Thread):
 
     def _poll_safely(self) -> None:
         """A report that fails (the Prefect server restarting) is skipped, not the watcher's end:
-        the next poll reports the state then."""
+        the next poll reports the state then. ``SystemExit`` too: rich, which prints Prefect's
+        console lines, raises it on a broken pipe, and in a thread it ends the thread silently."""
         try:
             self.poll()
-        except Exception as e:  # noqa: BLE001 - progress lines never stop training
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - progress lines never stop training
             self._last = None  # say it again once it can be said
             log.warning("progress not reported (%s): %s", type(e).__name__, e)
 
