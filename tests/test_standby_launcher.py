@@ -210,3 +210,27 @@ def test_a_launcher_stopped_from_outside_is_not_parked(make_spec):
     threading.Thread(target=stop_launcher, daemon=True).start()
     assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 75
     assert launcher.process.poll() is not None and local._standby is None
+
+
+def test_an_error_out_of_the_launcher_leaves_no_process_waiting_forever(tmp_path):
+    """A launcher left in interpreter shutdown joins its forked children while a forked rank
+    waits for the launcher to read its result: both waited forever, an orphan pair after a
+    ``kill -9`` of ``stoker run`` (full suite). Whatever escapes the launcher (here a write to
+    the dead orchestrator's pipe, with a forked child waiting as torch's rank wrapper does), the
+    process prints it, kills what it started and exits 1."""
+    script = "\n".join([
+        "import multiprocessing, os",
+        "from stoker.runtime.launch import exit_after",
+        "def run():",
+        "    context = multiprocessing.get_context('fork')",
+        "    child = context.Process(target=context.Event().wait)  # waits for the launcher",
+        "    child.start()",
+        f"    open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))",
+        "    raise BrokenPipeError(32, 'Broken pipe')",
+        "exit_after(run)",
+    ])
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert process.returncode == 1, process.stderr
+    assert "BrokenPipeError" in process.stderr
+    assert _gone(int((tmp_path / "child").read_text()), timeout_s=10)

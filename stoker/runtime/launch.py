@@ -44,8 +44,9 @@ import re
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
 from stoker.runtime.preemption import STOP_COMMITTED_ENV, STOP_COMMITTED_FILE
@@ -350,9 +351,46 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
     return 0
 
 
+def exit_after(run: Callable[[], int]) -> NoReturn:
+    """Run the launcher (``run`` returns its exit code), then end the process with
+    ``os._exit``, whatever happened: never through the interpreter's shutdown.
+
+    The ranks are gone when ``run`` returns; torch's finalizers would hold the exit code back
+    for seconds. And a launcher in interpreter shutdown joins its forked children
+    (multiprocessing's exit function) while a forked rank waits for the launcher to read its
+    result: both wait forever, an orphan pair that outlived its orchestrator (seen once after a
+    ``kill -9`` of ``stoker run``). So an exception out of ``run`` (a write to the dead
+    orchestrator's pipe) is printed where it can be and ends the process with 1; a failing
+    flush is ignored; and any process of this launcher still alive then is killed (SIGKILL),
+    DataLoader workers included."""
+    code = 1
+    try:
+        code = run()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 - said and turned into an exit code
+        with contextlib.suppress(Exception):
+            import traceback
+
+            traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        _kill_descendants()
+        os._exit(code)
+
+
+def _kill_descendants() -> None:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+
+
 if __name__ == "__main__":
-    code = standby() if sys.argv[1:] == [STANDBY_FLAG] else main()
-    # The workers are gone; torch's finalizers would hold the exit code back for seconds.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_after(lambda: standby() if sys.argv[1:] == [STANDBY_FLAG] else main())
