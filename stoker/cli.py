@@ -456,8 +456,10 @@ def _open_attempt_line(attempt: dict, training: bool, stopped: bool = False) -> 
     was stopped, e.g. by a second Ctrl-C, and did not wait to close it)."""
     import time
 
-    started = attempt.get("started")
-    age_s = time.time() - started if isinstance(started, int | float) else None
+    from stoker.runtime.records import real_number
+
+    started = real_number(attempt.get("started"))
+    age_s = time.time() - started if started is not None else None
     head = f"attempt {attempt.get('number')}:"
     if training:
         ran = f" for {age_s:.0f} s" if age_s is not None else ""

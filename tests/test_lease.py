@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 from stoker.launch.lease import JobLease, holder_alive, why_free
 from stoker.runtime.preemption import SENDER_PREFIX, STOP_SENDER_FILE
@@ -104,3 +107,21 @@ def test_the_bucket_lease_of_a_run_stopped_at_once_is_taken_over_at_info(tmp_pat
     assert second.levelno == logging.INFO
     assert second.getMessage().endswith(
         "it was stopped at once (a second signal after SIGINT (Ctrl-C))")
+
+
+@pytest.mark.parametrize("expires", ["Infinity", "NaN", "true", "1e999"])
+def test_a_lease_whose_expiry_is_no_finite_time_binds_nobody(tmp_path, expires):
+    """A damaged or forged ``lease.json`` (JSON readers take ``Infinity`` and ``NaN``): it held
+    the job for ever (``expires`` > any now) and saying why crashed (``gmtime(inf)``:
+    OverflowError). Such a record is unreadable: the next run takes the job over."""
+    from stoker.runtime.lease import read_lease
+
+    (tmp_path / "lease.json").write_text(
+        f'{{"token": "old", "host": "{socket.gethostname()}", "pid": {os.getpid()}, '
+        f'"acquired": 0, "expires": {expires}}}')
+    assert read_lease(tmp_path) is None
+    record = json.loads((tmp_path / "lease.json").read_text())
+    assert not holder_alive(record)
+    assert why_free(record) == "it is unreadable"
+    lease = JobLease(tmp_path).acquire()  # taken over, not JobBusy
+    lease.release()

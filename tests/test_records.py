@@ -67,3 +67,24 @@ def test_a_record_push_that_fails_names_the_error_not_only_its_type(tmp_path, ca
         assert not RecordSync(FullStore(), tmp_path / "job-1").sync()
     [line] = [r.getMessage() for r in caplog.records if "records not pushed" in r.getMessage()]
     assert "(OSError: [Errno 28] No space left on device second line)" in line, line
+
+
+@pytest.mark.parametrize("value, expected", [
+    (3, 3.0), (2.5, 2.5), (True, None), (float("nan"), None), (float("inf"), None),
+    (-float("inf"), None), ("7", None), (None, None), (10**400, None)])
+def test_a_record_field_reads_as_a_number_only_when_it_is_a_finite_real_one(value, expected):
+    from stoker.runtime.records import real_number
+
+    assert real_number(value) == expected
+
+
+@pytest.mark.parametrize("time_field", ["NaN", "Infinity", "true"])
+def test_a_heartbeat_without_a_finite_time_is_no_heartbeat_for_the_cost_guard(tmp_path,
+                                                                             time_field):
+    """A heartbeat at ``Infinity`` read as fresh for ever (a job never stopped as idle); at
+    ``NaN`` every age comparison was false."""
+    from stoker.costguard.signals import read_heartbeat
+
+    (tmp_path / "heartbeat.json").write_text(f'{{"time": {time_field}, "step": 3}}')
+    with pytest.raises(ValueError, match="no numeric 'time' field"):
+        read_heartbeat(tmp_path)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stoker.config import ConfigError
+from stoker.runtime.records import real_number
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,12 @@ def read_heartbeat(job_dir: Path) -> Heartbeat | None:
         return None
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: unreadable: {e}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("time"), int | float):
+    if not isinstance(data, dict) or real_number(data.get("time")) is None:
         raise ValueError(f"{path}: no numeric 'time' field")
-    return Heartbeat(time=float(data["time"]), step=data.get("step"), epoch=data.get("epoch"),
+    return Heartbeat(time=real_number(data["time"]), step=data.get("step"), epoch=data.get("epoch"),
                      pid=data.get("pid"), world_size=data.get("world_size"),
                      outcome=data.get("outcome"),
-                     pid_started=started if isinstance(started := data.get("pid_started"),
-                                                       int | float) else None)
+                     pid_started=real_number(data.get("pid_started")))
 
 
 def tail_events(job_dir: Path, max_bytes: int = _TAIL_BYTES) -> list[dict]:
@@ -116,7 +116,7 @@ def tail_events(job_dir: Path, max_bytes: int = _TAIL_BYTES) -> list[dict]:
             event = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(event, dict) and isinstance(event.get("time"), int | float):
+        if isinstance(event, dict) and real_number(event.get("time")) is not None:
             events.append(event)
     return events
 

@@ -25,7 +25,7 @@ from typing import Any
 import fsspec
 
 from stoker.launch.store import write_through
-from stoker.runtime.records import append_jsonl, read_json, read_jsonl
+from stoker.runtime.records import append_jsonl, integer, read_json, read_jsonl, real_number
 
 ATTEMPTS_FILE = "attempts.jsonl"
 # What the runtime's last `end` event says, as an attempt outcome (stoker.launch.retry.Outcome).
@@ -59,12 +59,11 @@ def reached_step(job_dir: Path, since: float,
     job_dir = Path(job_dir)
     if events is None:
         events = read_jsonl(job_dir / "progress.jsonl")
-    steps = [e["step"] for e in events
-             if isinstance(e.get("step"), int) and isinstance(e.get("time"), int | float)
-             and e["time"] >= since]
+    steps = [e["step"] for e in events if integer(e.get("step")) is not None
+             and (at := real_number(e.get("time"))) is not None and at >= since]
     beat = read_json(job_dir / "heartbeat.json", default={}, warn=lambda *_: None)
-    if isinstance(beat, dict) and isinstance(beat.get("step"), int) \
-            and isinstance(beat.get("time"), int | float) and beat["time"] >= since:
+    if isinstance(beat, dict) and integer(beat.get("step")) is not None \
+            and (at := real_number(beat.get("time"))) is not None and at >= since:
         steps.append(beat["step"])
     return max(steps, default=None)
 
@@ -189,10 +188,10 @@ class AttemptLog:
         open or its ranks recorded no end. For ``stoker run``'s last line after a second
         signal that came once the ranks had ended (:func:`stoker.stopping.outcome_probe`)."""
         open_ = [r for _, r in sorted(self._latest().items()) if r.get("state") == "started"]
-        started = open_[-1].get("started") if open_ else None
-        if not isinstance(started, int | float) or isinstance(started, bool):
+        started = real_number(open_[-1].get("started")) if open_ else None
+        if started is None:
             return None
-        ranks = self._runtime_end(float(started), checkpoint_location)[0]
+        ranks = self._runtime_end(started, checkpoint_location)[0]
         return None if ranks.get("runtime_outcome") == "interrupted" else _ranks_did(ranks)
 
     def steps_lost_if_closed(self, record: dict[str, Any]) -> int:
@@ -201,21 +200,20 @@ class AttemptLog:
         checkpoint of ``progress.jsonl``; 0 for a closed record. For a job whose run died or
         was stopped at once (a second Ctrl-C), so that ``stoker status`` counts them before
         the next run does."""
-        started = record.get("started")
-        if is_closed(record) or not isinstance(started, int | float) or isinstance(started, bool):
+        started = real_number(record.get("started"))
+        if is_closed(record) or started is None:
             return 0
-        lost = self._runtime_end(float(started))[0].get("steps_lost", 0)
-        return lost if isinstance(lost, int) else 0
+        return integer(self._runtime_end(started)[0].get("steps_lost", 0)) or 0
 
     def _failed_saves(self, number: int) -> dict[str, Any]:
         """``{"failed_saves": [steps]}`` for the saves attempt ``number`` gave up after their
         upload tries (the runtime's ``checkpoint_failed`` events since it started; {} if none)."""
-        started = self._latest().get(number, {}).get("started")
-        if not isinstance(started, int | float):
+        started = real_number(self._latest().get(number, {}).get("started"))
+        if started is None:
             return {}
         steps = [e.get("step") for e in read_jsonl(self.job_dir / "progress.jsonl")
                  if e.get("event") == "checkpoint_failed"
-                 and isinstance(e.get("time"), int | float) and e["time"] >= started]
+                 and (at := real_number(e.get("time"))) is not None and at >= started]
         return {"failed_saves": steps} if steps else {}
 
     def _runtime_end(self, started: float, checkpoint_location: str | None = None
@@ -224,8 +222,8 @@ class AttemptLog:
         ``runtime_end_step``, ``checkpoint_step``, ``reached_step``, ``steps_lost``) and the
         last time the runtime was seen (Unix seconds)."""
         every = read_jsonl(self.job_dir / "progress.jsonl")  # a torn last line is skipped
-        events = [e for e in every if isinstance(e.get("time"), int | float)
-                  and e["time"] >= started]
+        events = [e for e in every
+                  if (at := real_number(e.get("time"))) is not None and at >= started]
         ends = [e for e in events if e.get("event") == "end"]
         ranks: dict[str, Any] = {"runtime_outcome": END_OUTCOME.get(
             ends[-1].get("outcome"), "interrupted") if ends else "interrupted"}
@@ -244,8 +242,8 @@ class AttemptLog:
                          steps_lost=max(0, reached - committed))
         beat = read_json(self.job_dir / "heartbeat.json", default={})
         times = [e["time"] for e in events]
-        if isinstance(beat, dict) and isinstance(beat.get("time"), int | float):
-            times.append(beat["time"])
+        if isinstance(beat, dict) and (at := real_number(beat.get("time"))) is not None:
+            times.append(at)
         return ranks, max([t for t in times if t >= started], default=started)
 
 

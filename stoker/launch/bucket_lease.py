@@ -28,6 +28,7 @@ from typing import Any
 from stoker.launch.lease import JobBusy, holder_alive, owner, stopped_at_once, why_free
 from stoker.launch.store import JobStore
 from stoker.runtime.lease import LeaseLost, describe
+from stoker.runtime.records import real_number
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _parse(data: bytes) -> dict | None:
     except ValueError:
         return None  # a garbled lease binds nobody
     ok = isinstance(record, dict) and isinstance(record.get("token"), str) \
-        and isinstance(record.get("expires"), int | float)
+        and real_number(record.get("expires")) is not None
     return record if ok else None
 
 

@@ -25,7 +25,7 @@ from filelock import FileLock
 
 from stoker.runtime.lease import LEASE_FILE, describe, read_lease
 from stoker.runtime.preemption import stop_signal_reason
-from stoker.runtime.records import write_json
+from stoker.runtime.records import integer, real_number, write_json
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,11 @@ class JobBusy(RuntimeError):
 def holder_alive(lease: dict[str, Any], now: float | None = None) -> bool:
     """Whether ``lease`` still binds: not expired, and (on this host) its owner process lives."""
     now = time.time() if now is None else now
-    expires = lease.get("expires")
-    if not isinstance(expires, int | float) or now > expires:  # expired, or a garbled record
+    expires = real_number(lease.get("expires"))
+    if expires is None or now > expires:  # expired, or a garbled record
         return False
-    pid = lease.get("pid")
-    if lease.get("host") == socket.gethostname() and isinstance(pid, int):
+    pid = integer(lease.get("pid"))
+    if lease.get("host") == socket.gethostname() and pid is not None:
         # psutil.pid_exists raises OverflowError from 2**31 on: a garbled pid is not alive
         return 0 < pid < 2**31 and psutil.pid_exists(pid)
     return True
@@ -55,8 +55,8 @@ def why_free(lease: dict[str, Any], now: float | None = None) -> str:
     expired at 07:27:33 UTC``, ``its process is gone (the lease ran until 07:27:33 UTC)`` or
     ``it is unreadable``."""
     now = time.time() if now is None else now
-    expires = lease.get("expires")
-    if not isinstance(expires, int | float):
+    expires = real_number(lease.get("expires"))
+    if expires is None:
         return "it is unreadable"
     until = time.strftime("%H:%M:%S UTC", time.gmtime(expires))
     if now > expires:
@@ -68,10 +68,10 @@ def stopped_at_once(job_dir: Path, lease: dict[str, Any]) -> str | None:
     """The stop signal the dead owner of ``lease`` recorded before it ended (``SIGINT
     (Ctrl-C)``: a second Ctrl-C ends ``stoker run`` without releasing its lease); None when it
     recorded none while it held the lease (it died: ``kill -9``, a lost node)."""
-    acquired = lease.get("acquired")
-    if not isinstance(acquired, int | float) or isinstance(acquired, bool):
+    acquired = real_number(lease.get("acquired"))
+    if acquired is None:
         return None
-    return stop_signal_reason(job_dir, float(acquired))
+    return stop_signal_reason(job_dir, acquired)
 
 
 def owner(lease: dict[str, Any]) -> str:

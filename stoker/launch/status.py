@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from stoker.runtime.records import integer, real_number
+
 MIN_STEPS_FOR_ETA = 5     # an ETA from fewer steps of an attempt is mostly start-up noise
 WINDOW_STEPS = 20         # the moving average of step time covers this many recent steps
 
@@ -88,11 +90,11 @@ def attempt_at(records: list[dict], time_s: object) -> int | None:
     """The number of the attempt that was running at ``time_s`` (Unix seconds): the newest of
     the job's attempt records (``attempts.jsonl``, :meth:`AttemptLog.records`) that started at
     or before it; None when none did or a value is not a number (untrusted records)."""
-    if not isinstance(time_s, int | float) or isinstance(time_s, bool):
+    time_s = real_number(time_s)
+    if time_s is None:
         return None
-    numbers = [r["number"] for r in records
-               if isinstance(r.get("number"), int) and not isinstance(r.get("number"), bool)
-               and isinstance(r.get("started"), int | float) and r["started"] <= time_s]
+    numbers = [r["number"] for r in records if integer(r.get("number")) is not None
+               and (started := real_number(r.get("started"))) is not None and started <= time_s]
     return max(numbers, default=None)
 
 
@@ -145,10 +147,8 @@ def window_rate(window: list[dict]) -> float | None:
     One step's figure swung by 2x between status lines (2285, 4221, 3512, 2754 samples/s at
     15 ms steps); 20 steps' is steady. Values that are not positive finite numbers (a record
     is untrusted) are left out."""
-    rates = [float(e["samples_per_s"]) for e in window
-             if isinstance(e.get("samples_per_s"), int | float)
-             and not isinstance(e["samples_per_s"], bool)
-             and math.isfinite(e["samples_per_s"]) and e["samples_per_s"] > 0]
+    rates = [rate for e in window
+             if (rate := real_number(e.get("samples_per_s"))) is not None and rate > 0]
     return statistics.harmonic_mean(rates) if rates else None
 
 
@@ -209,13 +209,13 @@ def job_summary(job_dir: Path, now: float | None = None,
     if not live and bucket_lease is not None and holder_alive(bucket_lease, now):
         lease, live = bucket_lease, True  # trained on another node
     events = [e for e in read_events(job_dir)
-              if isinstance(e.get("time"), int | float) and isinstance(e.get("step"), int)]
+              if real_number(e.get("time")) is not None and integer(e.get("step")) is not None]
     failed = tuple(e["step"] for e in events if e.get("event") == "checkpoint_failed")
     records = AttemptLog(job_dir).records()
     progress = job_progress(events, records)
     history = closed(records)
     beat = read_json(job_dir / "heartbeat.json", default=None, warn=quiet)
-    beat_time = beat.get("time") if isinstance(beat, dict) else None
+    beat_time = real_number(beat.get("time")) if isinstance(beat, dict) else None
     request = read_stop_request(job_dir)
     stopped_by = None
     if request is not None:
@@ -223,8 +223,8 @@ def job_summary(job_dir: Path, now: float | None = None,
     elif records and is_closed(records[-1]) and records[-1].get("stopped_by"):
         # Ctrl-C, SIGTERM, a Prefect cancel
         stopped_by = f"stopped by {records[-1]['stopped_by']}"
-    elif records and not is_closed(records[-1]) and not live and isinstance(
-            started := records[-1].get("started"), int | float) and (
+    elif records and not is_closed(records[-1]) and not live and (
+            started := real_number(records[-1].get("started"))) is not None and (
             signal_reason := stop_signal_reason(job_dir, started)):
         # Its run died while stopping (a second Ctrl-C): stopped, not lost
         stopped_by = f"stopped by {signal_reason}"
@@ -251,9 +251,9 @@ def job_summary(job_dir: Path, now: float | None = None,
         total_steps=progress.total_steps if progress else 0,
         attempts=len(records),
         preemptions=sum(1 for a in history if a.get("outcome") == "preempted"),
-        cost_usd=float(cost) if isinstance(cost, int | float) else None,
+        cost_usd=real_number(cost),
         mlflow_run_id=read_text(job_dir / "mlflow_run_id", warn=quiet),
-        heartbeat_age_s=now - beat_time if isinstance(beat_time, int | float) else None,
+        heartbeat_age_s=now - beat_time if beat_time is not None else None,
         progress=progress, owner=owner,
         # An attempt that no live run trains and no one closed (its run died, or a second
         # Ctrl-C stopped it at once) has lost its steps already (trial: `steps lost 0` beside

@@ -23,6 +23,8 @@ from typing import Any
 
 import psutil
 
+from stoker.runtime.records import integer, real_number
+
 STOP_FILE = "stop-requested.json"
 MAX_REASON = 300  # characters of a reason kept: it is quoted in one-line messages
 
@@ -88,9 +90,8 @@ def read_stop_request(job_dir: Path) -> StopRequest | None:
         data = json.loads(text)
         step, verdict = data.get("step"), data.get("verdict")
         return StopRequest(one_line(str(data["by"])), one_line(str(data.get("reason", ""))),
-                           float(data.get("time", 0.0)),
-                           str(verdict) if verdict is not None else None,
-                           step if isinstance(step, int) and not isinstance(step, bool) else None)
+                           real_number(data.get("time", 0.0)) or 0.0,
+                           str(verdict) if verdict is not None else None, integer(step))
     except (ValueError, KeyError, TypeError, AttributeError):
         return StopRequest("unknown", f"{path} is not a stop request JSON", 0.0)
 

@@ -38,6 +38,7 @@ import fsspec
 
 from stoker.config import ConfigError
 from stoker.launch.stop_request import one_line
+from stoker.runtime.records import real_number
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class JobStore:
         except (FileNotFoundError, ValueError):
             return None
         return record if isinstance(record, dict) and isinstance(record.get("token"), str) \
-            and isinstance(record.get("expires"), int | float) else None
+            and real_number(record.get("expires")) is not None else None
 
     def is_done(self, name: str) -> bool:
         return self.fs.exists(self._path(name, DONE_MARKER))

@@ -25,7 +25,7 @@ from stoker.launch.status import JOB_LOG, WINDOW_STEPS, job_progress
 from stoker.launch.store import write_through
 from stoker.runtime.launch import RANK_ENDED
 from stoker.runtime.preemption import stop_sender
-from stoker.runtime.records import JsonlTail
+from stoker.runtime.records import JsonlTail, integer, real_number
 from stoker.runtime.spec import RunSpec
 from stoker.stopping import stop_reason
 from stoker.tracking.lineage import code_version
@@ -193,7 +193,7 @@ class ProgressWatcher(threading.Thread):
         return sum(e.get("event") == "start" for e in self._marks)
 
     def _add(self, event: dict) -> None:
-        if not (isinstance(event.get("time"), int | float) and isinstance(event.get("step"), int)):
+        if real_number(event.get("time")) is None or integer(event.get("step")) is None:
             return
         kind = event.get("event")
         if kind == "step":

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import fsspec
 
 from stoker.runtime.lease import LeaseLost, lease_lost
+from stoker.runtime.records import real_number
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def _parse(data: bytes) -> dict | None:
     except ValueError:
         return None
     ok = isinstance(record, dict) and isinstance(record.get("token"), str) \
-        and isinstance(record.get("expires"), int | float)
+        and real_number(record.get("expires")) is not None
     return record if ok else None
 
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stoker.runtime.records import read_json
+from stoker.runtime.records import read_json, real_number
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def read_lease(job_dir: str | Path) -> dict[str, Any] | None:
     """The job's lease record, or None when there is none (or it is unreadable: warned)."""
     lease = read_json(Path(job_dir) / LEASE_FILE)
     if lease is not None and not (isinstance(lease, dict) and isinstance(lease.get("token"), str)
-                                  and isinstance(lease.get("expires"), int | float)):
+                                  and real_number(lease.get("expires")) is not None):
         log.warning("%s: not a lease record; ignored", Path(job_dir) / LEASE_FILE)
         return None
     return lease

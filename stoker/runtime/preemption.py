@@ -174,8 +174,10 @@ def _sender(job_dir: str | os.PathLike, since: float) -> str | None:
 def _at_or_after(value: object, since: float) -> bool:
     """A record time between ``since`` and now (a few seconds of slack): a future time is a
     forged record or another clock's, never this stop's."""
-    return isinstance(value, int | float) and not isinstance(value, bool) \
-        and since <= value <= time.time() + 5
+    from stoker.runtime.records import real_number
+
+    at = real_number(value)
+    return at is not None and since <= at <= time.time() + 5
 
 
 class StopFlag:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,27 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 Warn = Callable[[str], None]
+
+
+def real_number(value: object) -> float | None:
+    """``value`` as a float when it is a finite real number, else None: a bool, NaN,
+    ±Infinity (Python's JSON reader takes both), a string or an int beyond a float's range.
+
+    The fields of our records are untrusted input: a damaged or forged one must not read as a
+    time, a rate or a deadline (``"expires": Infinity`` held a lease forever)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def integer(value: object) -> int | None:
+    """``value`` when it is an int and not a bool (a step, a pid, a number of steps), else
+    None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _ends_torn(fd: int) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from stoker.runtime.records import integer, real_number
 from stoker.tracking.pricing import PriceTable
 
 
@@ -61,16 +62,14 @@ def steps_lost(attempts: list[dict], events: list[dict]) -> int:
         The sum over the attempts (never negative); damaged records and events count 0.
     """
     def started(record: dict) -> float | None:
-        value = record.get("started")
-        return float(value) if isinstance(value, int | float) \
-            and not isinstance(value, bool) else None
+        return real_number(record.get("started"))
 
-    timed = [e for e in events if isinstance(e.get("step"), int)
-             and not isinstance(e.get("step"), bool) and isinstance(e.get("time"), int | float)]
+    timed = [e for e in events
+             if integer(e.get("step")) is not None and real_number(e.get("time")) is not None]
     lost = 0
     for i, record in enumerate(attempts):
         own = record.get("steps_lost")
-        if isinstance(own, int) and not isinstance(own, bool):
+        if integer(own) is not None:
             lost += max(0, own)
             continue
         begin = started(record)
