@@ -358,11 +358,16 @@ def test_rank_lines_reach_the_prefect_log_at_the_ranks_own_level():
     lines = ["[rank0] 2026-12-03 14:52:11,974 WARNING stoker.runtime.trainer: checkpoints held",
              "[node 1] [rank3] 2026-12-03 14:52:11,974 ERROR stoker.runtime: data.path x: gone",
              "[rank1] 2026-12-03 14:52:11,974 INFO stoker.runtime.trainer: step 5",
+             # torchrun's own, glog style (trial: a rank's SIGKILL read as INFO)
+             "E1204 20:04:19.123000 4242 torch/distributed/elastic/multiprocessing/api.py:882] "
+             "failed (exitcode: -9) local_rank: 1 (pid: 4250) of fn: forked_rank",
+             "[node 1] W1204 20:04:19.123000 4242 torch/distributed/run.py:792] ",
              "attempt 2 on spot capacity", "[rank0] WARNING without a time (a print)",
-             "Traceback (most recent call last):"]
+             "Traceback (most recent call last):", "I1204 20:04:19.123000 4242 torch/x.py:1] x"]
     for line in lines:
         forward(line)
-    assert [level for level, _ in seen] == [logging.WARNING, logging.ERROR] + [logging.INFO] * 4
+    assert [level for level, _ in seen] == [logging.WARNING, logging.ERROR, logging.INFO,
+                                            logging.ERROR, logging.WARNING] + [logging.INFO] * 4
     assert [msg for _, msg in seen] == lines
 
 

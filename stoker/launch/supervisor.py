@@ -329,15 +329,24 @@ def log_time(unix_s: float) -> str:
 RANK_STAMPED = re.compile(r"^(?:\[node \d+\] )?\[rank\d+\] \d{4}-\d\d-\d\d "
                           r"\d\d:\d\d:\d\d,\d{3} ")
 RANK_LEVEL = re.compile(RANK_STAMPED.pattern + r"(WARNING|ERROR|CRITICAL) ")  # and its level
+# torchrun's own lines (glog style: "E1204 20:04:19.123000 4242 torch/...] failed (exitcode:
+# -9) ..."), whose first letter is the level.
+TORCH_LEVEL = re.compile(r"^(?:\[node \d+\] )?([EWF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+\] ")
+_TORCH_LEVELS = {"E": logging.ERROR, "W": logging.WARNING, "F": logging.CRITICAL}
 
 
 def at_rank_level(logger: logging.Logger | logging.LoggerAdapter) -> Callable[[str], None]:
     """A ``forward`` for :class:`LineLog` that logs each line at INFO, and a rank's WARNING,
-    ERROR or CRITICAL line at that level (so the Prefect UI's level filter finds it)."""
+    ERROR or CRITICAL line, or torchrun's (``E``, ``W``, ``F``: a rank killed by a signal,
+    ``failed (exitcode: -9)``), at that level (so the Prefect UI's level filter finds it)."""
 
     def forward(line: str) -> None:
-        level = RANK_LEVEL.match(line)
-        logger.log(logging.getLevelName(level.group(1)) if level else logging.INFO, line)
+        if level := RANK_LEVEL.match(line):
+            logger.log(logging.getLevelName(level.group(1)), line)
+        elif torch_level := TORCH_LEVEL.match(line):
+            logger.log(_TORCH_LEVELS[torch_level.group(1)], line)
+        else:
+            logger.log(logging.INFO, line)
 
     return forward
 
