@@ -17,6 +17,11 @@ commit a stop checkpoint). :func:`cancelled_promptly` then records Cancelled its
 flow process as soon as its logs are sent: the worker would otherwise mark the run Cancelled
 only after the process exits, and the interpreter's finalizers (torch, DVC's threads) held that
 exit back for 15-25 s.
+
+A cancel that no worker carries out (its worker was killed; a ``stoker run`` flow run, which has
+none) left the run Cancelling while it trained on to the end. :class:`CancelWatcher` stops the
+job itself then, as ``stoker stop`` does: the ranks commit a stop checkpoint and the run ends
+Cancelled.
 """
 
 from __future__ import annotations
@@ -24,7 +29,12 @@ from __future__ import annotations
 import ast
 import atexit
 import contextlib
+import contextvars
 import logging
+import threading
+import time
+from pathlib import Path
+from uuid import UUID
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -104,8 +114,24 @@ def stops_as_cancelled(body):
                 return body(*args, **kwargs)
         except Interrupted:
             return stopped_by_signal()
+        except TrainingStopped as e:
+            _end_a_cancel(run_id, e)
+            raise
 
     return wrapper
+
+
+def _end_a_cancel(flow_run_id: str | None, stopped: TrainingStopped) -> None:
+    """A job stopped for a Prefect cancel that no worker carried out (:class:`CancelWatcher`):
+    its flow run is Cancelling, from which Prefect refuses the Failed that the
+    ``on_failure`` hook turns into Cancelled (the run stayed Cancelling). Cancelled now, with
+    the stop's message and its task runs."""
+    if not flow_run_id:
+        return
+    with contextlib.suppress(Exception), get_client(sync_client=True) as client:
+        state = client.read_flow_run(UUID(str(flow_run_id))).state
+        if state is not None and state.type == StateType.CANCELLING:
+            _cancel_runs(client, flow_run_id, str(stopped))
 
 
 def cancel_stopped_at_once(flow_run_id: str | None, reason: str) -> None:
@@ -353,3 +379,68 @@ def _crash_run(client, flow_run_id, message: str) -> None:
             any_=[StateType.RUNNING, StateType.PENDING]))))
     for task_run in left:
         client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
+
+
+class CancelWatcher(threading.Thread):
+    """Stops the job when its flow run is cancelled and nobody else stops it.
+
+    A Prefect cancel sets the flow run Cancelling; on a worker the worker then sends SIGTERM to
+    the flow process. When the worker is gone (killed, its machine lost), or the run has no
+    worker (``stoker run``), nothing does (Prefect's known gap: PrefectHQ/prefect#21616) and
+    the job trained on to its end, the run Cancelling all along. This thread reads the flow
+    run's state every ``every_s`` seconds; Cancelling for ``grace_s`` seconds (a worker's
+    run: its worker acts within one or two) or at once (no worker), and no stop under way
+    (the worker's SIGTERM, a Ctrl-C, a stop request), it stops the job as
+    ``stoker stop`` does (:func:`stoker.launch.stop_request.stop_job`): a stop request by ``a
+    Prefect cancel of flow run 'name'``, SIGTERM to the launcher, a stop checkpoint, then the
+    run ends Cancelled. A failed read is retried at the next poll.
+    """
+
+    def __init__(self, job_dir: Path, flow_run_id: str,
+                 logger: logging.Logger | logging.LoggerAdapter, every_s: float = 5.0,
+                 grace_s: float = 15.0):
+        super().__init__(daemon=True, name="cancel-watcher")
+        self.job_dir, self.flow_run_id, self.logger = Path(job_dir), flow_run_id, logger
+        self.every_s, self.grace_s = every_s, grace_s
+        self.stopped = threading.Event()
+        self.acted: str | None = None  # the request's `by`, once it stopped the job
+        self._since = time.time()
+        self._context = contextvars.copy_context()  # this run's Prefect settings and client
+
+    def run(self) -> None:
+        self._context.run(self._watch)
+
+    def _watch(self) -> None:
+        from stoker.launch.stop_request import stop_job
+        from stoker.runtime.preemption import stop_sender
+
+        cancelling_since = None
+        while not self.stopped.wait(self.every_s):
+            try:
+                with get_client(sync_client=True) as client:
+                    run = client.read_flow_run(UUID(str(self.flow_run_id)))
+            except Exception:  # noqa: BLE001, S112 - the server restarting: read it next time
+                continue
+            if run.state is None or run.state.type != StateType.CANCELLING:
+                cancelling_since = None
+                continue
+            cancelling_since = cancelling_since or time.monotonic()
+            on_worker = run.work_pool_name is not None
+            if on_worker and time.monotonic() - cancelling_since < self.grace_s:
+                continue  # the worker's SIGTERM comes first
+            if stop_reason() is not None or stop_sender(self.job_dir, self._since):
+                return  # a stop is under way already (the worker's SIGTERM, a Ctrl-C, a request)
+            by = f"a Prefect cancel of flow run {run.name!r}"
+            reason = (f"no worker carried it out in {self.grace_s:g} s" if on_worker
+                      else "a stoker run flow run, which no worker runs")
+            self.acted = by
+            self.logger.info("flow run %r is Cancelling and %s: stopping job %s (the ranks "
+                             "commit a stop checkpoint)", run.name, reason, self.job_dir.name)
+            try:
+                stop_job(self.job_dir, reason, by=by)
+            except Exception as e:  # noqa: BLE001 - said; the request stays recorded
+                self.logger.warning("could not stop job %s for %s: %s", self.job_dir.name, by, e)
+            return
+
+    def stop(self) -> None:
+        self.stopped.set()

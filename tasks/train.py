@@ -76,7 +76,7 @@ from stoker.stopping import (
 )
 from stoker.tracking.cost import cost_report, steps_lost
 from stoker.tracking.events import training_event
-from tasks.stopping import attempt_state, crash_orphaned_flow_run
+from tasks.stopping import CancelWatcher, attempt_state, crash_orphaned_flow_run
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -285,6 +285,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
 
     watcher = ProgressWatcher(job_dir, on_progress)
     watcher.start()
+    cancels = CancelWatcher(job_dir, flow_run.get_id(), logger) if flow_run.get_id() else None
+    if cancels is not None:  # a cancel that no worker carries out still stops the job
+        cancels.start()
     store = job_store(config)
     sync = RecordSync(store, job_dir) if store is not None else None
     if sync is not None:  # attempts, heartbeat, MLflow run id reach the bucket while training
@@ -318,6 +321,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     finally:
         discard_standby()  # a launcher parked for a retry that did not come
         watcher.stop()
+        if cancels is not None:
+            cancels.stop()
         if sync is not None:
             sync.stop()
     history = attempts_log.history()  # every attempt of the job, whichever flow run made it

@@ -359,3 +359,33 @@ def test_the_last_line_after_a_stop_says_the_steps_it_lost():
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
                           else signal.SIG_DFL)
 
+
+
+def test_a_prefect_cancel_of_a_stoker_run_flow_run_stops_the_job(tmp_path):
+    """Cancel in the Prefect UI of a ``stoker run`` flow run: no worker runs it, so nothing
+    carried the cancel out and the job trained on while the run stayed Cancelling. The flow
+    stops the job itself (as ``stoker stop`` would): a stop checkpoint, the run Cancelled,
+    ``stoker run`` exits 3 with a line naming the cancel; the same command resumes."""
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
+    work = tmp_path / "work"
+    process = start_run(work, "train.epochs=300")
+    job_dir = wait_for_training(work, process)
+    api_url = LocalServer(work / ".prefect").running()["api_url"]
+    flow_run_id = next(r["flow_run_id"] for r in AttemptLog(job_dir).records())
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        client.set_flow_run_state(uuid.UUID(flow_run_id), Cancelling(), force=True)
+        name = client.read_flow_run(uuid.UUID(flow_run_id)).name
+    code = process.wait(timeout=120)
+    log = (work.parent / "stoker-run.log").read_text()
+    assert code == 3, log[-3000:]
+    assert f"stopped by a Prefect cancel of flow run {name!r}" in log.splitlines()[-1], log[-2000:]
+    end = [e for e in read_events(job_dir) if e["event"] == "end"][-1]
+    assert end["outcome"] == "preempted" and end["step"] < 300 * 22, end  # a stop checkpoint
+    assert prefect_states(work, "flow_run")[name][0] == "CANCELLED"
+    assert mlflow_status(work, job_dir) == "KILLED"
+    assert not wait_gone(work)

@@ -216,3 +216,59 @@ def test_a_killed_flow_process_ends_crashed_with_its_ranks_and_no_hook_error(dep
     hook_errors = [line for _, line in flow_run_logs(deployed, flow_run_id) if "hook" in line]
     assert not hook_errors, hook_errors
     assert "while running hook" not in output, output[-3000:]
+
+
+def test_a_cancel_after_the_worker_died_still_stops_the_job(deployed, tmp_path):
+    """A Prefect cancel is carried out by the worker (SIGTERM to the flow process). With the
+    worker SIGKILLed the run stayed Cancelling and trained on to the end (trial). The flow's
+    own watcher stops the job once no worker acted within its grace: the ranks commit a stop
+    checkpoint, the run ends Cancelled, the MLflow run KILLED, and the attempt names who
+    stopped it."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
+    work = tmp_path / "work"
+    params = {"config": {"work_dir": str(work), "train": {"epochs": 300},
+                         "overrides": ["tracking.system_metrics_interval_s=null"]}}
+    out = deployed.prefect("deployment", "run", "pipeline/pipeline", "--params",
+                           json.dumps(params)).stdout
+    flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()
+                       if "UUID:" in line)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--run-once"],
+        env={**deployed.env, "PYTHONPATH": str(REPO)}, cwd=REPO, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    flow_process = None
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and flow_process is None:
+            assert worker.poll() is None, "the worker ended before training"
+            jobs = list((work / "jobs").glob("*")) if (work / "jobs").is_dir() else []
+            if jobs and any(e["event"] == "step" for e in read_events(jobs[0])):
+                flow_process = next(p for p in psutil.Process(worker.pid).children()
+                                    if "prefect.engine" in " ".join(p.cmdline()))
+            time.sleep(0.05)
+        assert flow_process is not None, "training never started"
+        worker.kill()
+        worker.wait(timeout=30)
+        with temporary_settings({PREFECT_API_URL: deployed.api_url}), \
+                get_client(sync_client=True) as client:
+            client.set_flow_run_state(uuid.UUID(flow_run_id), Cancelling(), force=True)
+        flow_process.wait(timeout=120)  # 300 epochs train for minutes
+    finally:
+        terminate_tree(worker.pid, grace_s=5)
+        if flow_process is not None and flow_process.is_running():
+            terminate_tree(flow_process.pid, grace_s=5)
+    assert flow_run_state(deployed, flow_run_id).type.value == "CANCELLED"
+    job_dir = jobs[0]
+    end = [e for e in read_events(job_dir) if e["event"] == "end"][-1]
+    assert end["outcome"] == "preempted", end  # the ranks' stop checkpoint
+    assert (job_dir / "checkpoints" / f"step-{end['step']:09d}" / "COMMITTED").exists()
+    assert end["step"] < 300 * 22, end  # stopped, not trained to the end
+    name = flow_run_name(deployed, flow_run_id)
+    assert AttemptLog(job_dir).history()[-1]["stopped_by"] == (
+        f"a Prefect cancel of flow run {name!r}: no worker carried it out in 15 s")
+    run_id = (job_dir / "mlflow_run_id").read_text().strip()
+    assert MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id).info.status \
+        == "KILLED"

@@ -206,7 +206,7 @@ def _launcher_kind(job_dir: Path) -> str | None:
 
 
 def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
-             poll_s: float = 0.2) -> str | None:
+             poll_s: float = 0.2, by: str = "user") -> str | None:
     """Stop a job this host trains, on purpose: record a user stop request, then SIGTERM the
     attempt's launcher (as ``docker stop`` or a spot reclaim would): the local launcher below
     the lease holder, or, when the ranks run in containers (the Docker launcher), each of the
@@ -221,6 +221,9 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
         reason: recorded in the request; the ranks' stop line and the flow run's state say it.
         timeout_s: how long to wait for a rank to appear (an attempt starting) and then for the
             job to stop training, in seconds.
+        poll_s: how often to look, in seconds.
+        by: who asks, as the request records it (``user``; the flow's own
+            ``a Prefect cancel of flow run 'name'``).
 
     Returns:
         None when the job was not training (nothing done), else the job's state afterwards
@@ -249,7 +252,7 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
         holder = psutil.Process(pid)  # holder_alive checked 0 < pid < 2**31
     except psutil.Error:
         return None  # it ended meanwhile
-    request_stop(job_dir, "user", reason)
+    request_stop(job_dir, by, reason)
     deadline = time.monotonic() + timeout_s
     # On Kubernetes nothing of the job runs here: its launcher reads the request at its next
     # status poll and deletes the job (the pods get SIGTERM and their grace to commit).
