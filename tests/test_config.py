@@ -228,7 +228,7 @@ def test_a_missing_data_repository_is_named_before_anything_runs(tmp_path):
             with pytest.raises(ConfigError) as error:
                 check_before_pull(config)
             hint = (" (a relative path is resolved against the directory stoker runs in, "
-                    f"{where})" if hinted else "")
+                    f"{where}: give an absolute path)" if hinted else "")
             assert str(error.value) == f"data.repo_url: {missing} is not a folder{hint}", value
     finally:
         os.chdir(cwd)

@@ -137,7 +137,8 @@ def check_before_pull(config: PipelineConfig) -> None:
     if repo and is_local(repo) and not Path(repo).is_dir():
         # Only for a value given relative (not for /abs/path or file:///abs/path).
         hint = (" (a relative path is resolved against the directory stoker runs in, "
-                f"{Path.cwd()})" if config.data.repo_url_was_relative else "")
+                f"{Path.cwd()}: give an absolute path)" if config.data.repo_url_was_relative
+                else "")
         raise ConfigError(f"data.repo_url: {repo} is not a folder{hint}")
     if repo and is_local(repo):  # a revision or path that is not there: named before the pull
         from stoker.data.pull import check_local_rev, is_git_repository
