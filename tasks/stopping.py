@@ -411,8 +411,8 @@ class CancelWatcher(threading.Thread):
         self._context.run(self._watch)
 
     def _watch(self) -> None:
-        from stoker.launch.stop_request import stop_job
-        from stoker.runtime.preemption import stop_sender
+        from stoker.launch.stop_request import read_stop_request, stop_job
+        from stoker.runtime.preemption import signal_sender
 
         cancelling_since = None
         while not self.stopped.wait(self.every_s):
@@ -428,11 +428,14 @@ class CancelWatcher(threading.Thread):
             on_worker = run.work_pool_name is not None
             if on_worker and time.monotonic() - cancelling_since < self.grace_s:
                 continue  # the worker's SIGTERM comes first
-            if stop_reason() is not None or stop_sender(self.job_dir, self._since):
-                return  # a stop is under way already (the worker's SIGTERM, a Ctrl-C, a request)
+            if stop_reason() is not None or signal_sender(self.job_dir, self._since):
+                return  # a stop is under way already (the worker's SIGTERM, a Ctrl-C)
             by = f"a Prefect cancel of flow run {run.name!r}"
             reason = (f"no worker carried it out in {self.grace_s:g} s" if on_worker
                       else "a stoker run flow run, which no worker runs")
+            request = read_stop_request(self.job_dir)
+            if request is not None and request.time >= self._since:
+                by, reason = request.by, request.reason  # the cost guard's: it set Cancelling
             self.acted = by
             self.logger.info("flow run %r is Cancelling and %s: stopping job %s (the ranks "
                              "commit a stop checkpoint)", run.name, reason, self.job_dir.name)

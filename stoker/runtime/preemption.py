@@ -142,7 +142,7 @@ def stop_sender(job_dir: str | os.PathLike, since: float) -> str | None:
             and isinstance(request.get("by"), str):
         said = f"stopped by {request['by']}: {request.get('reason') or 'no reason given'}"
         return " ".join(said.split())  # one line in the rank's log (the writer flattens too)
-    return _sender(job_dir, since)
+    return signal_sender(job_dir, since)
 
 
 def stop_signal_reason(job_dir: str | os.PathLike, since: float) -> str | None:
@@ -150,7 +150,7 @@ def stop_signal_reason(job_dir: str | os.PathLike, since: float) -> str | None:
     as :func:`stoker.stopping.stop_reason` words it (``SIGINT (Ctrl-C)``); None when it
     recorded none. For an attempt whose run died while stopping (a second Ctrl-C): it was
     stopped, not lost."""
-    sender = _sender(job_dir, since)
+    sender = signal_sender(job_dir, since)
     if sender is not None and sender.startswith(SENDER_PREFIX):
         return sender[len(SENDER_PREFIX):] or None
     return None
@@ -159,9 +159,10 @@ def stop_signal_reason(job_dir: str | os.PathLike, since: float) -> str | None:
 SENDER_PREFIX = "stoker run got "  # tasks.train's record: "stoker run got SIGINT (Ctrl-C)"
 
 
-def _sender(job_dir: str | os.PathLike, since: float) -> str | None:
-    """The sender in ``stop-sender.json`` (:func:`record_stop_sender`) when it is recorded at
-    or after ``since``; None when missing, damaged or not this stop's."""
+def signal_sender(job_dir: str | os.PathLike, since: float) -> str | None:
+    """The sender in ``stop-sender.json`` (:func:`record_stop_sender`: a signal the orchestrator
+    got and passes on to the ranks) when it is recorded at or after ``since``; None when
+    missing, damaged or not this stop's."""
     from stoker.runtime.records import read_json
 
     record = read_json(Path(job_dir) / STOP_SENDER_FILE, default=None, warn=lambda *_: None)
