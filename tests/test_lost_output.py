@@ -57,12 +57,9 @@ def test_a_closed_output_pipe_does_not_fail_training_or_registration(tmp_path):
     assert f'"run_id": "{done["run_id"]}"' in log.read_text()
 
 
-def test_guarded_stream_moves_to_its_file_when_the_pipe_breaks(tmp_path):
-    script = ("import sys, time; from pathlib import Path; from stoker.stdio import guard_stdio;"
-              f"guard_stdio(Path({str(tmp_path / 'out.log')!r}));"
-              "sys.stdin.readline();"
-              "[print('line', i, flush=True) for i in range(3)];"
-              "print('to stderr', file=sys.stderr)")
+def run_with_its_reader_gone(script: str) -> int:
+    """Run ``python -c script`` with stdout and stderr on pipes that are closed before it reads
+    a line from stdin (its cue to write): its exit code."""
     process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                env={**os.environ, "PYTHONPATH": str(Path.cwd())})
@@ -70,7 +67,15 @@ def test_guarded_stream_moves_to_its_file_when_the_pipe_breaks(tmp_path):
     process.stderr.close()
     process.stdin.write(b"go\n")
     process.stdin.close()
-    assert process.wait(timeout=60) == 0
+    return process.wait(timeout=120)
+
+def test_guarded_stream_moves_to_its_file_when_the_pipe_breaks(tmp_path):
+    script = ("import sys, time; from pathlib import Path; from stoker.stdio import guard_stdio;"
+              f"guard_stdio(Path({str(tmp_path / 'out.log')!r}));"
+              "sys.stdin.readline();"
+              "[print('line', i, flush=True) for i in range(3)];"
+              "print('to stderr', file=sys.stderr)")
+    assert run_with_its_reader_gone(script) == 0
     assert (tmp_path / "out.log").read_text() == "line 0\nline 1\nline 2\nto stderr\n"
 
 
@@ -95,14 +100,7 @@ def test_prefect_log_lines_after_the_pipe_broke_go_to_the_file_and_stop_no_threa
         "log.warning('from the main thread')",
         "print('thread done' if done else 'thread died', flush=True)",
     ])
-    process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env={**os.environ, "PYTHONPATH": str(Path.cwd())})
-    process.stdout.close()
-    process.stderr.close()
-    process.stdin.write(b"go\n")
-    process.stdin.close()
-    code = process.wait(timeout=120)
+    code = run_with_its_reader_gone(script)
     out = (tmp_path / "out.log").read_text() if (tmp_path / "out.log").exists() else ""
     assert code == 0, out
     assert "from a thread" in out and "from the main thread" in out, out

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -84,6 +85,53 @@ def task_run_states(server: PrefectServer, flow_run_id: str) -> dict:
     return {t.name: t.state for t in runs}
 
 
+@dataclass
+class Training:
+    """A deployment run training on a ``--run-once`` process worker."""
+
+    flow_run_id: str
+    worker: subprocess.Popen
+    flow_process: psutil.Process
+    job_dir: Path
+
+    def clean_up(self) -> None:
+        terminate_tree(self.worker.pid, grace_s=5)
+        if self.flow_process.is_running():
+            terminate_tree(self.flow_process.pid, grace_s=5)
+
+
+def train_on_a_worker(server: PrefectServer, work: Path, epochs: int,
+                      worker_output: int = subprocess.PIPE) -> Training:
+    """Run the pipeline deployment (``epochs``, no system metrics) on a new process worker and
+    return once its first step is recorded (the worker and its flow process alive)."""
+    params = {"config": {"work_dir": str(work), "train": {"epochs": epochs},
+                         "overrides": ["tracking.system_metrics_interval_s=null"]}}
+    out = server.prefect("deployment", "run", "pipeline/pipeline", "--params",
+                         json.dumps(params)).stdout
+    flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()
+                       if "UUID:" in line)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--run-once"],
+        env={**server.env, "PYTHONPATH": str(REPO)}, cwd=REPO, stdout=worker_output,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if worker.poll() is not None:
+                output = worker.stdout.read().decode(errors="replace") if worker.stdout else ""
+                raise AssertionError(f"the worker ended before training: {output[-3000:]}")
+            jobs = list((work / "jobs").glob("*")) if (work / "jobs").is_dir() else []
+            if jobs and any(e["event"] == "step" for e in read_events(jobs[0])):
+                flow_process = next(p for p in psutil.Process(worker.pid).children()
+                                    if "prefect.engine" in " ".join(p.cmdline()))
+                return Training(flow_run_id, worker, flow_process, jobs[0])
+            time.sleep(0.05)
+        raise AssertionError("training never started")
+    except BaseException:
+        terminate_tree(worker.pid, grace_s=5)
+        raise
+
+
 def test_a_prefect_cancel_commits_the_stop_checkpoint_and_ends_cancelled(deployed, tmp_path):
     """Input 8: cancel mid-training -> the ranks commit a stop checkpoint, the flow run and its
     ``train`` and ``attempt-1`` task runs end Cancelled (they were Crashed), the MLflow run
@@ -131,35 +179,15 @@ def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_pa
     the flow run is Completed; its progress lines keep reaching the Prefect log (trial: they
     stopped with the worker until the flow ended)."""
     work = tmp_path / "work"
-    params = {"config": {"work_dir": str(work), "train": {"epochs": 12},
-                         "overrides": ["tracking.system_metrics_interval_s=null"]}}
-    out = deployed.prefect("deployment", "run", "pipeline/pipeline", "--params",
-                           json.dumps(params)).stdout
-    flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()
-                       if "UUID:" in line)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--run-once"],
-        env={**deployed.env, "PYTHONPATH": str(REPO)}, cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True)
-    flow_process = None
+    run = train_on_a_worker(deployed, work, epochs=12)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and flow_process is None:
-            assert worker.poll() is None, worker.stdout.read().decode(errors="replace")
-            jobs = list((work / "jobs").glob("*")) if (work / "jobs").is_dir() else []
-            if jobs and any(e["event"] == "step" for e in read_events(jobs[0])):
-                flow_process = next(p for p in psutil.Process(worker.pid).children()
-                                    if "prefect.engine" in " ".join(p.cmdline()))
-            time.sleep(0.05)
-        assert flow_process is not None, "training never started"
-        worker.kill()  # SIGKILL: its pipes to the flow process are gone with it
-        worker.wait(timeout=30)
+        run.worker.kill()  # SIGKILL: its pipes to the flow process are gone with it
+        run.worker.wait(timeout=30)
         killed_at = time.time()
-        flow_process.wait(timeout=600)
+        run.flow_process.wait(timeout=600)
     finally:
-        terminate_tree(worker.pid, grace_s=5)
-        if flow_process is not None and flow_process.is_running():
-            terminate_tree(flow_process.pid, grace_s=5)
+        run.clean_up()
+    flow_run_id = run.flow_run_id
 
     assert flow_run_state(deployed, flow_run_id).type.value == "COMPLETED"
     done = json.loads(next((work / "jobs").glob("*/pipeline_done.json")).read_text())
@@ -176,41 +204,22 @@ def test_a_killed_flow_process_ends_crashed_with_its_ranks_and_no_hook_error(dep
     the worker reports the flow run Crashed and exits, and the worker's run of the flow's
     ``on_crashed`` hook raises nothing (trial: the worker calls hooks with keyword arguments,
     and ours took ``_flow``: an ERROR with a TypeError traceback in the run's log)."""
-    work = tmp_path / "work"
-    params = {"config": {"work_dir": str(work), "train": {"epochs": 200},
-                         "overrides": ["tracking.system_metrics_interval_s=null"]}}
-    out = deployed.prefect("deployment", "run", "pipeline/pipeline", "--params",
-                           json.dumps(params)).stdout
-    flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()
-                       if "UUID:" in line)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--run-once"],
-        env={**deployed.env, "PYTHONPATH": str(REPO)}, cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True)
+    run = train_on_a_worker(deployed, tmp_path / "work", epochs=200)
     ranks: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 300
-        flow_process = None
-        while time.monotonic() < deadline and flow_process is None:
-            assert worker.poll() is None, worker.stdout.read().decode(errors="replace")
-            jobs = list((work / "jobs").glob("*")) if (work / "jobs").is_dir() else []
-            if jobs and any(e["event"] == "step" for e in read_events(jobs[0])):
-                flow_process = next(p for p in psutil.Process(worker.pid).children()
-                                    if "prefect.engine" in " ".join(p.cmdline()))
-            time.sleep(0.05)
-        assert flow_process is not None, "training never started"
-        ranks = [p for p in flow_process.children(recursive=True)
+        ranks = [p for p in run.flow_process.children(recursive=True)
                  if p.name().startswith("stoker-rank")]
-        assert ranks, flow_process.children(recursive=True)
-        flow_process.kill()
-        output = worker.communicate(timeout=120)[0].decode(errors="replace")
+        assert ranks, run.flow_process.children(recursive=True)
+        run.flow_process.kill()
+        output = run.worker.communicate(timeout=120)[0].decode(errors="replace")
         _, alive = psutil.wait_procs(ranks, timeout=30)
     finally:
-        terminate_tree(worker.pid, grace_s=5)
+        run.clean_up()
         for rank in ranks:
             if rank.is_running():
                 rank.kill()
-    assert worker.returncode == 0, output[-3000:]
+    flow_run_id = run.flow_run_id
+    assert run.worker.returncode == 0, output[-3000:]
     assert not alive, alive  # no trainer outlives its flow process
     assert flow_run_state(deployed, flow_run_id).type.value == "CRASHED"
     hook_errors = [line for _, line in flow_run_logs(deployed, flow_run_id) if "hook" in line]
@@ -229,39 +238,19 @@ def test_a_cancel_after_the_worker_died_still_stops_the_job(deployed, tmp_path):
     from prefect.states import Cancelling
 
     work = tmp_path / "work"
-    params = {"config": {"work_dir": str(work), "train": {"epochs": 300},
-                         "overrides": ["tracking.system_metrics_interval_s=null"]}}
-    out = deployed.prefect("deployment", "run", "pipeline/pipeline", "--params",
-                           json.dumps(params)).stdout
-    flow_run_id = next(line.split("UUID:")[1].strip() for line in out.splitlines()
-                       if "UUID:" in line)
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--run-once"],
-        env={**deployed.env, "PYTHONPATH": str(REPO)}, cwd=REPO, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
-    flow_process = None
+    run = train_on_a_worker(deployed, work, epochs=300, worker_output=subprocess.DEVNULL)
+    flow_run_id = run.flow_run_id
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and flow_process is None:
-            assert worker.poll() is None, "the worker ended before training"
-            jobs = list((work / "jobs").glob("*")) if (work / "jobs").is_dir() else []
-            if jobs and any(e["event"] == "step" for e in read_events(jobs[0])):
-                flow_process = next(p for p in psutil.Process(worker.pid).children()
-                                    if "prefect.engine" in " ".join(p.cmdline()))
-            time.sleep(0.05)
-        assert flow_process is not None, "training never started"
-        worker.kill()
-        worker.wait(timeout=30)
+        run.worker.kill()
+        run.worker.wait(timeout=30)
         with temporary_settings({PREFECT_API_URL: deployed.api_url}), \
                 get_client(sync_client=True) as client:
             client.set_flow_run_state(uuid.UUID(flow_run_id), Cancelling(), force=True)
-        flow_process.wait(timeout=120)  # 300 epochs train for minutes
+        run.flow_process.wait(timeout=120)  # 300 epochs train for minutes
     finally:
-        terminate_tree(worker.pid, grace_s=5)
-        if flow_process is not None and flow_process.is_running():
-            terminate_tree(flow_process.pid, grace_s=5)
+        run.clean_up()
     assert flow_run_state(deployed, flow_run_id).type.value == "CANCELLED"
-    job_dir = jobs[0]
+    job_dir = run.job_dir
     end = [e for e in read_events(job_dir) if e["event"] == "end"][-1]
     assert end["outcome"] == "preempted", end  # the ranks' stop checkpoint
     assert (job_dir / "checkpoints" / f"step-{end['step']:09d}" / "COMMITTED").exists()
