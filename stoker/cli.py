@@ -169,10 +169,18 @@ def run(
                 summary = pipeline(config)
                 typer.echo(json.dumps(summary, indent=2, default=str))
             except CancelledRun:  # the flow recorded a stop signal as its Cancelled end
-                if stopping.stop_reason() is None:
+                from tasks.stopping import prefect_cancel
+
+                if stopping.stop_reason() is not None:
+                    _say_stopped()
+                    code = stopping.stop_exit_code()
+                elif (cancel := prefect_cancel()) is not None:  # from the Prefect UI or API
+                    if cancel.get("summary") is not None:
+                        typer.echo(json.dumps(cancel["summary"], indent=2, default=str))
+                    typer.echo(f"stoker run: {cancel['message']}", err=True)
+                    code = stopping.EXIT_STOPPED if cancel["stopped"] else 0
+                else:
                     raise
-                _say_stopped()
-                code = stopping.stop_exit_code()
             except TrainingStopped as e:  # the cost guard or a user stopped the job
                 typer.echo(f"stoker run: {e}", err=True)
                 code = stopping.EXIT_STOPPED

@@ -111,27 +111,41 @@ def stops_as_cancelled(body):
         run_id = flow_run.get_id()
         try:
             with on_kill(lambda reason: cancel_stopped_at_once(run_id, reason)):
-                return body(*args, **kwargs)
+                result = body(*args, **kwargs)
         except Interrupted:
             return stopped_by_signal()
         except TrainingStopped as e:
-            _end_a_cancel(run_id, e)
-            raise
+            if _cancelling_run(run_id) is None:
+                raise  # stoker stop, the cost guard: Failed, then the on_failure hook's Cancelled
+            return _cancelled(run_id, str(e), stopped=True)
+        if (run := _cancelling_run(run_id)) is not None:  # nothing was left to stop
+            return _cancelled(run_id, f"flow run {run.name!r} was cancelled after training had "
+                              "finished: nothing was left to stop, the run did all its work",
+                              stopped=False, summary=result)
+        return result
 
     return wrapper
 
 
-def _end_a_cancel(flow_run_id: str | None, stopped: TrainingStopped) -> None:
-    """A job stopped for a Prefect cancel that no worker carried out (:class:`CancelWatcher`):
-    its flow run is Cancelling, from which Prefect refuses the Failed that the
-    ``on_failure`` hook turns into Cancelled (the run stayed Cancelling). Cancelled now, with
-    the stop's message and its task runs."""
-    if not flow_run_id:
-        return
+_PREFECT_CANCEL: dict = {}  # how a Prefect cancel no worker carried out ended this process's run
+
+
+def prefect_cancel() -> dict | None:
+    """How a Prefect cancel that no worker carried out ended this process's flow run, for
+    ``stoker run``'s last line and exit code: ``message``, ``stopped`` (True: the job was
+    stopped, resumable; False: it came after training, nothing was stopped) and the flow's
+    ``summary`` when it did all its work. None when there was none."""
+    return dict(_PREFECT_CANCEL) or None
+
+
+def _cancelled(flow_run_id: str, message: str, **outcome) -> State:
+    """The Cancelled end of a flow run that is Cancelling (its task runs too). Prefect refuses
+    a Failed from Cancelling (the run stayed Cancelling) and then takes a Failed after a forced
+    Cancelled; a Cancelled returned by the flow is the one accepted end."""
+    _PREFECT_CANCEL.update(message=message, **outcome)
     with contextlib.suppress(Exception), get_client(sync_client=True) as client:
-        state = client.read_flow_run(UUID(str(flow_run_id))).state
-        if state is not None and state.type == StateType.CANCELLING:
-            _cancel_runs(client, flow_run_id, str(stopped))
+        _cancel_runs(client, flow_run_id, message, flow_run_too=False)
+    return Cancelled(message=message)
 
 
 def cancel_stopped_at_once(flow_run_id: str | None, reason: str) -> None:
@@ -381,6 +395,25 @@ def _crash_run(client, flow_run_id, message: str) -> None:
         client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
 
 
+def _cancelling_run(flow_run_id: str | None):
+    """The flow run when it is Cancelling, else None (also when it cannot be read)."""
+    if not flow_run_id:
+        return None
+    with contextlib.suppress(Exception), get_client(sync_client=True) as client:
+        run = client.read_flow_run(UUID(str(flow_run_id)))
+        if run.state is not None and run.state.type == StateType.CANCELLING:
+            return run
+    return None
+
+
+def cancel_reason(run, grace_s: float) -> str:
+    """Why the flow stops its job for the Prefect cancel of ``run`` itself (the request's
+    ``reason``; its ``by`` is ``a Prefect cancel of flow run 'name'``)."""
+    if run.work_pool_name is None:
+        return "stoker run has no worker, so the flow stops the job itself"
+    return f"no worker carried it out in {grace_s:g} s, so the flow stops the job itself"
+
+
 class CancelWatcher(threading.Thread):
     """Stops the job when its flow run is cancelled and nobody else stops it.
 
@@ -388,12 +421,13 @@ class CancelWatcher(threading.Thread):
     the flow process. When the worker is gone (killed, its machine lost), or the run has no
     worker (``stoker run``), nothing does (Prefect's known gap: PrefectHQ/prefect#21616) and
     the job trained on to its end, the run Cancelling all along. This thread reads the flow
-    run's state every ``every_s`` seconds; Cancelling for ``grace_s`` seconds (a worker's
-    run: its worker acts within one or two) or at once (no worker), and no stop under way
-    (the worker's SIGTERM, a Ctrl-C, a stop request), it stops the job as
-    ``stoker stop`` does (:func:`stoker.launch.stop_request.stop_job`): a stop request by ``a
-    Prefect cancel of flow run 'name'``, SIGTERM to the launcher, a stop checkpoint, then the
-    run ends Cancelled. A failed read is retried at the next poll.
+    run's state every ``every_s`` seconds; Cancelling for ``grace_s`` seconds since the state
+    was set (a worker's run: its worker acts within one or two) or at once (no worker), and no
+    signal received already (the worker's SIGTERM, a Ctrl-C), it stops the job as ``stoker
+    stop`` does (:func:`stoker.launch.stop_request.stop_job`): a stop request by ``a Prefect
+    cancel of flow run 'name'`` (or the cost guard's, which writes its request before it sets
+    Cancelling), SIGTERM to the launcher, a stop checkpoint; the flow then ends Cancelled
+    (:func:`stops_as_cancelled`). A failed read is retried at the next poll.
     """
 
     def __init__(self, job_dir: Path, flow_run_id: str,
@@ -407,38 +441,42 @@ class CancelWatcher(threading.Thread):
         self._since = time.time()
         self._context = contextvars.copy_context()  # this run's Prefect settings and client
 
+    def cancelled_by(self) -> str | None:
+        """``a Prefect cancel of flow run 'name'`` when the flow run is Cancelling now (read
+        from the server, in the caller's thread); else None. Before an attempt launches: a run
+        cancelled while it pulled its data trains nothing."""
+        run = _cancelling_run(self.flow_run_id)
+        return None if run is None else f"a Prefect cancel of flow run {run.name!r}"
+
     def run(self) -> None:
         self._context.run(self._watch)
 
     def _watch(self) -> None:
+        from stoker.launch.attempts import AttemptLog, is_closed
         from stoker.launch.stop_request import read_stop_request, stop_job
         from stoker.runtime.preemption import signal_sender
 
-        cancelling_since = None
         while not self.stopped.wait(self.every_s):
-            try:
-                with get_client(sync_client=True) as client:
-                    run = client.read_flow_run(UUID(str(self.flow_run_id)))
-            except Exception:  # noqa: BLE001, S112 - the server restarting: read it next time
+            run = _cancelling_run(self.flow_run_id)
+            if run is None:
                 continue
-            if run.state is None or run.state.type != StateType.CANCELLING:
-                cancelling_since = None
-                continue
-            cancelling_since = cancelling_since or time.monotonic()
             on_worker = run.work_pool_name is not None
-            if on_worker and time.monotonic() - cancelling_since < self.grace_s:
+            since = run.state.timestamp.timestamp() if run.state.timestamp else time.time()
+            if on_worker and time.time() - since < self.grace_s:
                 continue  # the worker's SIGTERM comes first
             if stop_reason() is not None or signal_sender(self.job_dir, self._since):
                 return  # a stop is under way already (the worker's SIGTERM, a Ctrl-C)
-            by = f"a Prefect cancel of flow run {run.name!r}"
-            reason = (f"no worker carried it out in {self.grace_s:g} s" if on_worker
-                      else "a stoker run flow run, which no worker runs")
+            records = AttemptLog(self.job_dir).records()
+            if not records or is_closed(records[-1]):
+                continue  # no attempt trains (between two, or after the last): none to stop
+            by, reason = f"a Prefect cancel of flow run {run.name!r}", cancel_reason(
+                run, self.grace_s)
             request = read_stop_request(self.job_dir)
             if request is not None and request.time >= self._since:
                 by, reason = request.by, request.reason  # the cost guard's: it set Cancelling
             self.acted = by
-            self.logger.info("flow run %r is Cancelling and %s: stopping job %s (the ranks "
-                             "commit a stop checkpoint)", run.name, reason, self.job_dir.name)
+            self.logger.info("flow run %r is Cancelling and %s: job %s (the ranks commit a "
+                             "stop checkpoint)", run.name, reason, self.job_dir.name)
             try:
                 stop_job(self.job_dir, reason, by=by)
             except Exception as e:  # noqa: BLE001 - said; the request stays recorded

@@ -41,6 +41,7 @@ from stoker.launch.retry import (
 )
 from stoker.launch.status import JOB_LOG
 from stoker.launch.stop_request import (
+    TrainingStopped,
     clear_stop_request,
     read_stop_request,
     refuse_stalled,
@@ -221,6 +222,10 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     def launch(number: int) -> int:
         if lease.lost:  # another run took the job over: never launch a second trainer
             raise JobBusy(f"job {job_dir.name}: lease lost ({lease.lost}); not launching")
+        if cancels is not None and (by := cancels.cancelled_by()) is not None:
+            raise TrainingStopped(f"job {job_dir.name} stopped by {by} before attempt "
+                                  f"{number + first_number - 1} started; run the same command "
+                                  "to resume it")
         if number == 1:
             clear_stop_request(job_dir)  # an earlier run's stop request is not this run's
         number += first_number - 1  # numbering continues over every run of the job

@@ -387,5 +387,42 @@ def test_a_prefect_cancel_of_a_stoker_run_flow_run_stops_the_job(tmp_path):
     end = [e for e in read_events(job_dir) if e["event"] == "end"][-1]
     assert end["outcome"] == "preempted" and end["step"] < 300 * 22, end  # a stop checkpoint
     assert prefect_states(work, "flow_run")[name][0] == "CANCELLED"
+    # Cancelling -> Cancelled, never through Failed (automations on Failed would fire; trial)
+    assert state_history(work)[-2:] == ["CANCELLING", "CANCELLED"], state_history(work)
     assert mlflow_status(work, job_dir) == "KILLED"
     assert not wait_gone(work)
+
+
+def test_a_prefect_cancel_after_training_finished_stops_nothing_and_ends_cancelled(tmp_path):
+    """A cancel that lands once training is over (registration, the report): there is nothing
+    to stop. The run ended "Finished in state Cancelling()" with exit 0, and the next command
+    marked it Crashed (trial). It now ends Cancelled saying so, and ``stoker run`` exits 0 with
+    its summary: the job is done and its model registered."""
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
+    work = tmp_path / "work"
+    process = start_run(work, "train.epochs=2")
+    job_dir = wait_for_training(work, process)
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "end" for e in read_events(job_dir)):
+        assert time.monotonic() < deadline and process.poll() is None, "training never ended"
+        time.sleep(0.05)
+    api_url = LocalServer(work / ".prefect").running()["api_url"]
+    flow_run_id = next(r["flow_run_id"] for r in AttemptLog(job_dir).records())
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        client.set_flow_run_state(uuid.UUID(flow_run_id), Cancelling(), force=True)
+        name = client.read_flow_run(uuid.UUID(flow_run_id)).name
+    code = process.wait(timeout=120)
+    log = (work.parent / "stoker-run.log").read_text()
+    assert code == 0, log[-3000:]
+    assert log.splitlines()[-1] == (f"stoker run: flow run {name!r} was cancelled after "
+                                    "training had finished: nothing was left to stop, the run "
+                                    "did all its work"), log[-2000:]
+    assert prefect_states(work, "flow_run")[name][0] == "CANCELLED"
+    assert (job_dir / "pipeline_done.json").is_file()
+    assert MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_model_version(
+        "stoker-digits", "1") is not None

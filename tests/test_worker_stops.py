@@ -257,7 +257,8 @@ def test_a_cancel_after_the_worker_died_still_stops_the_job(deployed, tmp_path):
     assert end["step"] < 300 * 22, end  # stopped, not trained to the end
     name = flow_run_name(deployed, flow_run_id)
     assert AttemptLog(job_dir).history()[-1]["stopped_by"] == (
-        f"a Prefect cancel of flow run {name!r}: no worker carried it out in 15 s")
+        f"a Prefect cancel of flow run {name!r}: no worker carried it out in 15 s, so the flow "
+        "stops the job itself")
     run_id = (job_dir / "mlflow_run_id").read_text().strip()
     assert MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(run_id).info.status \
         == "KILLED"
