@@ -179,7 +179,7 @@ def test_worker_death_mid_training_still_finishes_and_registers(deployed, tmp_pa
     the flow run is Completed; its progress lines keep reaching the Prefect log (trial: they
     stopped with the worker until the flow ended)."""
     work = tmp_path / "work"
-    run = train_on_a_worker(deployed, work, epochs=12)
+    run = train_on_a_worker(deployed, work, epochs=60)  # trains on >= 12 s after the kill
     try:
         run.worker.kill()  # SIGKILL: its pipes to the flow process are gone with it
         run.worker.wait(timeout=30)
