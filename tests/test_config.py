@@ -211,7 +211,7 @@ def test_a_missing_data_repository_is_named_before_anything_runs(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: data.repo_url: {missing} is not a folder (a relative path is resolved against "
-        f"the directory stoker runs in, {tmp_path})"]
+        f"the directory stoker runs in, {tmp_path}: give an absolute path)"]
     assert not (tmp_path / "work").exists()
     # The hint follows how the value was typed, not where it lands (trial: an absolute path
     # under the current directory got it, `../nope` from a subfolder did not).
