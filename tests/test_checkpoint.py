@@ -155,6 +155,31 @@ def test_a_full_disk_is_one_named_error_and_leaves_no_temporary_files(tmp_path, 
     assert ckpt.committed_steps() == []
 
 
+
+def test_a_digest_record_the_disk_has_no_room_for_leaves_no_temporary_file(tmp_path,
+                                                                        monkeypatch):
+    """Rank 1's state file fits on the disk, its small digest record then does not: the
+    record's ``*.tmp-<pid>`` stayed (the full-disk test failed that way under load, when rank
+    0's files filled the disk a moment later than usual). A failed small write deletes its
+    temporary file too."""
+    import errno
+
+    from stoker.runtime.checkpoint import DIGEST_SUFFIX
+
+    real_sync = Checkpointer._sync
+
+    def sync(f):
+        if DIGEST_SUFFIX + ".tmp-" in str(getattr(f, "path", "")):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_sync(f)
+
+    monkeypatch.setattr(Checkpointer, "_sync", staticmethod(sync))
+    ckpt = Checkpointer(str(tmp_path), 1, 2)
+    ckpt.save(5, None, {"rng": 0})
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        ckpt.wait()
+    assert [p.name for p in tmp_path.rglob("*") if ".tmp-" in p.name] == []
+
 def test_a_save_removes_its_own_rank_s_temporaries_left_by_an_earlier_process(tmp_path):
     """A save of a step that a killed or refused attempt also tried: its ``*.tmp-<pid>`` files
     of this rank are removed (they would stay inside the committed folder); another rank's

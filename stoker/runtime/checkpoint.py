@@ -184,11 +184,17 @@ class Checkpointer:
                 raise
 
     def _write(self, path: str, payload: bytes) -> str:
-        """Write bytes under a temporary name, flush + fsync, rename; return their sha256."""
+        """Write bytes under a temporary name, flush + fsync, rename; return their sha256. A
+        write that fails (a full disk) deletes its temporary file before it raises."""
         tmp = f"{path}.tmp-{os.getpid()}"
-        with self.fs.open(tmp, "wb") as f:
-            f.write(payload)
-            self._sync(f)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(payload)
+                self._sync(f)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.fs.rm(tmp)
+            raise
         self.fs.mv(tmp, path)
         return hashlib.sha256(payload).hexdigest()
 
