@@ -99,7 +99,10 @@ def _cancel_runs(client, flow_run_id, message: str, flow_run_too: bool = True) -
 
 def stops_as_cancelled(body):
     """Decorate a flow's body: :class:`stoker.stopping.Interrupted` (``stoker run`` got Ctrl-C,
-    SIGTERM or SIGHUP) returns :func:`stopped_by_signal`'s Cancelled state, not a crash."""
+    SIGTERM or SIGHUP) returns :func:`stopped_by_signal`'s Cancelled state, not a crash. A run
+    that is Cancelling at its end (a Prefect cancel no worker carried out: :class:`CancelWatcher`
+    stopped the job, or it came after training) returns its Cancelled end too
+    (:func:`prefect_cancel` says how, for ``stoker run``'s last line)."""
     import functools
 
     from stoker.stopping import Interrupted
