@@ -440,7 +440,6 @@ class CancelWatcher(threading.Thread):
         self.job_dir, self.flow_run_id, self.logger = Path(job_dir), flow_run_id, logger
         self.every_s, self.grace_s = every_s, grace_s
         self.stopped = threading.Event()
-        self.acted: str | None = None  # the request's `by`, once it stopped the job
         self._since = time.time()
         self._context = contextvars.copy_context()  # this run's Prefect settings and client
 
@@ -477,7 +476,6 @@ class CancelWatcher(threading.Thread):
             request = read_stop_request(self.job_dir)
             if request is not None and request.time >= self._since:
                 by, reason = request.by, request.reason  # the cost guard's: it set Cancelling
-            self.acted = by
             self.logger.info("flow run %r is Cancelling and %s: job %s (the ranks commit a "
                              "stop checkpoint)", run.name, reason, self.job_dir.name)
             try:

@@ -361,25 +361,31 @@ def test_the_last_line_after_a_stop_says_the_steps_it_lost():
 
 
 
-def test_a_prefect_cancel_of_a_stoker_run_flow_run_stops_the_job(tmp_path):
-    """Cancel in the Prefect UI of a ``stoker run`` flow run: no worker runs it, so nothing
-    carried the cancel out and the job trained on while the run stayed Cancelling. The flow
-    stops the job itself (as ``stoker stop`` would): a stop checkpoint, the run Cancelled,
-    ``stoker run`` exits 3 with a line naming the cancel; the same command resumes."""
+def cancel_from_prefect(work: Path, job_dir: Path) -> str:
+    """Cancel the flow run training ``job_dir`` as the Prefect UI does (state Cancelling), on
+    the work folder's local server; returns the flow run's name."""
     import uuid
 
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelling
 
-    work = tmp_path / "work"
-    process = start_run(work, "train.epochs=300")
-    job_dir = wait_for_training(work, process)
     api_url = LocalServer(work / ".prefect").running()["api_url"]
     flow_run_id = next(r["flow_run_id"] for r in AttemptLog(job_dir).records())
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         client.set_flow_run_state(uuid.UUID(flow_run_id), Cancelling(), force=True)
-        name = client.read_flow_run(uuid.UUID(flow_run_id)).name
+        return client.read_flow_run(uuid.UUID(flow_run_id)).name
+
+
+def test_a_prefect_cancel_of_a_stoker_run_flow_run_stops_the_job(tmp_path):
+    """Cancel in the Prefect UI of a ``stoker run`` flow run: no worker runs it, so nothing
+    carried the cancel out and the job trained on while the run stayed Cancelling. The flow
+    stops the job itself (as ``stoker stop`` would): a stop checkpoint, the run Cancelled,
+    ``stoker run`` exits 3 with a line naming the cancel; the same command resumes."""
+    work = tmp_path / "work"
+    process = start_run(work, "train.epochs=300")
+    job_dir = wait_for_training(work, process)
+    name = cancel_from_prefect(work, job_dir)
     code = process.wait(timeout=120)
     log = (work.parent / "stoker-run.log").read_text()
     assert code == 3, log[-3000:]
@@ -398,12 +404,6 @@ def test_a_prefect_cancel_after_training_finished_stops_nothing_and_ends_cancell
     to stop. The run ended "Finished in state Cancelling()" with exit 0, and the next command
     marked it Crashed (trial). It now ends Cancelled saying so, and ``stoker run`` exits 0 with
     its summary: the job is done and its model registered."""
-    import uuid
-
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-    from prefect.states import Cancelling
-
     work = tmp_path / "work"
     process = start_run(work, "train.epochs=2")
     job_dir = wait_for_training(work, process)
@@ -411,11 +411,7 @@ def test_a_prefect_cancel_after_training_finished_stops_nothing_and_ends_cancell
     while not any(e["event"] == "end" for e in read_events(job_dir)):
         assert time.monotonic() < deadline and process.poll() is None, "training never ended"
         time.sleep(0.05)
-    api_url = LocalServer(work / ".prefect").running()["api_url"]
-    flow_run_id = next(r["flow_run_id"] for r in AttemptLog(job_dir).records())
-    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-        client.set_flow_run_state(uuid.UUID(flow_run_id), Cancelling(), force=True)
-        name = client.read_flow_run(uuid.UUID(flow_run_id)).name
+    name = cancel_from_prefect(work, job_dir)
     code = process.wait(timeout=120)
     log = (work.parent / "stoker-run.log").read_text()
     assert code == 0, log[-3000:]
