@@ -212,6 +212,39 @@ def test_a_launcher_stopped_from_outside_is_not_parked(make_spec):
     assert launcher.process.poll() is not None and local._standby is None
 
 
+@pytest.mark.integration
+def test_a_repeated_stop_signal_leaves_the_ranks_their_stop_checkpoint(make_spec):
+    """``kill -9`` of ``stoker run``: Linux sends the launcher its parent-death SIGTERM again at
+    each of the dying orchestrator's threads it is handed to (1 to 3 seen). Each one raised
+    inside torchrun's wait for the stopping ranks; the third ended the launcher, and its ranks
+    were killed before their stop checkpoint (no ``end`` event: the full suite's
+    killed-orchestrator test, 1 run in 15 here). Rank 1 is held (SIGSTOP) so that the repeats
+    land inside that wait."""
+    spec = make_spec("repeated", tracking=False, epochs=3)
+    launcher = LocalLauncher(2)
+
+    def stop_launcher_twice() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if any(e["event"] == "step" and e["step"] >= 3 for e in events(spec.parent)):
+                rank1 = rank_processes(psutil.Process(launcher.process.pid))[1]
+                rank1.send_signal(signal.SIGSTOP)
+                for _ in range(3):  # as many as seen
+                    launcher.process.send_signal(signal.SIGTERM)
+                    time.sleep(0.5)
+                rank1.send_signal(signal.SIGCONT)
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=stop_launcher_twice, daemon=True).start()
+    lines: list[str] = []
+    assert launcher.run(spec, on_line=lines.append, timeout_s=600) == 75, "\n".join(lines[-30:])
+    end = [e for e in events(spec.parent) if e["event"] == "end"]
+    assert [e["outcome"] for e in end] == ["preempted"], lines[-30:]
+    committed = sorted(spec.parent.glob("checkpoints/step-*/COMMITTED"))
+    assert committed and committed[-1].parent.name == f"step-{end[0]['step']:09d}"
+
+
 def test_an_error_out_of_the_launcher_leaves_no_process_waiting_forever(tmp_path):
     """A launcher left in interpreter shutdown joins its forked children while a forked rank
     waits for the launcher to read its result: both waited forever, an orphan pair after a

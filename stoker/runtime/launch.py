@@ -322,6 +322,7 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(argv)
+    _act_on_the_first_stop_signal_only()
     try:
         if start == "fork" and _runs_the_runtime(args):
             _launch_forked(args)
@@ -335,7 +336,8 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
             print(rank_ended_line(rank), file=sys.stderr, flush=True)
         return exit_code_for(failure.exitcode)
     except SignalException as e:
-        _signalled.append(int(e.sigval))
+        if not _signalled:
+            _signalled.append(int(e.sigval))
         if e.sigval not in (signal.SIGTERM, signal.SIGINT):
             return 128 + int(e.sigval)
         if marker.exists():
@@ -349,6 +351,32 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
               "exit 137", file=sys.stderr, flush=True)
         return 137
     return 0
+
+
+def _act_on_the_first_stop_signal_only() -> None:
+    """Make torchrun act on the first stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) this
+    launcher gets in an attempt and only record the later ones (in ``_signalled``).
+
+    torchrun's handler raises ``SignalException`` at every signal: the first makes it stop its
+    ranks and wait up to its shutdown timeout for their stop checkpoint; a second one, raised
+    inside that wait, ended the launcher at once and its ranks were killed before they had
+    committed. Repeats are not a user's "now": Linux sends the parent-death signal
+    (``PR_SET_PDEATHSIG``) again at each thread of a ``kill -9``-ed multithreaded orchestrator
+    that the launcher is handed to on the way (1 to 3 SIGTERMs seen). What stops at once is
+    SIGKILL (the orchestrator's second Ctrl-C sends it to the whole tree)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    if getattr(api._terminate_process_handler, "first_only", False):
+        return
+    torchrun_handler = api._terminate_process_handler
+
+    def first_only(signum: int, frame) -> None:
+        _signalled.append(int(signum))
+        if len(_signalled) == 1:
+            torchrun_handler(signum, frame)
+
+    first_only.first_only = True
+    api._terminate_process_handler = first_only  # what torchrun registers when ranks start
 
 
 def exit_after(run: Callable[[], int]) -> NoReturn:
