@@ -202,8 +202,7 @@ def test_status_says_why_a_left_open_attempt_was_closed_and_what_its_ranks_did(t
         assert len(log) == 3 and log[-1].endswith(
             f"attempt 1 closed as interrupted by this run: the run that started it died, so no "
             f"one recorded its end and its output after that is not in this log; in "
-            f"progress.jsonl, {did} (runtime outcome {'preempted' if stop else 'interrupted'}; "
-            f"billed {closed['duration_s']:.1f} s)")
+            f"progress.jsonl, {did} (billed {closed['duration_s']:.1f} s)")
         assert forwarded == [log[-1][-len(forwarded[0]):]]  # the Prefect log says it too
         assert close_left_open(AttemptLog(job), str(job / "checkpoints"), print) == []
 

@@ -296,11 +296,12 @@ def left_open_note(record: dict[str, Any]) -> str:
     """The line ``train.log`` gets when a run closes an attempt its own run left open: that run
     died (``kill -9``, a lost node) or was stopped at once (a second Ctrl-C: the record's
     ``stopped_by``), so its output after that was not captured (no one read it); and what the
-    ranks recorded in ``progress.jsonl``."""
+    ranks recorded in ``progress.jsonl``. It does not name the ranks' own outcome word
+    (``preempted`` for a stop checkpoint): beside a cost line of 0 preemptions it read as a
+    contradiction (new-user trial); the attempt is interrupted, not a preemption."""
     billed = float(record.get("duration_s") or 0)
     by = record.get("stopped_by")
     cause = f"was stopped at once (a second signal after {by})" if by else "died"
     return (f"attempt {record.get('number')} closed as interrupted by this run: the run that "
             f"started it {cause}, so no one recorded its end and its output after that is not "
-            f"in this log; in progress.jsonl, {_ranks_did(record)} (runtime outcome "
-            f"{record.get('runtime_outcome')}; billed {billed:.1f} s)")
+            f"in this log; in progress.jsonl, {_ranks_did(record)} (billed {billed:.1f} s)")
