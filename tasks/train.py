@@ -142,6 +142,14 @@ def _record_prefect_sender(job_dir: Path, error: BaseException) -> None:
         record_stop_sender(job_dir, sender)
 
 
+def _lease_lost_line(job_dir: Path, why: str | None, number: int) -> str:
+    """``stoker run``'s error when its attempt ``number`` ended after another run took the job
+    over (this one was stopped past its lease, e.g. ``kill -STOP``): the other run closed that
+    attempt and trains the job now, so this one records nothing more."""
+    return (f"job {job_dir.name}: lease lost ({why}) while attempt {number} ran; that run "
+            "closed the attempt and trains the job now: this run records nothing more")
+
+
 def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None,
            job_dir: Path) -> TrainResult:
     logger = get_run_logger()
@@ -248,6 +256,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
 
     def record(attempt: Attempt) -> None:
         nonlocal preempted
+        if not lease.check():  # stalled past its lease (kill -STOP): the job is another run's
+            raise JobBusy(_lease_lost_line(job_dir, lease.lost, attempt.number + first_number - 1))
         preempted += attempt.outcome == Outcome.PREEMPTED
         number = attempt.number + first_number - 1
         lost, reached, committed = (0, 0, 0) if attempt.outcome == Outcome.COMPLETED \
@@ -310,6 +320,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
                 launch, config.retry, on_attempt=record,
                 stop_requested=lambda: read_stop_request(job_dir) is not None)
     except BaseException as e:  # cancelled or timed out: the tree is already gone, close the run
+        if isinstance(e, JobBusy) or not lease.check():
+            raise  # the job is another run's now: its attempts, records and MLflow run are too
         # The attempt is recorded now (billed time, what the ranks did), not by the next run,
         # with who stopped it (`stoker jobs` then says stopped, not unfinished).
         with contextlib.suppress(Exception):

@@ -191,6 +191,45 @@ def test_a_killed_orchestrator_is_taken_over_and_its_attempt_is_billed(api_env, 
         f"its process (pid {first.pid}) died" in orphan.state.message), orphan.state.message
 
 
+def test_a_run_stalled_past_its_lease_writes_nothing_once_another_took_the_job_over(
+        api_env, tmp_path):
+    """Break-it trial: `kill -STOP` of `stoker run` past its lease; its ranks stop (lease
+    expired), a second run takes the job over and trains attempt 2; `kill -CONT` of the first.
+    It recorded a second end of attempt 1 (steps lost read from attempt 2's progress), closed
+    attempt 2 as interrupted while it trained, and ended the shared MLflow run KILLED. Now it
+    exits 4 in one line and writes nothing."""
+    work, job = tmp_path / "work", tmp_path / "work" / "jobs" / "stalled"
+    cmd = command(work, "job_id=stalled", "train.epochs=60", "job_lease_s=6")
+    first = start(cmd, api_env)
+    second = None
+    try:
+        wait_for(lambda: stepped(job, 3), process=first)
+        os.kill(first.pid, signal.SIGSTOP)
+        wait_for(lambda: any(e.get("event") == "end" for e in read_events(job)), timeout_s=120)
+        second = start(cmd, api_env)
+        wait_for(lambda: any(e.get("event") == "step" and e.get("attempt") == 2
+                             for e in read_events(job)), process=second)
+        client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+        run_id = (job / "mlflow_run_id").read_text()
+        # KILLED by the first run's ranks as they stopped, RUNNING again once the second's open
+        wait_for(lambda: client.get_run(run_id).info.status == "RUNNING", process=second)
+        records = (job / "attempts.jsonl").read_text()
+        os.kill(first.pid, signal.SIGCONT)
+        out = first.communicate(timeout=120)[0]
+        assert (job / "attempts.jsonl").read_text() == records  # nothing written since
+        assert client.get_run(run_id).info.status == "RUNNING"  # the second run's, training
+        assert first.returncode == 4, out[-3000:]
+        assert "lease lost (taken over by" in out and "this run records nothing more" in out
+        assert "Traceback" not in out, out[-3000:]
+        assert second.poll() is None
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
+                os.kill(process.pid, signal.SIGINT)
+                process.wait(timeout=120)
+
+
 def test_a_job_trained_to_the_end_whose_orchestrator_died_registers_without_a_launch(
         api_env, tmp_path):
     """QA: `kill -9` of `stoker run` after the ranks finished, before registration: the rerun

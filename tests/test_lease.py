@@ -125,3 +125,25 @@ def test_a_lease_whose_expiry_is_no_finite_time_binds_nobody(tmp_path, expires):
     assert why_free(record) == "it is unreadable"
     lease = JobLease(tmp_path).acquire()  # taken over, not JobBusy
     lease.release()
+
+
+def test_check_reads_the_lease_now_and_names_who_took_it_over(tmp_path):
+    """A run frozen past its lease (kill -STOP) missed the renewal that would have noticed the
+    takeover: ``check`` reads ``lease.json`` itself, and writes nothing."""
+    lease = JobLease(tmp_path, ttl_s=60).acquire()
+    try:
+        assert lease.check() and lease.lost is None
+        record = json.loads((tmp_path / "lease.json").read_text())
+        (tmp_path / "lease.json").write_text(json.dumps({**record, "token": "other", "pid": 4343}))
+        before = (tmp_path / "lease.json").read_bytes()
+        assert not lease.check()
+        assert lease.lost.startswith("taken over by host ") and "pid 4343" in lease.lost
+        assert (tmp_path / "lease.json").read_bytes() == before
+        (tmp_path / "lease.json").unlink()
+        assert not lease.check()  # stays lost
+    finally:
+        lease.release()
+    removed = JobLease(tmp_path / "second", ttl_s=60).acquire()
+    (tmp_path / "second" / "lease.json").unlink()
+    assert not removed.check() and removed.lost == "lease removed"
+    removed.release()

@@ -150,6 +150,22 @@ class JobLease:
             write_json(self.path, self._record(self._acquired))
         return True
 
+    def check(self) -> bool:
+        """Whether this run still holds the lease, read from ``lease.json`` now (not from the
+        last renewal, which a stopped process such as one under ``kill -STOP`` missed); False
+        (and ``lost`` set) when another run took it over or it was removed. Writes nothing.
+        An unreadable file (a full disk, a permission) counts as still held: expiry decides."""
+        if self.lost is not None:
+            return False
+        try:
+            current = read_lease(self.job_dir)
+        except OSError:
+            return True
+        if current is None or current["token"] != self.token:
+            self.lost = f"taken over by {describe(current)}" if current else "lease removed"
+            return False
+        return True
+
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
