@@ -31,6 +31,7 @@ _hooks: list[Callable[[str], None]] = []  # on_stop: run before the training tre
 _interrupt_hooks: list[Callable[[BaseException], None]] = []  # on_interrupt
 _probes: list[Callable[[], str | None]] = []  # outcome_probe: asked after a second signal
 _kill_hooks: list[Callable[[str], None]] = []  # on_kill: run after a second signal's kill
+_at_once_hooks: list[Callable[[], None]] = []  # on_stop_at_once: before a second signal's kill
 KILL_HOOKS_WAIT_S = 3.0  # at most, for the on_kill hooks, before the process ends
 
 
@@ -100,6 +101,13 @@ def on_interrupt(hook: Callable[[BaseException], None]) -> contextlib.AbstractCo
     return _registered(_interrupt_hooks, hook)
 
 
+def on_stop_at_once(hook: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
+    """While inside (the training task), a second stop signal first calls ``hook()``, at once
+    and in the signal handler: a small local write (the job's record that its run was stopped
+    at once on purpose, not killed). A hook that raises is ignored."""
+    return _registered(_at_once_hooks, hook)
+
+
 def on_kill(hook: Callable[[str], None]) -> contextlib.AbstractContextManager[None]:
     """While inside (a flow body), a second stop signal, which kills the training tree at once
     and ends the process, first calls ``hook(stop_reason())`` (e.g. to record the flow run
@@ -167,6 +175,9 @@ def _handle(signum: int, _frame) -> None:
                 hook(stop_reason())
         raise Interrupted(signum)
     # Second signal: the user does not want to wait for the stop checkpoint.
+    for hook in list(_at_once_hooks):
+        with contextlib.suppress(Exception):
+            hook()
     kill_descendants()
     line = second_signal_line()  # before the hooks: what the ranks had left when killed
     _run_kill_hooks(stop_reason() or "an interrupt")

@@ -63,7 +63,7 @@ from stoker.launch.supervisor import (
     write_spec,
 )
 from stoker.runtime import CheckpointWriteError
-from stoker.runtime.preemption import SENDER_PREFIX, record_stop_sender
+from stoker.runtime.preemption import SENDER_PREFIX, mark_stopped_at_once, record_stop_sender
 from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.spec import RunSpec
@@ -72,6 +72,7 @@ from stoker.stopping import (
     note_outcome,
     on_interrupt,
     on_stop,
+    on_stop_at_once,
     outcome_probe,
     stop_reason,
 )
@@ -313,6 +314,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         # On a worker a Prefect cancel is a SIGTERM to this process, raised as Prefect's
         # TerminationSignal into the launcher's wait: the ranks' stop line names it too.
         with on_stop(lambda reason: record_stop_sender(job_dir, f"{SENDER_PREFIX}{reason}")), \
+                on_stop_at_once(lambda: mark_stopped_at_once(job_dir)), \
                 on_interrupt(lambda error: _record_prefect_sender(job_dir, error)), \
                 outcome_probe(lambda: _said_of(job_dir, attempts_log.open_attempt_end(
                     checkpoints))):

@@ -102,12 +102,13 @@ def test_status_shows_an_attempt_left_open_as_jobs_counts_it(work):
     assert "attempt 2: running for 0 s on spot capacity" in live
     # A run stopped at once by a second Ctrl-C: the job is stopped, so its open attempt is not
     # said to be a dead run's (trial: "stopped" above "left open by a run that died").
-    from stoker.runtime.preemption import SENDER_PREFIX, record_stop_sender
+    from stoker.runtime.preemption import SENDER_PREFIX, mark_stopped_at_once, record_stop_sender
 
     stopped = work / "jobs" / "eeee5555-stopped"
     stopped.mkdir()
     AttemptLog(stopped).start(1, "spot")
     record_stop_sender(stopped, f"{SENDER_PREFIX}SIGINT (Ctrl-C)")
+    mark_stopped_at_once(stopped)
     twice = CliRunner().invoke(app, ["status", "eeee", "--work-dir", str(work)]).output
     assert re.search(r"^state +stopped \(stopped by SIGINT \(Ctrl-C\)\)", twice, re.M), twice
     assert "attempt 1: left open by a run that was stopped before it could close it (started " \
@@ -151,10 +152,20 @@ def test_a_job_stopped_at_once_counts_its_lost_steps_and_is_not_said_to_have_die
     run closed it); and once closed, the attempt read both `interrupted (stopped by SIGINT
     (Ctrl-C))` and `its run's process died`."""
     from stoker.launch.supervisor import close_left_open
-    from stoker.runtime.preemption import SENDER_PREFIX, record_stop_sender
+    from stoker.runtime.preemption import SENDER_PREFIX, mark_stopped_at_once, record_stop_sender
+
+    killed = left_by_a_killed_run(tmp_path / "jobs", "iiii9999-killed", 6372, False)
+    record_stop_sender(killed, f"{SENDER_PREFIX}SIGINT (Ctrl-C)")  # then kill -9, no second
+    killed_status = CliRunner().invoke(app, ["status", "iiii", "--work-dir",
+                                             str(tmp_path)]).output
+    assert re.search(r"^state +unfinished", killed_status, re.M), killed_status  # trial
+    [closed] = close_left_open(AttemptLog(killed), str(killed / "checkpoints"), lambda _: None)
+    assert "stopped_by" not in closed
+    assert "the run that started it died" in (killed / "train.log").read_text()
 
     job = left_by_a_killed_run(tmp_path / "jobs", "hhhh8888-twice", 6372, False)
     record_stop_sender(job, f"{SENDER_PREFIX}SIGINT (Ctrl-C)")  # the first Ctrl-C's record
+    mark_stopped_at_once(job)  # and the second's
     before = CliRunner().invoke(app, ["status", "hhhh", "--work-dir", str(tmp_path)]).output
     assert re.search(r"^state +stopped \(stopped by SIGINT \(Ctrl-C\)\)", before, re.M), before
     assert "reached step 6372/8000, resumes at step 6350" in before, before

@@ -42,17 +42,20 @@ def dead_owner_lease(job_dir, acquired: float) -> None:
         "acquired": acquired, "renewed": acquired, "expires": time.time() + 300, "ttl_s": 60}))
 
 
-def record_stop(job_dir, age_s: float) -> None:
-    """``stoker run``'s record of its Ctrl-C (stop-sender.json), ``age_s`` seconds ago."""
+def record_stop(job_dir, age_s: float, at_once: bool = True) -> None:
+    """``stoker run``'s record of its Ctrl-C (stop-sender.json), ``age_s`` seconds ago, marked
+    as ended at once by a second signal unless ``at_once`` is False (then killed after it)."""
     (job_dir / STOP_SENDER_FILE).write_text(json.dumps(
-        {"sender": f"{SENDER_PREFIX}SIGINT (Ctrl-C)", "time": time.time() - age_s}))
+        {"sender": f"{SENDER_PREFIX}SIGINT (Ctrl-C)", "time": time.time() - age_s,
+         **({"at_once": True} if at_once else {})}))
 
 
-def takeover_line(job_dir, caplog, stop_age_s: float) -> logging.LogRecord:
+def takeover_line(job_dir, caplog, stop_age_s: float, at_once: bool = True
+                  ) -> logging.LogRecord:
     """The log record of taking over a dead owner's lease (taken 30 s ago) whose job folder
     holds a stop recorded ``stop_age_s`` seconds ago."""
     dead_owner_lease(job_dir, time.time() - 30)
-    record_stop(job_dir, stop_age_s)
+    record_stop(job_dir, stop_age_s, at_once)
     with caplog.at_level(logging.INFO, logger="stoker.launch.lease"):
         JobLease(job_dir).acquire().release()
     [record] = [r for r in caplog.records if "taking over" in r.getMessage()]
@@ -67,6 +70,16 @@ def test_taking_over_from_a_run_stopped_at_once_is_info_not_a_warning(tmp_path, 
     assert record.levelno == logging.INFO
     assert record.getMessage().endswith(
         "it was stopped at once (a second signal after SIGINT (Ctrl-C))")
+
+
+def test_a_run_killed_after_its_ctrl_c_died_it_was_not_stopped_at_once(tmp_path, caplog):
+    """Break-it trial: Ctrl-C, then `kill -9` 0.05 s later: no second signal, yet the takeover
+    (and the attempt's close, and `stoker status`) said "stopped at once (a second signal after
+    SIGINT (Ctrl-C))". Only a second signal marks the record (``at_once``)."""
+    record = takeover_line(tmp_path, caplog, stop_age_s=5, at_once=False)
+    assert record.levelno == logging.WARNING
+    assert "its process is gone" in record.getMessage()
+    assert "second signal" not in record.getMessage()
 
 
 def test_a_stop_recorded_before_the_dead_owner_took_the_lease_is_not_its_own(tmp_path, caplog):

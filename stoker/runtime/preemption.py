@@ -128,6 +128,20 @@ def record_stop_sender(job_dir: str | os.PathLike, sender: str) -> None:
         write_json(Path(job_dir) / STOP_SENDER_FILE, {"sender": sender, "time": time.time()})
 
 
+def mark_stopped_at_once(job_dir: str | os.PathLike) -> None:
+    """Add ``"at_once": true`` to ``stoker run``'s record of its stop signal
+    (:func:`record_stop_sender`): a second signal ended it at once, on purpose. Without the mark
+    a run that recorded a signal and then left its attempt open was killed (``kill -9`` after
+    Ctrl-C) and reads as died (:func:`stop_signal_reason`). Never raises."""
+    from stoker.runtime.records import read_json, write_json
+
+    path = Path(job_dir) / STOP_SENDER_FILE
+    record = read_json(path, default=None, warn=lambda *_: None)
+    if isinstance(record, dict):
+        with contextlib.suppress(OSError):
+            write_json(path, {**record, "at_once": True})
+
+
 def stop_sender(job_dir: str | os.PathLike, since: float) -> str | None:
     """Who asked the ranks of ``job_dir`` to stop, as the sender recorded it at or after
     ``since`` (Unix seconds: the attempt's start; older records are an earlier stop's): a stop
@@ -146,10 +160,16 @@ def stop_sender(job_dir: str | os.PathLike, since: float) -> str | None:
 
 
 def stop_signal_reason(job_dir: str | os.PathLike, since: float) -> str | None:
-    """The signal ``stoker run`` recorded (:func:`record_stop_sender`) at or after ``since``,
-    as :func:`stoker.stopping.stop_reason` words it (``SIGINT (Ctrl-C)``); None when it
-    recorded none. For an attempt whose run died while stopping (a second Ctrl-C): it was
-    stopped, not lost."""
+    """The first signal of a ``stoker run`` that a second one then stopped at once, recorded at
+    or after ``since`` (:func:`record_stop_sender` and :func:`mark_stopped_at_once`), as
+    :func:`stoker.stopping.stop_reason` words it (``SIGINT (Ctrl-C)``): its attempt was stopped,
+    not lost. None when it recorded none, or a signal without the mark: that run was killed
+    while stopping (``kill -9`` after Ctrl-C, trial), it died."""
+    from stoker.runtime.records import read_json
+
+    record = read_json(Path(job_dir) / STOP_SENDER_FILE, default=None, warn=lambda *_: None)
+    if not isinstance(record, dict) or record.get("at_once") is not True:
+        return None
     sender = signal_sender(job_dir, since)
     if sender is not None and sender.startswith(SENDER_PREFIX):
         return sender[len(SENDER_PREFIX):] or None
