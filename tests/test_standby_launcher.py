@@ -163,6 +163,22 @@ def test_a_preempted_attempt_parks_its_launcher_and_the_retry_resumes_in_it(make
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def at_step(spec, step: int, action) -> threading.Thread:
+    """Call ``action()`` in a thread once rank 0 of ``spec``'s job reports ``step``."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if any(e["event"] == "step" and e["step"] >= step for e in events(spec.parent)):
+                action()
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def _sid(pid: int) -> int | None:
     try:
         return os.getsid(pid)
@@ -199,15 +215,7 @@ def test_a_launcher_stopped_from_outside_is_not_parked(make_spec):
     spec = make_spec("stopped", tracking=False, epochs=3)
     launcher = LocalLauncher(2)
 
-    def stop_launcher() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if any(e["event"] == "step" and e["step"] >= 3 for e in events(spec.parent)):
-                launcher.process.send_signal(signal.SIGTERM)
-                return
-            time.sleep(0.02)
-
-    threading.Thread(target=stop_launcher, daemon=True).start()
+    at_step(spec, 3, lambda: launcher.process.send_signal(signal.SIGTERM))
     assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 75
     assert launcher.process.poll() is not None and local._standby is None
 
@@ -223,20 +231,15 @@ def test_a_repeated_stop_signal_leaves_the_ranks_their_stop_checkpoint(make_spec
     spec = make_spec("repeated", tracking=False, epochs=3)
     launcher = LocalLauncher(2)
 
-    def stop_launcher_twice() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if any(e["event"] == "step" and e["step"] >= 3 for e in events(spec.parent)):
-                rank1 = rank_processes(psutil.Process(launcher.process.pid))[1]
-                rank1.send_signal(signal.SIGSTOP)
-                for _ in range(3):  # as many as seen
-                    launcher.process.send_signal(signal.SIGTERM)
-                    time.sleep(0.5)
-                rank1.send_signal(signal.SIGCONT)
-                return
-            time.sleep(0.02)
+    def stop_launcher_thrice() -> None:
+        rank1 = rank_processes(psutil.Process(launcher.process.pid))[1]
+        rank1.send_signal(signal.SIGSTOP)
+        for _ in range(3):  # as many as seen
+            launcher.process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+        rank1.send_signal(signal.SIGCONT)
 
-    threading.Thread(target=stop_launcher_twice, daemon=True).start()
+    at_step(spec, 3, stop_launcher_thrice)
     lines: list[str] = []
     assert launcher.run(spec, on_line=lines.append, timeout_s=600) == 75, "\n".join(lines[-30:])
     end = [e for e in events(spec.parent) if e["event"] == "end"]

@@ -143,12 +143,18 @@ class JobLease:
     def renew(self) -> bool:
         """Extend the expiry; False (and ``lost`` set) when another run took the lease over."""
         with self._lock():
-            current = read_lease(self.job_dir)
-            if current is None or current["token"] != self.token:
-                self.lost = f"taken over by {describe(current)}" if current else "lease removed"
+            if self._taken(read_lease(self.job_dir)):
                 return False
             write_json(self.path, self._record(self._acquired))
         return True
+
+    def _taken(self, current: dict[str, Any] | None) -> bool:
+        """Whether ``current`` (``lease.json`` as read) is no longer this run's lease; sets
+        ``lost`` (who took it over, or that it was removed) when so."""
+        if current is None or current["token"] != self.token:
+            self.lost = f"taken over by {describe(current)}" if current else "lease removed"
+            return True
+        return False
 
     def check(self) -> bool:
         """Whether this run still holds the lease, read from ``lease.json`` now (not from the
@@ -158,13 +164,9 @@ class JobLease:
         if self.lost is not None:
             return False
         try:
-            current = read_lease(self.job_dir)
+            return not self._taken(read_lease(self.job_dir))
         except OSError:
             return True
-        if current is None or current["token"] != self.token:
-            self.lost = f"taken over by {describe(current)}" if current else "lease removed"
-            return False
-        return True
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):

@@ -165,15 +165,13 @@ def stop_signal_reason(job_dir: str | os.PathLike, since: float) -> str | None:
     :func:`stoker.stopping.stop_reason` words it (``SIGINT (Ctrl-C)``): its attempt was stopped,
     not lost. None when it recorded none, or a signal without the mark: that run was killed
     while stopping (``kill -9`` after Ctrl-C, trial), it died."""
-    from stoker.runtime.records import read_json
-
-    record = read_json(Path(job_dir) / STOP_SENDER_FILE, default=None, warn=lambda *_: None)
-    if not isinstance(record, dict) or record.get("at_once") is not True:
+    record = _sender_record(job_dir, since)
+    if record is None or record.get("at_once") is not True:
         return None
-    sender = signal_sender(job_dir, since)
-    if sender is not None and sender.startswith(SENDER_PREFIX):
-        return sender[len(SENDER_PREFIX):] or None
-    return None
+    sender = record["sender"]
+    if not sender.startswith(SENDER_PREFIX):
+        return None
+    return sender[len(SENDER_PREFIX):] or None
 
 
 SENDER_PREFIX = "stoker run got "  # tasks.train's record: "stoker run got SIGINT (Ctrl-C)"
@@ -183,12 +181,18 @@ def signal_sender(job_dir: str | os.PathLike, since: float) -> str | None:
     """The sender in ``stop-sender.json`` (:func:`record_stop_sender`: a signal the orchestrator
     got and passes on to the ranks) when it is recorded at or after ``since``; None when
     missing, damaged or not this stop's."""
+    record = _sender_record(job_dir, since)
+    return None if record is None else record["sender"]
+
+
+def _sender_record(job_dir: str | os.PathLike, since: float) -> dict | None:
+    """``stop-sender.json`` when it names a sender recorded at or after ``since``, else None."""
     from stoker.runtime.records import read_json
 
     record = read_json(Path(job_dir) / STOP_SENDER_FILE, default=None, warn=lambda *_: None)
     if isinstance(record, dict) and _at_or_after(record.get("time"), since) \
             and isinstance(record.get("sender"), str):
-        return record["sender"]
+        return record
     return None
 
 
