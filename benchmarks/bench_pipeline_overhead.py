@@ -52,7 +52,7 @@ from benchmarks.common import (  # noqa: E402
     torchrun,
 )
 from benchmarks.jobs import demo_dataset, write_spec  # noqa: E402
-from stoker.launch.attempts import AttemptLog  # noqa: E402
+from stoker.jobs.attempts import AttemptLog  # noqa: E402
 from stoker.local_server import LocalServer  # noqa: E402
 from stoker.runtime.progress import read_events  # noqa: E402
 

@@ -12,7 +12,7 @@ from flows.train import pull_and_train
 from stoker.config import PipelineConfig
 from stoker.forms import DockerPipelineForm, PipelineForm
 from stoker.images.spec import ImageRequest
-from stoker.launch.job import JobClaim, mark_done
+from stoker.jobs.job import JobClaim, mark_done
 from stoker.stdio import guard_stdio
 from stoker.tracking.registry import warm_up_registration
 from tasks.registry import register

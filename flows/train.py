@@ -12,7 +12,7 @@ from stoker.data.pull import DatasetRef
 from stoker.forms import TrainForm
 from stoker.images.spec import ImageRequest
 from stoker.launch.factory import check_before_pull, needs_image
-from stoker.launch.job import JobClaim
+from stoker.jobs.job import JobClaim
 from stoker.launch.supervisor import TrainResult
 from tasks.data import pull
 from tasks.images import build_image

@@ -123,9 +123,9 @@ def run(
     if resume_stalled:
         overrides = [*overrides, "retry.resume_stalled=true"]
     config = _config(config_file, overrides)
-    from stoker.launch.job import check_job_early, new_job_notice
-    from stoker.launch.lease import JobBusy
-    from stoker.launch.stop_request import TrainingStopped
+    from stoker.jobs.job import check_job_early, new_job_notice
+    from stoker.jobs.lease import JobBusy
+    from stoker.jobs.stop_request import TrainingStopped
 
     try:
         notice = new_job_notice(config)  # a shortened job_id: refused, naming the job
@@ -344,7 +344,7 @@ def _sync_store(work_dir: Path, checkpoint_dir: str | None) -> dict:
     """Jobs of ``checkpoint_dir`` into the cache (see ``sync_from_store``); exit 2 naming the
     store when it cannot be read."""
     from stoker.config import ConfigError
-    from stoker.launch.status import sync_from_store
+    from stoker.jobs.status import sync_from_store
 
     if not checkpoint_dir:
         return {}
@@ -358,7 +358,7 @@ def _sync_store(work_dir: Path, checkpoint_dir: str | None) -> dict:
 def _job_folder(work_dir: Path, job: str | None) -> Path:
     """The job named ``job`` (a folder name or a unique prefix), or with None the newest job
     (the first row of ``stoker jobs``); exit 2 with one line when there is none."""
-    from stoker.launch.status import matching_jobs, newest_job
+    from stoker.jobs.status import matching_jobs, newest_job
 
     if job is None:
         folder = newest_job(work_dir)
@@ -385,7 +385,7 @@ def jobs(work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
          checkpoint_dir: Annotated[str | None, STORE_OPTION] = None) -> None:
     """List the jobs of a work folder (and of a job store): state, step, attempts,
     preemptions, cost, MLflow run; the first line names the folder read."""
-    from stoker.launch.status import age, list_jobs
+    from stoker.jobs.status import age, list_jobs
 
     rows = list_jobs(work_dir, leases=_sync_store(work_dir, checkpoint_dir))
     where = (work_dir / "jobs").resolve()
@@ -410,9 +410,9 @@ def status(job: Annotated[str | None, typer.Argument(
            work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
            checkpoint_dir: Annotated[str | None, STORE_OPTION] = None) -> None:
     """Show one job: state, progress and ETA, attempts, owner, MLflow run, where its files are."""
-    from stoker.launch.attempts import AttemptLog, describe_interrupted
+    from stoker.jobs.attempts import AttemptLog, describe_interrupted
     from stoker.launch.retry import describe_exit
-    from stoker.launch.status import age, job_summary
+    from stoker.jobs.status import age, job_summary
 
     leases = _sync_store(work_dir, checkpoint_dir)
     folder = _job_folder(work_dir, job)
@@ -493,8 +493,8 @@ def stop(job: Annotated[str, typer.Argument(help="Job folder name (or a unique p
     (the request stays), 2 no such job, or another host trains it."""
     import getpass
 
-    from stoker.launch.status import job_summary
-    from stoker.launch.stop_request import StopFailed, TrainedElsewhere, one_line, stop_job
+    from stoker.jobs.status import job_summary
+    from stoker.jobs.stop_request import StopFailed, TrainedElsewhere, one_line, stop_job
 
     folder = _job_folder(work_dir, job)
     if reason is None:
@@ -524,7 +524,7 @@ def logs(job: Annotated[str | None, typer.Argument(
     """Print what the job's attempts printed (torchrun and every rank), from its train.log."""
     import time
 
-    from stoker.launch.status import JOB_LOG, job_summary
+    from stoker.jobs.status import JOB_LOG, job_summary
 
     folder = _job_folder(work_dir, job)
     path = folder / JOB_LOG

@@ -49,7 +49,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Completed, Failed, State
 
 from stoker.launch.retry import Outcome, describe_exit, outcome_of
-from stoker.launch.stop_request import StopRequest, TrainingStopped
+from stoker.jobs.stop_request import StopRequest, TrainingStopped
 from stoker.stopping import exit_now, on_kill, rearm, stop_reason
 
 
@@ -427,7 +427,7 @@ class CancelWatcher(threading.Thread):
     run's state every ``every_s`` seconds; Cancelling for ``grace_s`` seconds since the state
     was set (a worker's run: its worker acts within one or two) or at once (no worker), and no
     signal received already (the worker's SIGTERM, a Ctrl-C), it stops the job as ``stoker
-    stop`` does (:func:`stoker.launch.stop_request.stop_job`): a stop request by ``a Prefect
+    stop`` does (:func:`stoker.jobs.stop_request.stop_job`): a stop request by ``a Prefect
     cancel of flow run 'name'`` (or the cost guard's, which writes its request before it sets
     Cancelling), SIGTERM to the launcher, a stop checkpoint; the flow then ends Cancelled
     (:func:`stops_as_cancelled`). A failed read is retried at the next poll.
@@ -454,8 +454,8 @@ class CancelWatcher(threading.Thread):
         self._context.run(self._watch)
 
     def _watch(self) -> None:
-        from stoker.launch.attempts import AttemptLog, is_closed
-        from stoker.launch.stop_request import read_stop_request, stop_job
+        from stoker.jobs.attempts import AttemptLog, is_closed
+        from stoker.jobs.stop_request import read_stop_request, stop_job
         from stoker.runtime.preemption import signal_sender
 
         while not self.stopped.wait(self.every_s):

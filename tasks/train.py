@@ -21,14 +21,14 @@ from prefect.transactions import CommitMode, transaction
 from stoker.config import ConfigError, PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
-from stoker.launch.attempts import (
+from stoker.jobs.attempts import (
     AttemptLog,
     describe_interrupted,
     lost_steps,
 )
 from stoker.launch.factory import make_launcher
-from stoker.launch.job import JobClaim, check_resumable, completed_training, job_store
-from stoker.launch.lease import JobBusy, held_lease
+from stoker.jobs.job import JobClaim, check_resumable, completed_training, job_store
+from stoker.jobs.lease import JobBusy, held_lease
 from stoker.launch.local import discard_standby
 from stoker.launch.retry import (
     Attempt,
@@ -39,15 +39,15 @@ from stoker.launch.retry import (
     run_with_retries,
     will_retry,
 )
-from stoker.launch.status import JOB_LOG
-from stoker.launch.stop_request import (
+from stoker.jobs.status import JOB_LOG
+from stoker.jobs.stop_request import (
     TrainingStopped,
     clear_stop_request,
     read_stop_request,
     refuse_stalled,
     stopped,
 )
-from stoker.launch.store import RecordSync
+from stoker.jobs.store import RecordSync
 from stoker.launch.supervisor import (
     LineLog,
     ProgressWatcher,

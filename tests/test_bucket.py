@@ -214,9 +214,9 @@ def test_a_bucket_down_during_a_save_retries_and_never_trusts_half_a_step(restar
 def test_two_nodes_cannot_hold_one_job(s3_env):
     """The lease object: a live holder refuses a second node; a conditional write that loses a
     race refuses too; after release the job can be taken."""
-    from stoker.launch.bucket_lease import BucketLease, _Conflict
-    from stoker.launch.lease import JobBusy
-    from stoker.launch.store import JobStore
+    from stoker.jobs.bucket_lease import BucketLease, _Conflict
+    from stoker.jobs.lease import JobBusy
+    from stoker.jobs.store import JobStore
 
     store = JobStore(f"s3://{BUCKET}/leases")
     first = BucketLease(store, "job-1", ttl_s=30).acquire()
@@ -294,7 +294,7 @@ def test_a_job_killed_on_one_node_resumes_on_another_from_the_bucket(api_env, s3
     never interrupted."""
     from mlflow import MlflowClient
 
-    from stoker.launch.attempts import AttemptLog
+    from stoker.jobs.attempts import AttemptLog
     from stoker.runtime.progress import read_events
 
     store, tracking = f"s3://{BUCKET}/nodes", f"sqlite:///{tmp_path / 'shared-mlflow.db'}"
@@ -398,7 +398,7 @@ def test_checkpoint_dir_is_a_path_or_url_and_names_itself_when_wrong(tmp_path, m
 def test_a_stale_local_cache_is_refreshed_from_the_bucket(s3_env, tmp_path):
     """A node that ran the job earlier comes back after another node ran it: the attempt
     record grows from the bucket; records only it has stay; a missing one is copied."""
-    from stoker.launch.store import JobStore
+    from stoker.jobs.store import JobStore
 
     store = JobStore(f"s3://{BUCKET}/cache")
     job = tmp_path / "jobs" / "k-1"

@@ -33,9 +33,9 @@ NODE_A = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from stoker.config import PipelineConfig
-    from stoker.launch.attempts import AttemptLog
-    from stoker.launch.job import JobClaim
-    from stoker.launch.store import RecordSync
+    from stoker.jobs.attempts import AttemptLog
+    from stoker.jobs.job import JobClaim
+    from stoker.jobs.store import RecordSync
     config = PipelineConfig(work_dir=sys.argv[1], checkpoint_dir=sys.argv[2], job_id="k-1")
     claim = JobClaim(config).__enter__()
     sync = RecordSync(claim.store, claim.job_dir)  # as the train task runs it: every 3 s
@@ -51,8 +51,8 @@ def test_an_attempt_record_reaches_the_bucket_before_a_sigkill(s3_env, tmp_path)
     """Node A writes its attempt-start record and is SIGKILLed at once (well inside the 3 s
     sync period); node B, with an empty work_dir, sees the attempt in the bucket and closes it
     as interrupted, so A's attempt counts."""
-    from stoker.launch.attempts import AttemptLog
-    from stoker.launch.store import JobStore
+    from stoker.jobs.attempts import AttemptLog
+    from stoker.jobs.store import JobStore
 
     store = f"s3://{BUCKET}/sigkill"
     node_a = subprocess.Popen([sys.executable, "-c", NODE_A, str(tmp_path / "a"), store],
@@ -72,8 +72,8 @@ def test_an_attempt_record_reaches_the_bucket_before_a_sigkill(s3_env, tmp_path)
 
 def test_the_runtime_writes_the_mlflow_run_id_through(s3_env):
     """The MLflow run id reaches the bucket when the runtime writes it, under its lease."""
-    from stoker.launch.bucket_lease import BucketLease
-    from stoker.launch.store import JobStore
+    from stoker.jobs.bucket_lease import BucketLease
+    from stoker.jobs.store import JobStore
     from stoker.runtime.bucket import bucket_fence
 
     store = JobStore(f"s3://{BUCKET}/runid")
@@ -91,9 +91,9 @@ def test_a_node_that_lost_its_lease_commits_nothing_in_the_bucket(s3_env, tmp_pa
     work_dir) takes the job over. Before A notices at a renewal, its runtime tries to commit a
     checkpoint and its orchestrator to write the attempt record: both are refused, A's local
     lease is given up (so its runtime stops, exit 75), and B commits and writes normally."""
-    from stoker.launch.attempts import AttemptLog
-    from stoker.launch.job import JobClaim
-    from stoker.launch.store import RecordSync
+    from stoker.jobs.attempts import AttemptLog
+    from stoker.jobs.job import JobClaim
+    from stoker.jobs.store import RecordSync
     from stoker.runtime.bucket import bucket_fence, caused_by_lost_lease
 
     store = f"s3://{BUCKET}/fence"
@@ -144,7 +144,7 @@ def test_a_given_up_save_is_surfaced_in_records_status_and_mlflow(restartable_s3
     from typer.testing import CliRunner
 
     from stoker.cli import app
-    from stoker.launch.attempts import AttemptLog
+    from stoker.jobs.attempts import AttemptLog
     from stoker.runtime.bucket import attach
     from stoker.runtime.progress import ProgressWriter
     from stoker.runtime.tracking import RunTracker
@@ -181,8 +181,8 @@ def test_jobs_and_status_on_a_fresh_node_show_the_bucket_s_jobs(s3_env, tmp_path
     from typer.testing import CliRunner
 
     from stoker.cli import app
-    from stoker.launch.attempts import AttemptLog
-    from stoker.launch.job import JobClaim
+    from stoker.jobs.attempts import AttemptLog
+    from stoker.jobs.job import JobClaim
 
     store = f"s3://{BUCKET}/listing"
     claim = JobClaim(config(tmp_path / "a", store, "k-5")).__enter__()

@@ -162,7 +162,7 @@ def test_no_usable_checkpoint_refuses_or_restarts_loudly(make_spec):
 def test_runtime_stops_with_a_checkpoint_when_the_lease_is_lost(make_spec):
     """Input 1(b): the orchestrator owning the job stops renewing its lease (it died): the
     training processes commit a checkpoint and exit 75 instead of training on as orphans."""
-    from stoker.launch.lease import JobLease
+    from stoker.jobs.lease import JobLease
 
     spec = make_spec("orphan", epochs=20)
     lease = JobLease(spec.parent, ttl_s=3).acquire()

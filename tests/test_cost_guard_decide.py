@@ -209,7 +209,7 @@ def test_stalled_job_is_stopped_when_configured(tmp_path):
     assert [r.id for r in actor.stopped] == ["c0ffee"]
     assert row.idle_gpu_hours == pytest.approx(2.0, rel=0.01)  # held since the last heartbeat
     # The stop request names the stall and its step: the next run of the job refuses it.
-    from stoker.launch.stop_request import TrainingStopped, read_stop_request, refuse_stalled
+    from stoker.jobs.stop_request import TrainingStopped, read_stop_request, refuse_stalled
 
     request = read_stop_request(job)
     assert (request.by, request.verdict, request.step) == ("cost-guard", "stalled", 10)

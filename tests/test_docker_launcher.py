@@ -95,7 +95,7 @@ def test_stoker_stop_stops_a_job_whose_ranks_run_in_a_container(training_image, 
     import threading
 
     from stoker.launch.retry import outcome_of
-    from stoker.launch.stop_request import read_stop_request, stop_job
+    from stoker.jobs.stop_request import read_stop_request, stop_job
     from stoker.runtime.records import write_json
 
     spec = make_spec(f"user-stop-{uuid.uuid4().hex[:8]}", epochs=6, tracking=False)

@@ -87,7 +87,7 @@ def test_context_follows_the_runtime_imports(source_copy):
     (source_copy / "stoker/launch/local.py").write_text("# not part of the image\n")
     assert content_hash(spec) == before
     # A new import (absolute, `from stoker import`, or relative) brings its module along.
-    for statement, module in [("import stoker.launch.job", "launch/job"),
+    for statement, module in [("import stoker.jobs.job", "jobs/job"),
                               ("from stoker import ownership", "ownership"),
                               ("from ..tracking.lineage import code_version", "tracking/lineage")]:
         (source_copy / "stoker/runtime/extra.py").write_text(

@@ -52,7 +52,7 @@ def wait_for(condition, timeout_s: float = 240, process: subprocess.Popen | None
 
 
 def attempt_history(job: Path) -> list[dict]:
-    from stoker.launch.attempts import AttemptLog
+    from stoker.jobs.attempts import AttemptLog
 
     return AttemptLog(job).history()
 

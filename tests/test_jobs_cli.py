@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from stoker.cli import app
-from stoker.launch.attempts import AttemptLog
-from stoker.launch.job import mark_done
-from stoker.launch.stop_request import request_stop
+from stoker.jobs.attempts import AttemptLog
+from stoker.jobs.job import mark_done
+from stoker.jobs.stop_request import request_stop
 from stoker.runtime.records import append_jsonl, write_json
 
 
@@ -389,7 +389,7 @@ def test_a_stopped_hung_attempt_is_billed_until_its_run_closed_it(work, monkeypa
 def test_an_attempt_ended_by_a_lost_data_worker_is_not_called_a_failure():
     """Second trial: Ctrl-C while a data worker was frozen; the ranks ended the attempt as
     infrastructure (the stall), and the line said "its ranks failed at step 30"."""
-    from stoker.launch.attempts import describe_interrupted
+    from stoker.jobs.attempts import describe_interrupted
 
     record = {"interrupted": True, "runtime_outcome": "infrastructure_failure",
               "runtime_end_step": 30, "reached_step": 30, "committed_step": 30,

@@ -405,7 +405,7 @@ def test_a_stop_request_deletes_the_job_and_the_attempt_is_stopped(server, api, 
     the attempt is stopped, not retried, and nothing is submitted again."""
     from stoker.launch.factory import KubernetesAdapter
     from stoker.launch.kubeflow import VolumeClaim
-    from stoker.launch.stop_request import request_stop
+    from stoker.jobs.stop_request import request_stop
 
     spec = RunSpec(data_dir="/data/digits", job_dir=str(tmp_path))
     spec.dump(tmp_path / "spec.yaml")
@@ -459,8 +459,8 @@ def test_stoker_stop_on_a_kubernetes_job_waits_for_the_launcher_not_for_local_ra
     import sys
     import time
 
-    import stoker.launch.stop_request as stop_request
-    from stoker.launch.attempts import AttemptLog
+    import stoker.jobs.stop_request as stop_request
+    from stoker.jobs.attempts import AttemptLog
 
     def not_here(*_args):
         raise AssertionError("looked for local ranks of a Kubernetes job")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from stoker.launch.lease import JobLease, holder_alive, why_free
+from stoker.jobs.lease import JobLease, holder_alive, why_free
 from stoker.runtime.preemption import SENDER_PREFIX, STOP_SENDER_FILE
 
 
@@ -28,7 +28,7 @@ def test_a_dead_owner_with_a_future_expiry_is_named_as_gone_not_expired(tmp_path
     (tmp_path / "lease.json").write_text(json.dumps({
         "token": "old", "host": socket.gethostname(), "pid": dead_pid(),
         "flow_run_id": None, "acquired": 0, "renewed": 0, "expires": expires, "ttl_s": 60}))
-    with caplog.at_level(logging.WARNING, logger="stoker.launch.lease"):
+    with caplog.at_level(logging.WARNING, logger="stoker.jobs.lease"):
         lease = JobLease(tmp_path).acquire()
     lease.release()
     until = time.strftime("%H:%M:%S UTC", time.gmtime(expires))
@@ -56,7 +56,7 @@ def takeover_line(job_dir, caplog, stop_age_s: float, at_once: bool = True
     holds a stop recorded ``stop_age_s`` seconds ago."""
     dead_owner_lease(job_dir, time.time() - 30)
     record_stop(job_dir, stop_age_s, at_once)
-    with caplog.at_level(logging.INFO, logger="stoker.launch.lease"):
+    with caplog.at_level(logging.INFO, logger="stoker.jobs.lease"):
         JobLease(job_dir).acquire().release()
     [record] = [r for r in caplog.records if "taking over" in r.getMessage()]
     return record
@@ -100,8 +100,8 @@ def test_why_free_names_an_expiry_in_the_past_and_a_garbled_record():
 def test_the_bucket_lease_of_a_run_stopped_at_once_is_taken_over_at_info(tmp_path, caplog):
     """The job store's lease (here a folder store, as a bucket's) says the same as the local
     one: its dead owner's stop signal is in the local job folder."""
-    from stoker.launch.bucket_lease import BucketLease
-    from stoker.launch.store import JobStore
+    from stoker.jobs.bucket_lease import BucketLease
+    from stoker.jobs.store import JobStore
 
     store, job_dir = JobStore(str(tmp_path / "store")), tmp_path / "jobs" / "k-1"
     job_dir.mkdir(parents=True)
@@ -109,11 +109,11 @@ def test_the_bucket_lease_of_a_run_stopped_at_once_is_taken_over_at_info(tmp_pat
             "flow_run_id": None, "acquired": time.time() - 30, "renewed": time.time() - 30,
             "expires": time.time() - 1, "ttl_s": 60}
     store.put(f"{store.root}/k-1/lease.json", json.dumps(dead).encode())
-    with caplog.at_level(logging.INFO, logger="stoker.launch.bucket_lease"):
+    with caplog.at_level(logging.INFO, logger="stoker.jobs.bucket_lease"):
         BucketLease(store, "k-1", ttl_s=30, job_dir=job_dir).acquire().release()
     record_stop(job_dir, 5)
     store.put(f"{store.root}/k-1/lease.json", json.dumps(dead).encode())
-    with caplog.at_level(logging.INFO, logger="stoker.launch.bucket_lease"):
+    with caplog.at_level(logging.INFO, logger="stoker.jobs.bucket_lease"):
         BucketLease(store, "k-1", ttl_s=30, job_dir=job_dir).acquire().release()
     first, second = [r for r in caplog.records if "taking over" in r.getMessage()]
     assert first.levelno == logging.WARNING and "expired" in first.getMessage()

@@ -23,7 +23,7 @@ PROBE = """
 import json, sys
 from pathlib import Path
 from stoker.cli import _config
-from stoker.launch.job import check_job_early, new_job_notice
+from stoker.jobs.job import check_job_early, new_job_notice
 from stoker.launch.factory import check_before_pull
 config = _config(None, [f"work_dir={sys.argv[1]}"])
 new_job_notice(config)

@@ -239,7 +239,7 @@ def test_train_timeout_terminates_the_tree(harness, tmp_path):
 
 def test_a_job_trains_in_one_process_at_a_time(harness, tmp_path):
     from flows.pipeline import pipeline
-    from stoker.launch.lease import JobLease
+    from stoker.jobs.lease import JobLease
     from stoker.launch.supervisor import JobBusy
 
     work = tmp_path / "work"

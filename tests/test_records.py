@@ -55,7 +55,7 @@ def test_a_record_push_that_fails_names_the_error_not_only_its_type(tmp_path, ca
     """Trial input: the store's disk full gave `records not pushed to … (OSError)`, no cause."""
     import errno
 
-    from stoker.launch.store import RecordSync
+    from stoker.jobs.store import RecordSync
 
     class FullStore:  # JobStore's interface as RecordSync uses it
         url = str(tmp_path / "store")
@@ -63,7 +63,7 @@ def test_a_record_push_that_fails_names_the_error_not_only_its_type(tmp_path, ca
         def push(self, job_dir):
             raise OSError(errno.ENOSPC, "No space left on device\nsecond line")
 
-    with caplog.at_level("WARNING", logger="stoker.launch.store"):
+    with caplog.at_level("WARNING", logger="stoker.jobs.store"):
         assert not RecordSync(FullStore(), tmp_path / "job-1").sync()
     [line] = [r.getMessage() for r in caplog.records if "records not pushed" in r.getMessage()]
     assert "(OSError: [Errno 28] No space left on device second line)" in line, line

@@ -11,7 +11,7 @@ import pytest
 from local_servers import embedded_env, stop_local_servers
 
 from stoker.config import ConfigError, PipelineConfig
-from stoker.launch.job import check_resumable
+from stoker.jobs.job import check_resumable
 from stoker.runtime.spec import RunSpec
 
 pytestmark = pytest.mark.integration
@@ -136,7 +136,7 @@ def test_job_id_is_a_whole_folder_name(tmp_path, monkeypatch):
 
     from stoker.cli import app
     from stoker.config import load_pipeline_config
-    from stoker.launch.job import new_job_notice
+    from stoker.jobs.job import new_job_notice
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "work/jobs/2f9e48a557d2-20261201T073141196842Z").mkdir(parents=True)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from stoker.launch.status import MIN_STEPS_FOR_ETA, job_progress
+from stoker.jobs.status import MIN_STEPS_FOR_ETA, job_progress
 
 
 def steps(first: int, last: int, t0: float, step_s: float) -> list[dict]:
@@ -102,7 +102,7 @@ def test_long_etas_read_in_minutes_and_hours():
 
 
 def test_a_requested_stop_reads_stopping_not_restarting(tmp_path):
-    from stoker.launch.stop_request import request_stop
+    from stoker.jobs.stop_request import request_stop
     from stoker.launch.supervisor import ProgressWatcher
     from stoker.runtime.records import append_jsonl
 
@@ -209,8 +209,8 @@ def test_attempts_are_numbered_by_their_records_not_by_start_events(tmp_path):
     """New-user trial: attempt 1 died before its ranks' start event (a data worker killed at
     step 0); attempt 2 finished, and the progress line and `stoker status` said `step 45/45
     (attempt 1): completed`. The attempt records (attempts.jsonl) number the attempts."""
-    from stoker.launch.attempts import AttemptLog
-    from stoker.launch.status import attempt_at, job_summary
+    from stoker.jobs.attempts import AttemptLog
+    from stoker.jobs.status import attempt_at, job_summary
     from stoker.launch.supervisor import ProgressWatcher
     from stoker.runtime.records import append_jsonl
 

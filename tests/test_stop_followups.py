@@ -20,10 +20,10 @@ from conftest import events, launcher_of, rank_processes
 from mlflow import MlflowClient
 from prefect_server import PrefectServer
 
-from stoker.launch.attempts import AttemptLog, committed_step
+from stoker.jobs.attempts import AttemptLog, committed_step
 from stoker.launch.local import terminate_tree
-from stoker.launch.status import job_summary
-from stoker.launch.stop_request import read_stop_request, request_stop
+from stoker.jobs.status import job_summary
+from stoker.jobs.stop_request import read_stop_request, request_stop
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from conftest import launcher_of
 from mlflow import MlflowClient
 
 from stoker.config import load_pipeline_config
-from stoker.launch.stop_request import request_stop
+from stoker.jobs.stop_request import request_stop
 from stoker.runtime.progress import read_events
 
 pytestmark = pytest.mark.integration
@@ -60,8 +60,8 @@ def test_preempted_attempt_is_named_and_a_guard_stop_is_not_retried(harness, tmp
     from prefect.client.orchestration import get_client
 
     from flows.pipeline import pipeline
-    from stoker.launch.attempts import AttemptLog
-    from stoker.launch.stop_request import TrainingStopped
+    from stoker.jobs.attempts import AttemptLog
+    from stoker.jobs.stop_request import TrainingStopped
 
     work = tmp_path / "work"
     # 1000 epochs: both stops land mid-training also on a loaded machine (the guard stop waits
@@ -163,7 +163,7 @@ def test_a_requested_stop_is_not_retried_whatever_the_exit_code():
 
 
 def test_stop_request_file_round_trip_and_torn_file(tmp_path):
-    from stoker.launch.stop_request import (
+    from stoker.jobs.stop_request import (
         STOP_FILE,
         clear_stop_request,
         read_stop_request,

@@ -21,8 +21,8 @@ from conftest import rank_processes
 from local_servers import embedded_env, stop_local_servers
 from mlflow import MlflowClient
 
-from stoker.launch.attempts import AttemptLog
-from stoker.launch.status import job_summary
+from stoker.jobs.attempts import AttemptLog
+from stoker.jobs.status import job_summary
 from stoker.local_server import LocalServer
 from stoker.runtime.checkpoint import Checkpointer
 from stoker.runtime.progress import read_events
@@ -304,7 +304,7 @@ def test_a_second_signal_between_the_ranks_end_and_its_record_says_what_they_kep
     before stoker run had recorded the attempt's end, still said "without waiting for the stop
     checkpoint". The job's progress.jsonl already said what they kept."""
     from stoker import stopping
-    from stoker.launch.attempts import AttemptLog
+    from stoker.jobs.attempts import AttemptLog
     from stoker.runtime.progress import ProgressWriter
 
     log = AttemptLog(tmp_path)
@@ -339,7 +339,7 @@ def test_the_last_line_after_a_stop_says_the_steps_it_lost():
     """A stop whose checkpoint did not commit (the grace ran out, a data worker hung): the last
     line names the steps lost instead of implying nothing was (new-user trial: 29 steps)."""
     from stoker import stopping
-    from stoker.launch.attempts import describe_interrupted
+    from stoker.jobs.attempts import describe_interrupted
 
     record = {"interrupted": True, "runtime_outcome": "interrupted", "reached_step": 69,
               "committed_step": 40, "steps_lost": 29}

@@ -119,7 +119,7 @@ def test_steps_lost_is_one_figure_from_the_records_with_events_for_older_records
     ``stoker status`` said 0 steps lost (it summed the records) while the job summary and MLflow
     said 81 (they read the progress events). Both now take the records' figure, and the events
     only for a record without one."""
-    from stoker.launch.status import job_summary
+    from stoker.jobs.status import job_summary
 
     job = tmp_path / "jobs" / "old-job"
     job.mkdir(parents=True)

@@ -18,9 +18,9 @@ import pytest
 from mlflow import MlflowClient
 from prefect_server import PrefectServer
 
-from stoker.launch.attempts import AttemptLog
+from stoker.jobs.attempts import AttemptLog
 from stoker.launch.local import terminate_tree
-from stoker.launch.status import job_summary
+from stoker.jobs.status import job_summary
 from stoker.runtime.progress import read_events
 
 REPO = Path(__file__).resolve().parents[1]

@@ -41,7 +41,7 @@ from stoker.costguard.inventory import (
 )
 from stoker.costguard.nvml import GpuReading, NvmlReader, Snapshot, load_nvml
 from stoker.costguard.signals import read_jobs
-from stoker.launch.stop_request import request_stop
+from stoker.jobs.stop_request import request_stop
 from stoker.tracking.pricing import CapacityType, PriceTable
 
 log = logging.getLogger(__name__)

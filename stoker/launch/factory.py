@@ -25,7 +25,7 @@ class KubernetesAdapter:
     def run(self, spec_path: Path, on_line: Callable[[str], None] = print,
             timeout_s: float | None = None) -> int:
         from stoker.launch.kubeflow import kubernetes_name
-        from stoker.launch.stop_request import read_stop_request
+        from stoker.jobs.stop_request import read_stop_request
         from stoker.runtime.spec import RunSpec
 
         spec = RunSpec.load(spec_path)
@@ -165,6 +165,6 @@ def check_before_pull(config: PipelineConfig) -> None:
         raise ConfigError(problem)
     check_tracking_server(config.tracking_uri())
     if config.checkpoint_dir:  # wrong credentials or no bucket: named before anything runs
-        from stoker.launch.store import JobStore
+        from stoker.jobs.store import JobStore
 
         JobStore(config.checkpoint_dir).check()

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
-from stoker.launch.attempts import AttemptLog, left_open_note
-from stoker.launch.lease import JobBusy
-from stoker.launch.status import JOB_LOG, WINDOW_STEPS, job_progress
-from stoker.launch.store import write_through
+from stoker.jobs.attempts import AttemptLog, left_open_note
+from stoker.jobs.lease import JobBusy
+from stoker.jobs.status import JOB_LOG, WINDOW_STEPS, job_progress
+from stoker.jobs.store import write_through
 from stoker.runtime.launch import RANK_ENDED
 from stoker.runtime.preemption import stop_sender
 from stoker.runtime.records import JsonlTail, integer, real_number
@@ -164,7 +164,7 @@ class ProgressWatcher(threading.Thread):
     """Reports the runtime's progress events every ``every_s`` seconds.
 
     ``on_progress(percent, message)`` gets the share of steps done (0-100) and a line with step,
-    throughput and ETA (:func:`stoker.launch.status.job_progress`), only when the line changed;
+    throughput and ETA (:func:`stoker.jobs.status.job_progress`), only when the line changed;
     the ``train`` task turns it into a Prefect progress artifact and a log line.
     """
 
@@ -280,7 +280,7 @@ def close_left_open(attempts: AttemptLog, checkpoint_location: str,
     """Close the attempts a dead run left open (``kill -9`` of ``stoker run``, a lost worker)
     and say so, one line each, in the job's ``train.log`` and to ``forward`` (the Prefect log):
     no one captured their output after their run died, and ``progress.jsonl`` says what their
-    ranks did (:func:`stoker.launch.attempts.left_open_note`). Returns the records written."""
+    ranks did (:func:`stoker.jobs.attempts.left_open_note`). Returns the records written."""
     closed = attempts.close_interrupted(left_open=True, checkpoint_location=checkpoint_location)
     if closed:
         lines = LineLog(attempts.job_dir / JOB_LOG, forward)

@@ -1,7 +1,7 @@
 """The runtime's side of a job kept in a bucket: fencing and write-through records.
 
 With a remote ``checkpoint_dir`` (``<store>/<job>/checkpoints``) the job's lease object lives
-at ``<store>/<job>/lease.json`` (written by ``stoker.launch.bucket_lease``, with the same token
+at ``<store>/<job>/lease.json`` (written by ``stoker.jobs.bucket_lease``, with the same token
 the runtime was launched under). A node whose lease was taken over (it lost the bucket for longer
 than ``job_lease_s``, say) may not have noticed yet; ``BucketFence`` reads the lease object right
 before every checkpoint commit and record write, so such a node never commits a step in the

@@ -1,6 +1,6 @@
 """The job lease as the runtime sees it: who owns the job folder, and until when.
 
-The orchestrator (``stoker.launch.lease.JobLease``) writes ``<job_dir>/lease.json``::
+The orchestrator (``stoker.jobs.lease.JobLease``) writes ``<job_dir>/lease.json``::
 
     {"token": "9f0c...", "host": "node-a", "pid": 4242, "flow_run_id": "...",
      "acquired": 1764550000.0, "expires": 1764550060.0, "ttl_s": 60.0}

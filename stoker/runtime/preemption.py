@@ -115,7 +115,7 @@ def record_stop_committed(step: int) -> None:
 
 
 STOP_SENDER_FILE = "stop-sender.json"  # stoker run's record of why it signalled the ranks
-_STOP_REQUEST_FILE = "stop-requested.json"  # stoker.launch.stop_request: stoker stop, the guard
+_STOP_REQUEST_FILE = "stop-requested.json"  # stoker.jobs.stop_request: stoker stop, the guard
 
 
 def record_stop_sender(job_dir: str | os.PathLike, sender: str) -> None:

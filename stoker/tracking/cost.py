@@ -53,7 +53,7 @@ def steps_lost(attempts: list[dict], events: list[dict]) -> int:
     Args:
         attempts: the job's closed attempt records, oldest first. Each counts its own
             ``steps_lost``, written when it closed (the step rank 0 reached minus the job's
-            committed checkpoint step; ``stoker.launch.attempts.lost_steps``).
+            committed checkpoint step; ``stoker.jobs.attempts.lost_steps``).
         events: the job's progress events (``progress.jsonl``), for a record written before
             attempts recorded it: the highest step reported between its start and the next
             attempt's, minus the step the next attempt resumed at (0 for the last attempt).

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stoker.launch.lease import JobBusy, holder_alive, owner, stopped_at_once, why_free
-from stoker.launch.store import JobStore
+from stoker.jobs.lease import JobBusy, holder_alive, owner, stopped_at_once, why_free
+from stoker.jobs.store import JobStore
 from stoker.runtime.lease import LeaseLost, describe
 from stoker.runtime.records import real_number
 

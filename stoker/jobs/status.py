@@ -44,7 +44,7 @@ class JobProgress:
         """The runtime's word for how the attempt ended (its ``end`` event: ``failed``,
         ``storage``, ...) as the attempt's outcome reads everywhere else (``user_error``,
         ``storage_error``, ...: ``stoker.launch.retry.Outcome``)."""
-        from stoker.launch.attempts import END_OUTCOME
+        from stoker.jobs.attempts import END_OUTCOME
 
         return END_OUTCOME.get(self.outcome, self.outcome) if self.outcome else None
 
@@ -192,10 +192,10 @@ def job_summary(job_dir: Path, now: float | None = None,
                 bucket_lease: dict | None = None) -> JobSummary:
     """Summarise one job folder from its records (never raises on a torn or missing record);
     ``bucket_lease``: the job's lease object in the bucket, when it lives in one."""
-    from stoker.launch.attempts import AttemptLog, closed, is_closed
-    from stoker.launch.job import done_summary
-    from stoker.launch.lease import holder_alive
-    from stoker.launch.stop_request import read_stop_request
+    from stoker.jobs.attempts import AttemptLog, closed, is_closed
+    from stoker.jobs.job import done_summary
+    from stoker.jobs.lease import holder_alive
+    from stoker.jobs.stop_request import read_stop_request
     from stoker.runtime.preemption import stop_signal_reason
     from stoker.runtime.progress import read_events
     from stoker.runtime.records import read_json, read_text
@@ -274,8 +274,8 @@ def sync_from_store(work_dir: Path, checkpoint_dir: str) -> dict[str, dict | Non
     Raises:
         BucketError: the store cannot be read (one line naming ``checkpoint_dir``).
     """
-    from stoker.launch.job import job_owner
-    from stoker.launch.store import BucketError, JobStore, _redact
+    from stoker.jobs.job import job_owner
+    from stoker.jobs.store import BucketError, JobStore, _redact
 
     store = JobStore(checkpoint_dir)
     jobs = Path(work_dir) / "jobs"

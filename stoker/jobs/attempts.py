@@ -24,7 +24,7 @@ from typing import Any
 
 import fsspec
 
-from stoker.launch.store import write_through
+from stoker.jobs.store import write_through
 from stoker.runtime.records import append_jsonl, integer, read_json, read_jsonl, real_number
 
 ATTEMPTS_FILE = "attempts.jsonl"

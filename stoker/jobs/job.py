@@ -5,7 +5,7 @@ trajectory (train config fields that change results, and the dataset content has
 folder has no ``pipeline_done.json`` is unfinished: running the pipeline again with the same key
 continues it from its last committed checkpoint. Processes per node are not part of the key, so
 a job can resume at another world size. With a top-level ``checkpoint_dir`` (a bucket) the job
-also lives there (``stoker.launch.store``): unfinished jobs are found there by key, the local
+also lives there (``stoker.jobs.store``): unfinished jobs are found there by key, the local
 folder is filled from it, and the job is leased there too (``BucketLease``), so the same command
 resumes the job on another machine.
 """
@@ -20,9 +20,9 @@ import re
 from pathlib import Path
 
 from stoker.config import PipelineConfig
-from stoker.launch.bucket_lease import BucketLease
-from stoker.launch.lease import JobLease, check_free, holder_alive
-from stoker.launch.store import JobStore, disown, own, write_through
+from stoker.jobs.bucket_lease import BucketLease
+from stoker.jobs.lease import JobLease, check_free, holder_alive
+from stoker.jobs.store import JobStore, disown, own, write_through
 from stoker.runtime.lease import read_lease
 from stoker.runtime.records import read_json, write_json
 from stoker.runtime.spec import TRAJECTORY_FIELDS
@@ -280,7 +280,7 @@ def check_job_early(config: PipelineConfig) -> dict | None:
     if summary is not None:
         return {**summary, "already_done": True, "job_dir": str(job_dir)}
     check_free(job_dir)
-    from stoker.launch.stop_request import refuse_stalled
+    from stoker.jobs.stop_request import refuse_stalled
 
     refuse_stalled(job_dir, config.retry.resume_stalled)
     return None

@@ -65,7 +65,7 @@ def request_stop(job_dir: Path, by: str, reason: str, verdict: str | None = None
 
     ``verdict`` is the guard's (``stalled``, ``idle``); ``step`` is the last step rank 0
     reported (progress events and heartbeat; None before the first)."""
-    from stoker.launch.attempts import reached_step
+    from stoker.jobs.attempts import reached_step
 
     request = StopRequest(one_line(by), one_line(reason), time.time(), verdict,
                           reached_step(Path(job_dir), 0.0))
@@ -198,7 +198,7 @@ def job_containers(job: str, client: Any | None) -> list:
 def _launcher_kind(job_dir: Path) -> str | None:
     """The launcher of the job's last attempt, as its started record says (None: an older
     record, or none)."""
-    from stoker.launch.attempts import AttemptLog
+    from stoker.jobs.attempts import AttemptLog
 
     records = AttemptLog(job_dir).records()  # each attempt's records merged, newest last
     kind = records[-1].get("launcher") if records else None
@@ -237,7 +237,7 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
     """
     import socket
 
-    from stoker.launch.lease import holder_alive
+    from stoker.jobs.lease import holder_alive
     from stoker.runtime.records import read_json
 
     job_dir = Path(job_dir)
@@ -268,7 +268,7 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
 def _stop_and_wait(job_dir: Path, holder: psutil.Process, pid: int, remote: bool,
                    client: Any | None, deadline: float, timeout_s: float,
                    poll_s: float) -> str:
-    from stoker.launch.status import job_summary
+    from stoker.jobs.status import job_summary
 
     launcher, containers = None, []
     while not remote and (launcher := launcher_below(holder)) is None \
