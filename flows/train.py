@@ -11,8 +11,8 @@ from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.forms import TrainForm
 from stoker.images.spec import ImageRequest
-from stoker.launch.factory import check_before_pull, needs_image
 from stoker.jobs.job import JobClaim
+from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.supervisor import TrainResult
 from tasks.data import pull
 from tasks.images import build_image

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -20,35 +19,12 @@ import typer
 
 from stoker import stopping
 from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
+from stoker.environment import TELEMETRY_OFF, quiet_telemetry, sqlite_path  # noqa: F401
 from stoker.predict_cli import predict
 from stoker.server_cli import prefect_api, server_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode="markdown",
                   help="Stoker: resumable GPU training pipelines on Prefect, DVC, PyTorch, MLflow.")
-
-
-TELEMETRY_OFF = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-                 "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1",
-                 # and no progress bars of MLflow's artifact downloads in a terminal log
-                 "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
-
-
-def sqlite_path(tracking_uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` tracking URI (relative to the current directory
-    when written with three slashes and a relative path), else None."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    return Path(tracking_uri.removeprefix("sqlite:///"))
-
-
-def quiet_telemetry(work_dir: Path) -> None:
-    """Telemetry off and Prefect's home inside the work directory, unless the user set them."""
-    os.environ.setdefault("PREFECT_HOME", str((work_dir / ".prefect").resolve()))
-    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
-    # The local Prefect server migrates its database on first start: slow on 2 cores.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    for name, value in TELEMETRY_OFF.items():
-        os.environ.setdefault(name, value)
 
 
 WORK_DIR_OPTION = typer.Option("--work-dir", "-w", help="The work folder (work_dir) of the jobs")
@@ -411,8 +387,9 @@ def status(job: Annotated[str | None, typer.Argument(
            checkpoint_dir: Annotated[str | None, STORE_OPTION] = None) -> None:
     """Show one job: state, progress and ETA, attempts, owner, MLflow run, where its files are."""
     from stoker.jobs.attempts import AttemptLog, describe_interrupted
-    from stoker.launch.retry import describe_exit
+    from stoker.jobs.processes import job_processes
     from stoker.jobs.status import age, job_summary
+    from stoker.launch.retry import describe_exit
 
     leases = _sync_store(work_dir, checkpoint_dir)
     folder = _job_folder(work_dir, job)
@@ -420,6 +397,8 @@ def status(job: Annotated[str | None, typer.Argument(
     typer.echo(f"job        {s.job}")
     typer.echo(f"state      {s.state}" + (f" ({s.owner})" if s.owner else "")
                + (f" ({s.stopped_by})" if s.stopped_by else ""))
+    if s.state == "training":  # its PIDs here (ps -eo args names the job on each of them)
+        typer.echo(f"processes  {job_processes(folder).describe()}")
     if s.progress is not None:
         typer.echo(f"progress   {s.progress.describe()}")
     # A done or stopped job's heartbeat is its last one, not a sign of life (new-user trial).
@@ -494,7 +473,8 @@ def stop(job: Annotated[str, typer.Argument(help="Job folder name (or a unique p
     import getpass
 
     from stoker.jobs.status import job_summary
-    from stoker.jobs.stop_request import StopFailed, TrainedElsewhere, one_line, stop_job
+    from stoker.jobs.stop import StopFailed, TrainedElsewhere, stop_job
+    from stoker.jobs.text import one_line
 
     folder = _job_folder(work_dir, job)
     if reason is None:

@@ -31,7 +31,7 @@ def predict(
     logits: Annotated[bool, typer.Option(help="Also print the logits per class")] = False,
 ) -> None:
     """Load a registered model and print each image's class name and probability."""
-    from stoker.cli import TELEMETRY_OFF, sqlite_path
+    from stoker.environment import TELEMETRY_OFF, sqlite_path
 
     for name, value in TELEMETRY_OFF.items():  # a read creates nothing: no PREFECT_HOME either
         os.environ.setdefault(name, value)

@@ -26,7 +26,7 @@ WORK_DIR = typer.Option("--work-dir", "-w", help="The work folder; the server's 
 
 def _server(work_dir: Path, create: bool = True):
     """The local server of ``work_dir`` (``status`` and ``stop`` create no folder)."""
-    from stoker.cli import TELEMETRY_OFF, quiet_telemetry
+    from stoker.environment import TELEMETRY_OFF, quiet_telemetry
     from stoker.local_server import LocalServer
 
     if create:

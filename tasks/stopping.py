@@ -48,8 +48,8 @@ from prefect.client.schemas.objects import StateType
 from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Completed, Failed, State
 
-from stoker.launch.retry import Outcome, describe_exit, outcome_of
 from stoker.jobs.stop_request import StopRequest, TrainingStopped
+from stoker.launch.retry import Outcome, describe_exit, outcome_of
 from stoker.stopping import exit_now, on_kill, rearm, stop_reason
 
 
@@ -455,7 +455,8 @@ class CancelWatcher(threading.Thread):
 
     def _watch(self) -> None:
         from stoker.jobs.attempts import AttemptLog, is_closed
-        from stoker.jobs.stop_request import read_stop_request, stop_job
+        from stoker.jobs.stop import stop_job
+        from stoker.jobs.stop_request import read_stop_request
         from stoker.runtime.preemption import signal_sender
 
         while not self.stopped.wait(self.every_s):

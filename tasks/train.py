@@ -26,9 +26,17 @@ from stoker.jobs.attempts import (
     describe_interrupted,
     lost_steps,
 )
-from stoker.launch.factory import make_launcher
 from stoker.jobs.job import JobClaim, check_resumable, completed_training, job_store
 from stoker.jobs.lease import JobBusy, held_lease
+from stoker.jobs.status import JOB_LOG
+from stoker.jobs.stop_request import (
+    TrainingStopped,
+    clear_stop_request,
+    read_stop_request,
+    refuse_stalled,
+)
+from stoker.jobs.store import RecordSync
+from stoker.launch.factory import make_launcher
 from stoker.launch.local import discard_standby
 from stoker.launch.retry import (
     Attempt,
@@ -39,15 +47,6 @@ from stoker.launch.retry import (
     run_with_retries,
     will_retry,
 )
-from stoker.jobs.status import JOB_LOG
-from stoker.jobs.stop_request import (
-    TrainingStopped,
-    clear_stop_request,
-    read_stop_request,
-    refuse_stalled,
-    stopped,
-)
-from stoker.jobs.store import RecordSync
 from stoker.launch.supervisor import (
     LineLog,
     ProgressWatcher,
@@ -59,6 +58,7 @@ from stoker.launch.supervisor import (
     finish_run,
     lineage_tags,
     nproc,
+    stopped,
     tag_outcome,
     write_spec,
 )

@@ -94,8 +94,9 @@ def test_stoker_stop_stops_a_job_whose_ranks_run_in_a_container(training_image, 
     import subprocess
     import threading
 
+    from stoker.jobs.stop import stop_job
+    from stoker.jobs.stop_request import read_stop_request
     from stoker.launch.retry import outcome_of
-    from stoker.jobs.stop_request import read_stop_request, stop_job
     from stoker.runtime.records import write_json
 
     spec = make_spec(f"user-stop-{uuid.uuid4().hex[:8]}", epochs=6, tracking=False)

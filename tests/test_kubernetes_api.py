@@ -403,9 +403,9 @@ def test_a_stop_request_deletes_the_job_and_the_attempt_is_stopped(server, api, 
     and the job trained on until its attempt ended. Now the launcher sees it at its next status
     poll and deletes the job (its pods get SIGTERM and their grace for the stop checkpoint);
     the attempt is stopped, not retried, and nothing is submitted again."""
+    from stoker.jobs.stop_request import request_stop
     from stoker.launch.factory import KubernetesAdapter
     from stoker.launch.kubeflow import VolumeClaim
-    from stoker.jobs.stop_request import request_stop
 
     spec = RunSpec(data_dir="/data/digits", job_dir=str(tmp_path))
     spec.dump(tmp_path / "spec.yaml")
@@ -459,8 +459,9 @@ def test_stoker_stop_on_a_kubernetes_job_waits_for_the_launcher_not_for_local_ra
     import sys
     import time
 
-    import stoker.jobs.stop_request as stop_request
+    import stoker.jobs.stop as stop_request
     from stoker.jobs.attempts import AttemptLog
+    from stoker.jobs.stop_request import read_stop_request
 
     def not_here(*_args):
         raise AssertionError("looked for local ranks of a Kubernetes job")
@@ -484,4 +485,4 @@ def test_stoker_stop_on_a_kubernetes_job_waits_for_the_launcher_not_for_local_ra
         holder.kill()
         holder.wait()
     assert state == "stopped"
-    assert stop_request.read_stop_request(tmp_path).describe() == "stopped by user: maintenance"
+    assert read_stop_request(tmp_path).describe() == "stopped by user: maintenance"

@@ -21,9 +21,9 @@ from mlflow import MlflowClient
 from prefect_server import PrefectServer
 
 from stoker.jobs.attempts import AttemptLog, committed_step
-from stoker.launch.local import terminate_tree
 from stoker.jobs.status import job_summary
 from stoker.jobs.stop_request import read_stop_request, request_stop
+from stoker.launch.local import terminate_tree
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]

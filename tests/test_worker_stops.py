@@ -19,8 +19,8 @@ from mlflow import MlflowClient
 from prefect_server import PrefectServer
 
 from stoker.jobs.attempts import AttemptLog
-from stoker.launch.local import terminate_tree
 from stoker.jobs.status import job_summary
+from stoker.launch.local import terminate_tree
 from stoker.runtime.progress import read_events
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,1 +1,1 @@
-"""A training job's state: its key and folder, lease, attempt log, record store, stop requests, status."""
+"""A training job's state: key and folder, lease, attempts, record store, stop requests, status."""

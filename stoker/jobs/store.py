@@ -37,7 +37,7 @@ from pathlib import Path
 import fsspec
 
 from stoker.config import ConfigError
-from stoker.jobs.stop_request import one_line
+from stoker.jobs.text import one_line
 from stoker.runtime.records import real_number
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ class KubernetesAdapter:
 
     def run(self, spec_path: Path, on_line: Callable[[str], None] = print,
             timeout_s: float | None = None) -> int:
-        from stoker.launch.kubeflow import kubernetes_name
         from stoker.jobs.stop_request import read_stop_request
+        from stoker.launch.kubeflow import kubernetes_name
         from stoker.runtime.spec import RunSpec
 
         spec = RunSpec.load(spec_path)

@@ -22,6 +22,7 @@ from stoker.images.build import ImageResult
 from stoker.jobs.attempts import AttemptLog, left_open_note
 from stoker.jobs.lease import JobBusy
 from stoker.jobs.status import JOB_LOG, WINDOW_STEPS, job_progress
+from stoker.jobs.stop_request import StopRequest, TrainingStopped
 from stoker.jobs.store import write_through
 from stoker.runtime.launch import RANK_ENDED
 from stoker.runtime.preemption import stop_sender
@@ -404,3 +405,11 @@ class LineLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def stopped(client, run_file: Path, request: StopRequest | None, job: str) -> None:
+    """End the MLflow run KILLED and raise :class:`TrainingStopped` with who stopped the job."""
+    if run_file.exists():
+        finish_run(client, run_file.read_text().strip(), "KILLED")
+    reason = request.describe() if request else "stopped on request"
+    raise TrainingStopped(f"job {job} {reason}; run the same command to resume it")

@@ -25,6 +25,7 @@ from stoker.runtime.preemption import (
     die_with_parent,
     name_process,
     record_stop_committed,
+    title_process,
 )
 
 # Stopped, but a peer died before the stop checkpoint committed (or the data workers stalled): steps
@@ -68,6 +69,8 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return 2
+    title_process(f"stoker-rank{rank} job {Path(spec.job_dir).name}: python -m stoker.runtime "
+                  f"{spec_path}")  # ps -eo args: which job this rank trains
     env = init_distributed()
     trainer: Trainer | None = None
     outcome = "failed"

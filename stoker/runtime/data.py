@@ -24,14 +24,11 @@ from torch.utils.data import Dataset, Sampler
 from stoker.runtime.listing import (  # noqa: F401 - re-exported
     GRAY_MODES,
     IGNORED_NAMES,
+    DataError,
     class_folders,
     image_files,
     visible,
 )
-
-
-class DataError(RuntimeError):
-    """The dataset folder cannot be read as the configured dataset."""
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from stoker.runtime.data import GRAY_MODES, DataError, class_folders, image_files
+from stoker.runtime.listing import GRAY_MODES, DataError, class_folders, image_files
 
 log = logging.getLogger("stoker.runtime")
 

@@ -131,6 +131,9 @@ def standby(stdin=None, stdout=None) -> int:
     with contextlib.suppress(ValueError):  # main() reports a bad value once the attempt arrives
         if worker_start() == "fork":
             _warm_up()
+    from stoker.runtime.preemption import title_process
+
+    title_process()  # now: each attempt below replaces the environment, then names its job
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     while True:
         line = stdin.readline()
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stoker.runtime.launch: {e}", file=sys.stderr, flush=True)
         return 2
     argv = sys.argv[1:] if argv is None else argv
+    _name_the_job(argv)
     with attempt_temporaries() as tmp:
         given = os.environ.get(STOP_COMMITTED_ENV, "").strip()
         if given:  # the caller's (the local launcher: in the job folder, which the lease guards)
@@ -171,6 +175,19 @@ def main(argv: list[str] | None = None) -> int:
         marker = tmp / STOP_COMMITTED_FILE
         os.environ[STOP_COMMITTED_ENV] = str(marker)  # the workers inherit it
         return _run_torchrun(argv, marker, start)
+
+
+def _name_the_job(argv: list[str]) -> None:
+    """Put the job this attempt trains in the launcher's command line (``ps -eo args``:
+    ``stoker-launch job <JOB>: python -m stoker.runtime.launch ...``): a standby launcher
+    started before its job was known says ``--standby`` until then, and a forked rank inherits
+    the line until it names itself."""
+    from stoker.runtime.preemption import spec_job, title_process
+
+    if RUNTIME_MODULE in argv[:-1]:
+        spec = argv[argv.index(RUNTIME_MODULE) + 1]
+        title_process(f"stoker-launch job {spec_job(spec)}: python -m stoker.runtime.launch "
+                      + " ".join(argv))
 
 
 # multiprocessing's Unix sockets lie two levels down (``pymp-XXXXXXXX/listener-XXXXXXXX``, 32

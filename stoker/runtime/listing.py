@@ -13,6 +13,10 @@ IGNORED_NAMES = frozenset({"__MACOSX", "Thumbs.db", "desktop.ini"})
 GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
 
 
+class DataError(RuntimeError):
+    """The dataset folder cannot be read as the configured dataset."""
+
+
 def visible(path: Path) -> bool:
     """Whether a folder entry takes part in an ImageFolder: hidden names (``.ipynb_checkpoints``,
     ``.DS_Store``, ``.keep``) and OS litter (``__MACOSX``, ``Thumbs.db``) do not."""

@@ -41,6 +41,41 @@ def name_process(name: str) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)
 
 
+def title_process(title: str | None = None) -> None:
+    """Set this process's command line as ``ps -eo args``, ``pgrep -f`` and ``top -c`` show it
+    (setproctitle), keeping its process name (``ps -o comm``), which setproctitle would cut
+    from the title. Every process of a job names the job this way
+    (:mod:`stoker.jobs.processes`). No-op without setproctitle (an older image).
+
+    ``title`` None sets the title it has: a process that will replace its environment (the
+    standby launcher) calls this first, since setproctitle moves the environment out of the
+    way on its first call and cannot once ``os.environ`` was cleared."""
+    try:
+        from setproctitle import getproctitle, setproctitle
+    except ImportError:
+        return
+    title = getproctitle() if title is None else title
+    name = ""
+    with contextlib.suppress(OSError):
+        name = Path("/proc/self/comm").read_text().strip()
+    setproctitle(title)
+    if name:
+        name_process(name)
+
+
+def spec_job(spec_path: str | Path) -> str:
+    """The job a run spec belongs to: the name of its ``job_dir`` (the job folder,
+    ``<key>-<time>``), read without validating the spec; the spec's folder name when the file
+    cannot be read (the runtime reports that itself)."""
+    import yaml
+
+    with contextlib.suppress(OSError, yaml.YAMLError, AttributeError, TypeError):
+        values = yaml.safe_load(Path(spec_path).read_text())
+        if isinstance(values, dict) and values.get("job_dir"):
+            return Path(str(values["job_dir"])).name
+    return Path(spec_path).parent.name
+
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
