@@ -144,7 +144,7 @@ def prefect_api():
     from prefect import tags
 
     from stoker.local_server import process_tag
-    from tasks.stopping import crash_runs_of_gone_processes
+    from stoker.orchestration.flow_runs import crash_runs_of_gone_processes
 
     try:
         try:

@@ -196,7 +196,7 @@ def test_prefect_crash_lines_of_a_stop_read_as_what_happened(monkeypatch):
     import logging
 
     import stoker.stopping
-    from tasks.stopping import StopLogFilter
+    from stoker.orchestration.stop_logs import StopLogFilter
 
     def record(message: str) -> logging.LogRecord:
         return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, message, (),

@@ -1,19 +1,14 @@
-"""Pick the launcher the config asks for. Every launcher has the same interface:
-``run(spec_path, on_line, timeout_s) -> exit code`` with the runtime's exit-code contract."""
+"""Pick the launcher the config asks for; every one is a :class:`stoker.launch.base.Launcher`
+(``run(spec_path, on_line, timeout_s) -> exit code`` with the runtime's exit-code contract)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 from stoker.config import ConfigError, PipelineConfig, check_batch, is_local
-
-
-class Launcher(Protocol):
-    def run(self, spec_path: Path, on_line: Callable[[str], None] = print,
-            timeout_s: float | None = None) -> int: ...
+from stoker.launch.base import Launcher
 
 
 class KubernetesAdapter:
