@@ -29,6 +29,7 @@ from stoker.jobs.attempts import (
 from stoker.launch.factory import make_launcher
 from stoker.jobs.job import JobClaim, check_resumable, completed_training, job_store
 from stoker.jobs.lease import JobBusy, held_lease
+from stoker.jobs.mlflow_run import continue_lost_run
 from stoker.launch.local import discard_standby
 from stoker.launch.retry import (
     Attempt,
@@ -189,6 +190,11 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             logger.warning("could not log steps_lost to MLflow: %s", e)
 
     left = close_left_open(attempts_log, checkpoints, logger.warning)
+    # The recorded run gone with its store (a lost node's work_dir): a new run, linked.
+    continued = continue_lost_run(RunSpec.load(spec_path), attempts_log.history(),
+                                  read_events(job_dir), world_size)
+    if continued is not None:
+        logger.warning(continued.line())
     if left and left[-1].get("steps_lost"):
         log_steps_lost(left[-1].get("reached_step", 0))
     finished = completed_training(job_dir)  # the orchestrator died after the ranks finished
