@@ -13,6 +13,7 @@ import pytest
 from mlflow import MlflowClient
 
 from stoker.jobs.mlflow_run import LINK_TAG, TrackingStoreError, continue_lost_run
+from stoker.launch.supervisor import finish_run
 from stoker.runtime.records import read_json, write_json
 from stoker.runtime.spec import RunSpec
 
@@ -77,6 +78,15 @@ def test_a_finished_training_s_result_names_the_new_run(tmp_path):
     continued = continue_lost_run(spec, HISTORY, [], 1)
     assert read_json(Path(spec.job_dir) / "result.json") == {"run_id": continued.run_id,
                                                               "step": 30}
+
+
+def test_ending_a_run_the_store_lost_is_a_warning_not_a_traceback(tmp_path, caplog):
+    """Closing the job's run (a stop, a failed job) never masks how the job ended."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    lost = uuid.uuid4().hex
+    finish_run(MlflowClient(uri), lost, "KILLED")
+    [warning] = [r.getMessage() for r in caplog.records if lost in r.getMessage()]
+    assert f"could not end MLflow run {lost} as KILLED in the tracking store {uri}" in warning
 
 
 def test_a_deleted_run_or_a_damaged_record_is_continued_too(tmp_path):
