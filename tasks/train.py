@@ -29,7 +29,7 @@ from stoker.jobs.attempts import (
 from stoker.launch.factory import make_launcher
 from stoker.jobs.job import JobClaim, check_resumable, completed_training, job_store
 from stoker.jobs.lease import JobBusy, held_lease
-from stoker.jobs.mlflow_run import continue_lost_run
+from stoker.jobs.mlflow_run import continue_lost_run, open_job_store
 from stoker.launch.local import discard_standby
 from stoker.launch.retry import (
     Attempt,
@@ -68,7 +68,6 @@ from stoker.runtime.preemption import SENDER_PREFIX, mark_stopped_at_once, recor
 from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.spec import RunSpec
-from stoker.runtime.tracking import ensure_store
 from stoker.stopping import (
     note_outcome,
     on_interrupt,
@@ -171,7 +170,7 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     logger.info("job %s: %d process(es) per node, spec %s", job_dir.name, world_size, spec_path)
     # The docker launcher runs the CUDA preflight before each GPU container, whatever the image.
     launcher = make_launcher(config, world_size, image.pinned_ref if image else None)
-    ensure_store(config.tracking_uri())
+    open_job_store(config.tracking_uri(), job_dir)  # unusable: one line naming it, exit 2
     client = MlflowClient(config.tracking_uri())
     run_file = job_dir / "mlflow_run_id"
     attempts_log = AttemptLog(job_dir)

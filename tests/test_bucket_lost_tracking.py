@@ -95,3 +95,20 @@ def store_record(env: dict, name: str) -> str:
     return JobStore(f"s3://{BUCKET}/lost-tracking").fs.cat_file(
         f"{BUCKET}/lost-tracking/{name}/mlflow_run_id").decode().strip()
 
+
+
+def test_a_tracking_store_that_cannot_be_opened_is_one_line(api_env, s3_env, tmp_path):
+    """The node's sqlite store is not a database (written over): `stoker run` exits 2 with
+    one line naming the store, before anything trains, and no traceback."""
+    work = tmp_path / "node"
+    work.mkdir()
+    (work / "mlflow.db").write_text("not a database")
+    run = subprocess.run(command(work, f"s3://{BUCKET}/damaged-store"), env=api_env,
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    output = run.stdout + run.stderr
+    assert run.returncode == 2, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: tracking store sqlite:///{work / 'mlflow.db'}: cannot be "
+                           "opened (DatabaseError: "), last  # at its first contact: the pull
+    assert not list(work.glob("jobs/*/progress.jsonl"))  # nothing trained

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from stoker.jobs.mlflow_run import LINK_TAG, TrackingStoreError, continue_lost_run
+from stoker.jobs.mlflow_run import LINK_TAG, continue_lost_run, open_job_store
 from stoker.launch.supervisor import finish_run
 from stoker.runtime.records import read_json, write_json
 from stoker.runtime.spec import RunSpec
+from stoker.tracking.store import TrackingStoreError
 
 HISTORY = [{"number": 1, "outcome": "preempted", "duration_s": 30.0, "steps_lost": 0},
            {"number": 2, "outcome": "interrupted", "duration_s": 90.0, "steps_lost": 7}]
@@ -126,3 +127,23 @@ def test_a_store_that_cannot_be_read_is_one_line_naming_it_and_the_run(tmp_path,
     assert message.startswith(f"tracking store http://alice:***@127.0.0.1:{port}: cannot read "
                               f"MLflow run {lost} of job digits-1")
     assert (Path(spec.job_dir) / "mlflow_run_id").read_text() == lost
+
+
+def test_a_store_file_that_is_not_a_database_is_one_line_naming_it_and_the_run(tmp_path):
+    """The sqlite store damaged (another program wrote over it): one line, not sqlalchemy's
+    traceback, before anything trains."""
+    db = tmp_path / "mlflow.db"
+    db.write_text("not a database")
+    lost = uuid.uuid4().hex
+    spec = spec_for(tmp_path, f"sqlite:///{db}", lost)
+    for call in (lambda: open_job_store(spec.tracking_uri, Path(spec.job_dir)),
+                 lambda: continue_lost_run(spec, [], [], 1)):
+        with pytest.raises(TrackingStoreError) as error:
+            call()
+        message = str(error.value)
+        assert "\n" not in message, message
+        assert message.startswith(f"tracking store sqlite:///{db}: cannot read MLflow run "
+                                  f"{lost} of job digits-1 (DatabaseError: ")
+    fresh = tmp_path / "fresh-job"
+    with pytest.raises(TrackingStoreError, match=r": cannot be opened for job fresh-job \("):
+        open_job_store(f"sqlite:///{db}", fresh)

@@ -18,14 +18,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stoker.config import ConfigError
 from stoker.jobs.attempts import committed_step
-from stoker.jobs.stop_request import one_line
 from stoker.jobs.store import write_through
 from stoker.runtime.records import read_json, read_text, write_json
 from stoker.runtime.spec import RunSpec
-from stoker.runtime.tracking import URL_PASSWORD, RunTracker, ensure_store
+from stoker.runtime.tracking import RunTracker
 from stoker.tracking.cost import steps_lost
+from stoker.tracking.store import TrackingStoreError, open_store, safe_uri, store_error
 
 RUN_FILE = "mlflow_run_id"
 RESULT_FILE = "result.json"  # the runtime's result of a finished training: names its run
@@ -33,15 +32,6 @@ LINK_TAG = "stoker.lost_run_id"  # on the new run: the id of the run the store l
 LINK_STEP_TAG = "stoker.lost_run_step"  # the lost run's metrics went up to this step
 # An MLflow run id is a hex uuid; anything else in the record is damage, not an id to ask for.
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-class TrackingStoreError(ConfigError):
-    """The tracking store cannot be read or written for the job's recorded MLflow run."""
-
-
-def safe_uri(uri: str) -> str:
-    """``uri`` with any password in it masked (``http://user:***@host``)."""
-    return URL_PASSWORD.sub(r"\1***@", uri)
 
 
 @dataclass(frozen=True)
@@ -85,24 +75,27 @@ def _gone(uri: str, run_id: str, job: str) -> str | None:
 
     if not RUN_ID.match(run_id):
         return "is not in"  # a damaged record: no store holds such an id
+    open_store(uri, job, run_id)
     try:
-        ensure_store(uri)
         run = MlflowClient(uri).get_run(run_id)
     except MlflowException as e:
         if e.error_code == "RESOURCE_DOES_NOT_EXIST":
             return "is not in"
-        raise _store_error(uri, run_id, job, e) from None
+        raise store_error(uri, e, job, run_id) from None
     except Exception as e:  # noqa: BLE001 - a driver, a socket, a file: the store is unusable
-        raise _store_error(uri, run_id, job, e) from None
+        raise store_error(uri, e, job, run_id) from None
     return "was deleted from" if run.info.lifecycle_stage == "deleted" else None
 
 
-def _store_error(uri: str, run_id: str, job: str, error: BaseException) -> TrackingStoreError:
-    message = one_line(str(error))[:300]
-    return TrackingStoreError(
-        f"tracking store {safe_uri(uri)}: cannot read MLflow run {run_id} of job {job} "
-        f"({type(error).__name__}: {safe_uri(message)}); check that the store is reachable, "
-        "then run the same command to resume")
+def open_job_store(uri: str, job_dir: Path) -> None:
+    """Create or reach the tracking store ``uri`` before the job ``job_dir`` trains.
+
+    Raises:
+        TrackingStoreError: it cannot be created or read (a sqlite file that is not a
+            database, a folder that cannot be written), in one line naming it and the job's
+            recorded run, if any.
+    """
+    open_store(uri, Path(job_dir).name, read_text(Path(job_dir) / RUN_FILE))
 
 
 def continue_lost_run(spec: RunSpec, history: list[dict], events: list[dict],
@@ -154,7 +147,7 @@ def continue_lost_run(spec: RunSpec, history: list[dict], events: list[dict],
         raise TrackingStoreError(
             f"tracking store {safe_uri(spec.tracking_uri)}: cannot create the MLflow run that "
             f"continues lost run {lost} of job {job_dir.name} ({type(e).__name__}: "
-            f"{safe_uri(one_line(str(e)))[:300]})") from None
+            f"{safe_uri(' '.join(str(e).split()))[:300]})") from None
     return ContinuedRun(**{**continued.__dict__, "run_id": tracker.run_id})
 
 

@@ -165,13 +165,14 @@ def check_lineage(tracking_uri: str, name: str, lineage: Lineage) -> None:
 
     Raises:
         LineageError: naming both lineages and ``tracking.registered_model``.
+        stoker.tracking.store.TrackingStoreError: the store cannot be opened (one line).
     """
     import mlflow
     from mlflow import MlflowClient
 
-    from stoker.runtime.tracking import ensure_store
+    from stoker.tracking.store import open_store
 
-    ensure_store(tracking_uri)  # the first contact of a run: an embedded store is made whole
+    open_store(tracking_uri)  # the first contact of a run: made whole, or one line (exit 2)
     mlflow.set_tracking_uri(tracking_uri)
     version, _value, incumbent = _champion(MlflowClient(tracking_uri), name, "")
     if version is not None and incumbent is not None and incumbent != lineage:
