@@ -147,3 +147,19 @@ def test_a_store_file_that_is_not_a_database_is_one_line_naming_it_and_the_run(t
     fresh = tmp_path / "fresh-job"
     with pytest.raises(TrackingStoreError, match=r": cannot be opened for job fresh-job \("):
         open_job_store(f"sqlite:///{db}", fresh)
+
+
+def test_the_runtime_reopening_a_run_the_store_lost_logs_to_a_new_linked_run(tmp_path, caplog):
+    """The rank's own guard (a checkpoint naming a run the job's record never got): a new run
+    tagged with the lost one, recorded through ``on_created``, and a warning."""
+    from stoker.runtime.tracking import RunTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    lost, created = uuid.uuid4().hex, []
+    tracker = RunTracker(uri, "lost", run_id=lost, tags={"stoker.job": "digits-1"},
+                         on_created=created.append)
+    assert created == [tracker.run_id] and tracker.run_id != lost
+    tags = MlflowClient(uri).get_run(tracker.run_id).data.tags
+    assert tags[LINK_TAG] == lost and tags["stoker.job"] == "digits-1"
+    assert any(lost in r.getMessage() and "not in the tracking store" in r.getMessage()
+               for r in caplog.records)

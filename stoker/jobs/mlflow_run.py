@@ -22,13 +22,13 @@ from stoker.jobs.attempts import committed_step
 from stoker.jobs.store import write_through
 from stoker.runtime.records import read_json, read_text, write_json
 from stoker.runtime.spec import RunSpec
-from stoker.runtime.tracking import RunTracker
+from stoker.runtime.tracking import LOST_RUN_TAG, RunTracker
 from stoker.tracking.cost import steps_lost
 from stoker.tracking.store import TrackingStoreError, open_store, safe_uri, store_error
 
 RUN_FILE = "mlflow_run_id"
 RESULT_FILE = "result.json"  # the runtime's result of a finished training: names its run
-LINK_TAG = "stoker.lost_run_id"  # on the new run: the id of the run the store lost
+LINK_TAG = LOST_RUN_TAG  # on the new run: the id of the run the store lost
 LINK_STEP_TAG = "stoker.lost_run_step"  # the lost run's metrics went up to this step
 # An MLflow run id is a hex uuid; anything else in the record is damage, not an id to ask for.
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
