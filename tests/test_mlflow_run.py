@@ -97,9 +97,10 @@ def test_a_deleted_run_or_a_damaged_record_is_continued_too(tmp_path):
     client.delete_run(run.info.run_id)
     continued = continue_lost_run(spec_for(tmp_path / "a", uri, run.info.run_id), [], [], 1)
     assert continued is not None and "was deleted from" in continued.line()
-    damaged = continue_lost_run(spec_for(tmp_path / "b", uri, "../../x y"), [], [], 1)
-    assert damaged is not None and client.get_run(damaged.run_id).data.tags[LINK_TAG] == \
-        "../../x y"
+    damaged = continue_lost_run(spec_for(tmp_path / "b", uri, "../../x\ny" + "z" * 500), [],
+                                [], 1)
+    assert damaged is not None and "\n" not in damaged.line()
+    assert client.get_run(damaged.run_id).data.tags[LINK_TAG] == "../../x y" + "z" * 91
 
 
 def test_nothing_recorded_yet_or_no_tracking_changes_nothing(tmp_path):

@@ -13,6 +13,7 @@ one line naming it and the run (:class:`TrackingStoreError`, exit 2), never a tr
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ def continue_lost_run(spec: RunSpec, history: list[dict], events: list[dict],
     lost = read_text(job_dir / RUN_FILE)
     if lost is None or not spec.tracking_uri:
         return None
+    lost = " ".join(lost.split())[:100]  # an outside record: one line, bounded, in tags and logs
     why = _gone(spec.tracking_uri, lost, job_dir.name)
     if why is None:
         return None
@@ -148,7 +150,7 @@ def continue_lost_run(spec: RunSpec, history: list[dict], events: list[dict],
             f"tracking store {safe_uri(spec.tracking_uri)}: cannot create the MLflow run that "
             f"continues lost run {lost} of job {job_dir.name} ({type(e).__name__}: "
             f"{safe_uri(' '.join(str(e).split()))[:300]})") from None
-    return ContinuedRun(**{**continued.__dict__, "run_id": tracker.run_id})
+    return dataclasses.replace(continued, run_id=tracker.run_id)
 
 
 def _record(job_dir: Path, run_id: str, lost: str) -> None:
