@@ -91,6 +91,28 @@ def test_champion_moves_only_when_better(store):
     assert client.get_run(version.run_id).info.status == "FINISHED"
 
 
+def test_a_champion_whose_run_the_store_lost_is_compared_by_its_version_tag(tmp_path):
+    """The champion's run is gone from the store (hard-deleted by `mlflow gc`, as a store
+    lost with a node leaves it): the gate reads the value the version carries, not a
+    traceback, and a worse model is not promoted."""
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first, client = register(uri, 0.90, artifacts=(tmp_path / "artifacts").as_uri(), tmp=tmp_path)
+    run_id = client.get_model_version(MODEL, first.version).run_id
+    client.delete_run(run_id)
+    gc = subprocess.run([str(Path(sys.executable).with_name("mlflow")), "gc",
+                         "--backend-store-uri", uri, "--run-ids", run_id],
+                        capture_output=True, text=True, timeout=300)
+    assert gc.returncode == 0, gc.stderr[-2000:]
+    with pytest.raises(mlflow.exceptions.MlflowException, match="not found"):
+        client.get_run(run_id)
+    worse, _ = register(uri, 0.85, artifacts=(tmp_path / "artifacts").as_uri(), tmp=tmp_path)
+    assert not worse.promoted and worse.previous_value == pytest.approx(0.90)
+    assert str(client.get_model_version_by_alias(MODEL, CHAMPION).version) == first.version
+
+
 def test_a_new_version_is_created_with_its_tags(tmp_path, monkeypatch):
     """One write with the version, not one per tag (about 20 round trips to a server): a new
     version never exists untagged. Finishing an interrupted registration still tags it."""

@@ -313,9 +313,22 @@ def tag_outcome(client: MlflowClient, run_id: str | None, record: dict) -> None:
 
 
 def finish_run(client: MlflowClient, run_id: str | None, status: str) -> None:
-    """Close a run an attempt left RUNNING (a SIGKILL gives the runtime no chance to)."""
-    if run_id and client.get_run(run_id).info.status == "RUNNING":
-        client.set_terminated(run_id, status=status)
+    """Close a run an attempt left RUNNING (a SIGKILL gives the runtime no chance to).
+
+    Never raises: a run the store no longer holds (lost with its node) or a store that does
+    not answer is a warning naming both, so closing the run never masks how the job ended."""
+    if not run_id:
+        return
+    try:
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status=status)
+    except Exception as e:  # noqa: BLE001 - tracking must not mask the job's outcome
+        from stoker.runtime.tracking import URL_PASSWORD
+
+        store = URL_PASSWORD.sub(r"\1***@", str(client.tracking_uri))
+        log.warning("could not end MLflow run %s as %s in the tracking store %s (%s: %s)",
+                    run_id, status, store, type(e).__name__,
+                    URL_PASSWORD.sub(r"\1***@", " ".join(str(e).split()))[:300])
 
 
 def log_time(unix_s: float) -> str:

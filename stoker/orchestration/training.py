@@ -23,6 +23,7 @@ from stoker.images.build import ImageResult
 from stoker.jobs.attempts import AttemptLog, describe_interrupted, lost_steps
 from stoker.jobs.job import check_resumable, completed_training, job_store
 from stoker.jobs.lease import JobBusy, held_lease
+from stoker.jobs.mlflow_run import continue_lost_run, open_job_store
 from stoker.jobs.status import JOB_LOG
 from stoker.jobs.stop_request import (
     StopRequest,
@@ -62,7 +63,6 @@ from stoker.runtime.preemption import SENDER_PREFIX, mark_stopped_at_once, recor
 from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, read_text
 from stoker.runtime.spec import RunSpec
-from stoker.runtime.tracking import ensure_store
 from stoker.stopping import (
     note_outcome,
     on_interrupt,
@@ -172,12 +172,17 @@ class TrainingRun:
         # image.
         self.launcher = make_launcher(config, self.world_size,
                                       self.image.pinned_ref if self.image else None)
-        ensure_store(config.tracking_uri())
+        open_job_store(config.tracking_uri(), job_dir)  # unusable: one line naming it, exit 2
         self.client = MlflowClient(config.tracking_uri())
         self.run_file = job_dir / "mlflow_run_id"
         self.attempts_log = AttemptLog(job_dir)
         self.checkpoints = RunSpec.load(self.spec_path).checkpoint_location
         left = close_left_open(self.attempts_log, self.checkpoints, log.warning)
+        # The recorded run gone with its store (a lost node's work_dir): a new run, linked.
+        continued = continue_lost_run(RunSpec.load(self.spec_path), self.attempts_log.history(),
+                                      read_events(job_dir), self.world_size)
+        if continued is not None:
+            log.warning(continued.line())
         if left and left[-1].get("steps_lost"):
             self.log_steps_lost(left[-1].get("reached_step", 0))
         self.finished = completed_training(job_dir)  # the orchestrator died after the ranks

@@ -20,6 +20,9 @@ URL_PASSWORD = re.compile(r"(://[^/:@\s]+:)[^/@\s]+@")  # scheme://user:password
 SECRET_KEY = re.compile(r"(token|password|passwd|secret|api_?key|access_?key|credential)", re.I)
 
 
+# On a run that continues a job whose recorded run the store does not hold: that run's id.
+LOST_RUN_TAG = "stoker.lost_run_id"
+
 # Experiment tag the MLflow UI reads to choose its layout (model training, not GenAI).
 EXPERIMENT_KIND = "mlflow.experimentKind"
 
@@ -98,17 +101,25 @@ class RunTracker:
         self.flush_every_s = flush_every_s
         self._buffer: list = []
         self._last_flush = time.monotonic()
+        existing = self._params_of(run_id) if run_id is not None else {}
+        if existing is None:
+            # The orchestrator replaces a lost run before launching; this is the rank's own
+            # guard (a checkpoint naming a run the job's record never got): train on, linked.
+            logging.getLogger(__name__).warning(
+                "MLflow run %s is not in the tracking store %s (gone with the store it was "
+                "in): logging to a new run tagged %s", run_id,
+                URL_PASSWORD.sub(r"\1***@", tracking_uri), LOST_RUN_TAG)
+            run_id, tags = None, {**(tags or {}), LOST_RUN_TAG: run_id}
         if run_id is None:
             experiment_id = self._experiment_id(experiment, artifact_location)
             run = self.client.create_run(experiment_id, run_name=run_name, tags=tags or {})
             self.run_id = run.info.run_id
             if on_created is not None:
                 on_created(self.run_id)
-            existing: dict[str, str] = {}
+            existing = {}
         else:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
-            existing = self.client.get_run(run_id).data.params
             if tags:
                 self.set_tags(tags)
         self._last_step: dict[str, int] = {}
@@ -118,6 +129,18 @@ class RunTracker:
         self._system = None
         if system_metrics_interval_s:
             self._system = self._start_system_metrics(tracking_uri, system_metrics_interval_s)
+
+    def _params_of(self, run_id: str) -> dict[str, str] | None:
+        """The params of run ``run_id``; None when the store does not hold it (other store
+        errors are raised)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_run(run_id).data.params
+        except MlflowException as e:
+            if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise
 
     def _start_system_metrics(self, tracking_uri: str, interval_s: float):
         """MLflow's system metrics (``system/*``): CPU, memory, disk, network, and GPU through

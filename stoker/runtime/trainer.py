@@ -275,7 +275,9 @@ class Trainer(ProfilingMixin):
         """Open (or reopen) the job's MLflow run in a worker thread: the first step does not
         wait for MLflow's import and the store (about 2 CPU-s); metrics queue meanwhile."""
         run_file = Path(self.spec.job_dir) / "mlflow_run_id"
-        run_id = self.run_id or read_text(run_file)
+        # The job's record first: the orchestrator replaces a run the store lost (the
+        # checkpoint still names that one), and the bucket's record must not go back to it.
+        run_id = self.run_id = read_text(run_file) or self.run_id
         spec, params = self.spec, flatten(self.cfg.model_dump(mode="json"), "train.")
         tags = {"stoker.gpu_model": self.gpu_model(),
                 "stoker.world_size": str(self.env.world_size)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import tempfile
 import threading
 from dataclasses import asdict, dataclass
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from stoker.data.pull import DatasetRef
+
+log = logging.getLogger(__name__)
 
 CHALLENGER = "challenger"
 CHAMPION = "champion"
@@ -135,10 +138,31 @@ def _champion(client, name: str, metric: str):
         champion = client.get_model_version_by_alias(name, CHAMPION)
     except MlflowException:
         return None, None, None  # no registered model or no champion yet
-    value = client.get_run(champion.run_id).data.metrics.get(metric)
+    value = _champion_value(client, champion, metric)
     lineage = Lineage.from_tags(champion.tags or {}) or _signature_lineage(
         client, name, str(champion.version))
     return str(champion.version), value, lineage
+
+
+def _champion_value(client, champion, metric: str) -> float | None:
+    """The champion's ``metric``: its version's own tag (set at registration), else its run's
+    metric. A run the store no longer holds (lost with a node's store, garbage-collected) and
+    no tag: None (nothing to beat), with a warning naming the version and the run."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return float((champion.tags or {})[metric])
+    except (KeyError, ValueError):
+        pass
+    try:
+        return client.get_run(champion.run_id).data.metrics.get(metric)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+    log.warning("champion version %s: its MLflow run %s is not in the store and the version "
+                "has no %s tag: nothing to compare with", champion.version, champion.run_id,
+                metric)
+    return None
 
 
 def _signature_lineage(client, name: str, version: str) -> Lineage | None:
@@ -165,13 +189,14 @@ def check_lineage(tracking_uri: str, name: str, lineage: Lineage) -> None:
 
     Raises:
         LineageError: naming both lineages and ``tracking.registered_model``.
+        stoker.tracking.store.TrackingStoreError: the store cannot be opened (one line).
     """
     import mlflow
     from mlflow import MlflowClient
 
-    from stoker.runtime.tracking import ensure_store
+    from stoker.tracking.store import open_store
 
-    ensure_store(tracking_uri)  # the first contact of a run: an embedded store is made whole
+    open_store(tracking_uri)  # the first contact of a run: made whole, or one line (exit 2)
     mlflow.set_tracking_uri(tracking_uri)
     version, _value, incumbent = _champion(MlflowClient(tracking_uri), name, "")
     if version is not None and incumbent is not None and incumbent != lineage:
