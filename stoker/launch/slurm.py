@@ -37,7 +37,6 @@ from pathlib import Path
 from stoker.config import ConfigError, SlurmLauncherConfig
 from stoker.jobs.stop_request import read_stop_request, request_stop
 from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
-from stoker.runtime.preemption import STOP_COMMITTED_ENV, STOP_COMMITTED_FILE
 from stoker.runtime.spec import RunSpec
 from stoker.stopping import interrupted
 
@@ -266,8 +265,9 @@ class SlurmLauncher:
         job_dir = Path(spec_path).parent.resolve()
         script = batch_script(self.python, Path(spec_path).resolve(), self.config.nodes,
                               self.config.rdzv_port, self.shutdown_grace_s)
-        env = {"STOKER_NPROC": str(self.nproc_per_node), "PYTHONUNBUFFERED": "1",
-               STOP_COMMITTED_ENV: str(job_dir / STOP_COMMITTED_FILE)}
+        # No STOKER_STOP_COMMITTED_FILE: each node's launcher keeps its own marker (a shared
+        # one in the job folder was removed by the first node to end, before the others read it).
+        env = {"STOKER_NPROC": str(self.nproc_per_node), "PYTHONUNBUFFERED": "1"}
         args = sbatch_args(self.config, Path(spec.job_dir).name, job_dir,
                            self.shutdown_grace_s, env)
         try:
