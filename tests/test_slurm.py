@@ -224,3 +224,66 @@ def test_a_bad_partition_or_too_many_nodes_is_one_line_before_submitting(cluster
         assert result.returncode == 2, result.stderr[-2000:]
         assert result.stderr.strip().splitlines() == [f"error: {expected}"]
         assert not (tmp_path / "work" / "datasets").exists()  # nothing pulled or submitted
+
+
+@pytest.fixture(scope="module")
+def api_env(cluster):
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+
+
+def stoker_run(work: Path, tracking: str, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "stoker.cli", "run", f"work_dir={work}",
+            "launcher.kind=slurm", "launcher.slurm.nodes=2", "train.nproc_per_node=1",
+            f"tracking.tracking_uri={tracking}", "tracking.system_metrics_interval_s=null",
+            "train.epochs=2", "train.checkpoint_every_steps=4", *overrides]
+
+
+def test_stoker_run_trains_on_two_nodes_and_registers_one_run(api_env, mlflow_http, tmp_path):
+    from mlflow import MlflowClient
+
+    model = f"slurm-{uuid.uuid4().hex[:6]}"
+    run = subprocess.run(stoker_run(tmp_path / "work", mlflow_http.uri, "job_id=two-nodes",
+                                    f"tracking.registered_model={model}"),
+                         env=api_env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    job = tmp_path / "work" / "jobs" / "two-nodes"
+    client = MlflowClient(mlflow_http.uri)
+    mlflow_run = client.get_run((job / "mlflow_run_id").read_text())
+    assert mlflow_run.info.status == "FINISHED"
+    assert mlflow_run.data.tags["stoker.world_size"] == "2"
+    assert mlflow_run.data.tags["stoker.launcher"] == "slurm"
+    [version] = client.search_model_versions(f"name='{model}'")
+    assert version.run_id == mlflow_run.info.run_id
+    assert "submitted Slurm job" in (job / "train.log").read_text()
+
+
+def test_kill_9_of_stoker_run_leaves_no_job_training_and_a_rerun_resumes(api_env, mlflow_http,
+                                                                         tmp_path):
+    """The orchestrator is SIGKILLed while its Slurm job trains: the job stops by itself once
+    the lease expires (stop checkpoint; nothing trains unowned), and the rerun resumes it."""
+    job = tmp_path / "work" / "jobs" / "orphaned"
+    cmd = stoker_run(tmp_path / "work", mlflow_http.uri, "job_id=orphaned", "job_lease_s=3",
+                     "train.epochs=16")
+    first = subprocess.Popen(cmd, env=api_env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_step(job, 4, timeout_s=180)
+        first.kill()
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    deadline = time.monotonic() + 60
+    while jobs_of("orphaned"):  # the lease expired: the ranks stop, the Slurm job ends
+        assert time.monotonic() < deadline, "the orphaned Slurm job trains on"
+        time.sleep(0.5)
+    ends = [e for e in events(job) if e["event"] == "end"]
+    assert ends and ends[0]["outcome"] == "preempted"
+    rerun = subprocess.run(cmd, env=api_env, capture_output=True, text=True, timeout=400)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    starts = [e for e in events(job) if e["event"] == "start"]
+    assert starts[-1]["resumed"] and starts[-1]["step"] == ends[0]["step"]
