@@ -287,3 +287,19 @@ def test_kill_9_of_stoker_run_leaves_no_job_training_and_a_rerun_resumes(api_env
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     starts = [e for e in events(job) if e["event"] == "start"]
     assert starts[-1]["resumed"] and starts[-1]["step"] == ends[0]["step"]
+
+
+def test_the_slurm_deployment_builds_a_slurm_config():
+    import yaml
+
+    from stoker.forms import SlurmPipelineForm
+
+    root = Path(__file__).resolve().parents[1]
+    deployments = {d["name"]: d for d in yaml.safe_load((root / "prefect.yaml").read_text())
+                   ["deployments"]}
+    entry = deployments["pipeline-slurm"]
+    assert entry["entrypoint"] == "flows/pipeline.py:pipeline_slurm"
+    form = SlurmPipelineForm(**entry["parameters"]["config"],
+                             tracking={"tracking_uri": "http://127.0.0.1:5000"})
+    config = form.to_config()
+    assert config.launcher.kind == "slurm" and config.launcher.slurm.nodes == 2
