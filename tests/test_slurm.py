@@ -130,22 +130,6 @@ def assert_same_weights(spec: Path, reference: Path) -> None:
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def test_scancel_is_a_stop_and_nothing_is_retried(cluster, spec_for):
-    spec = spec_for("cancelled", epochs=4)
-    slurm_launcher = launcher()
-    lines: list[str] = []
-    thread, attempts = in_background(lambda: run_with_retries(
-        lambda n: slurm_launcher.run(spec, on_line=lines.append, timeout_s=300),
-        RetryConfig(max_user_errors=2, backoff_s=0),
-        stop_requested=lambda: read_stop_request(spec.parent) is not None))
-    wait_for_step(spec.parent, 3)
-    subprocess.run(["scancel", slurm_launcher.job_id], check=True)
-    thread.join(timeout=120)
-    assert [a.outcome for a in attempts[0]] == [Outcome.STOPPED], "\n".join(lines[-30:])
-    assert "scancel" in read_stop_request(spec.parent).reason
-    assert not jobs_of(spec.parent.name)
-
-
 def test_a_higher_priority_job_preempts_and_the_next_attempt_resumes(uninterrupted, spec_for):
     spec = spec_for("preempted")
     slurm_launcher = launcher(partition="low")
@@ -259,6 +243,28 @@ def test_stoker_run_trains_on_two_nodes_and_registers_one_run(api_env, mlflow_ht
     [version] = client.search_model_versions(f"name='{model}'")
     assert version.run_id == mlflow_run.info.run_id
     assert "submitted Slurm job" in (job / "train.log").read_text()
+
+
+def test_scancel_ends_stoker_run_stopped_with_exit_3_and_nothing_retried(api_env, mlflow_http,
+                                                                          tmp_path):
+    from stoker.jobs.attempts import AttemptLog
+
+    job = tmp_path / "work" / "jobs" / "cancelled"
+    cmd = stoker_run(tmp_path / "work", mlflow_http.uri, "job_id=cancelled", "train.epochs=8",
+                     "retry.max_user_errors=2", "retry.max_infra_failures=2")
+    run = subprocess.Popen(cmd, env=api_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    try:
+        wait_for_step(job, 3, timeout_s=180)
+        subprocess.run(["scancel", *jobs_of("cancelled")], check=True)
+        out = run.communicate(timeout=180)[0]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 3, out[-3000:]
+    assert [a["outcome"] for a in AttemptLog(job).history()] == ["stopped"]
+    assert "scancel" in read_stop_request(job).reason
+    assert not jobs_of("cancelled")
 
 
 def test_kill_9_of_stoker_run_leaves_no_job_training_and_a_rerun_resumes(api_env, mlflow_http,
