@@ -273,7 +273,7 @@ def test_kill_9_of_stoker_run_leaves_no_job_training_and_a_rerun_resumes(api_env
     the lease expires (stop checkpoint; nothing trains unowned), and the rerun resumes it."""
     job = tmp_path / "work" / "jobs" / "orphaned"
     cmd = stoker_run(tmp_path / "work", mlflow_http.uri, "job_id=orphaned", "job_lease_s=3",
-                     "train.epochs=16")
+                     "train.epochs=12")
     first = subprocess.Popen(cmd, env=api_env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     try:
