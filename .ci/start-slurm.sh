@@ -76,6 +76,8 @@ SelectType=select/linear
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2
 MpiDefault=none
+# Bind to the nodes' and the controller's addresses (127.0.0.1 here), not to every interface.
+CommunicationParameters=NoInAddrAny
 ReturnToService=2
 SlurmdTimeout=30
 InactiveLimit=0
