@@ -200,10 +200,13 @@ def test_a_bad_partition_or_too_many_nodes_is_one_line_before_submitting(cluster
             ("launcher.slurm.partition=nope", "launcher.slurm.partition: 'nope' is not a "
              "partition of the cluster (it has: high, low)"),
             ("launcher.slurm.nodes=3", "launcher.slurm.nodes: 3 nodes asked, partition low "
-             "has 2")):
+             "has 2"),
+            ("launcher.slurm.gpus_per_node=1", "launcher.slurm (nodes=2, gpus_per_node=1): "
+             "Slurm refuses the job: Invalid generic resource (gres) specification")):
         result = subprocess.run(
             [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
-             "launcher.kind=slurm", f"tracking.tracking_uri={mlflow_http.uri}", override],
+             "launcher.kind=slurm", "launcher.slurm.nodes=2",
+             f"tracking.tracking_uri={mlflow_http.uri}", override],
             capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert result.returncode == 2, result.stderr[-2000:]
         assert result.stderr.strip().splitlines() == [f"error: {expected}"]

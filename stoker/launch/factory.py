@@ -167,7 +167,7 @@ def check_before_pull(config: PipelineConfig) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if config.launcher.kind == "slurm":  # a partition or node count the cluster lacks
-        from stoker.launch.slurm import check_slurm_config
+        from stoker.launch.slurm_checks import check_slurm_config
 
         check_slurm_config(config.launcher.slurm)
     problem = vision_problem(train.model) if config.launcher.kind == "local" else None

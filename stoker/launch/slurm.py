@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stoker.config import ConfigError, SlurmLauncherConfig
+from stoker.config import SlurmLauncherConfig
 from stoker.jobs.stop_request import read_stop_request, request_stop
 from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
 from stoker.runtime.spec import RunSpec
@@ -46,6 +46,8 @@ COMMENT_PREFIX = "stoker-job="
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
                  "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT",
                  "STOPPED", "PREEMPTED_PENDING"}
+# How long the controller may not answer before the attempt gives up on following its job (s).
+CONTROLLER_PATIENCE_S = 120.0
 INFRASTRUCTURE_STATES = {"NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADLINE"}
 
 
@@ -80,38 +82,6 @@ def parse_fields(line: str) -> dict[str, str]:
         if sep:
             fields.setdefault(key, value)
     return fields
-
-
-def check_slurm_config(slurm_config: SlurmLauncherConfig) -> None:
-    """Check the partition and node count against the cluster, before anything is submitted.
-
-    Raises:
-        ConfigError: naming ``launcher.slurm.partition`` (not on the cluster, or none is the
-            default) or ``launcher.slurm.nodes`` (more than the partition has), or Slurm does
-            not answer (``launcher.kind``).
-    """
-    try:
-        lines = [parse_fields(line) for line in
-                 slurm("scontrol", "-o", "show", "partition").splitlines() if line.strip()]
-    except SlurmError as e:
-        raise ConfigError(f"launcher.kind=slurm: the cluster does not answer ({e})") from None
-    partitions = {p.get("PartitionName"): p for p in lines}
-    name = slurm_config.partition
-    if name is None:
-        default = [p for p in lines if p.get("Default") == "YES"]
-        if not default:
-            raise ConfigError("launcher.slurm.partition: empty, and the cluster has no default "
-                              f"partition (it has: {', '.join(sorted(partitions))})")
-        partition = default[0]
-    elif name not in partitions:
-        raise ConfigError(f"launcher.slurm.partition: {name!r} is not a partition of the "
-                          f"cluster (it has: {', '.join(sorted(partitions))})")
-    else:
-        partition = partitions[name]
-    total = int(partition.get("TotalNodes", "0") or 0)
-    if slurm_config.nodes > total:
-        raise ConfigError(f"launcher.slurm.nodes: {slurm_config.nodes} nodes asked, partition "
-                          f"{partition.get('PartitionName')} has {total}")
 
 
 def exit_code_for_job(state: str, exit_code: str, cancelled_by_us: bool) -> int:
@@ -172,16 +142,10 @@ exit $code
 """
 
 
-def sbatch_args(config: SlurmLauncherConfig, job: str, job_dir: Path,
-                shutdown_grace_s: float, env: dict[str, str]) -> list[str]:
-    """``sbatch`` options of one attempt (the script comes on stdin); ``env`` is added to
-    this process's environment for the job (values without commas)."""
-    args = ["sbatch", "--parsable", f"--job-name={JOB_PREFIX}{job}",
-            f"--comment={COMMENT_PREFIX}{job}", f"--nodes={config.nodes}",
-            "--ntasks-per-node=1", "--no-requeue", f"--chdir={job_dir}",
-            f"--output={job_dir}/slurm-%j.out",
-            f"--signal=B:TERM@{int(shutdown_grace_s) + 5}",
-            "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())])]
+def resource_args(config: SlurmLauncherConfig) -> list[str]:
+    """The ``sbatch`` options that ask for resources: nodes, GPUs, time, partition, account,
+    QoS."""
+    args = [f"--nodes={config.nodes}", "--ntasks-per-node=1"]
     if config.gpus_per_node:
         args.append(f"--gpus-per-node={config.gpus_per_node}")
     for option, value in (("--time", config.time_limit_min), ("--partition", config.partition),
@@ -189,6 +153,17 @@ def sbatch_args(config: SlurmLauncherConfig, job: str, job_dir: Path,
         if value is not None:
             args.append(f"{option}={value}")
     return args
+
+
+def sbatch_args(config: SlurmLauncherConfig, job: str, job_dir: Path,
+                shutdown_grace_s: float, env: dict[str, str]) -> list[str]:
+    """``sbatch`` options of one attempt (the script comes on stdin); ``env`` is added to
+    this process's environment for the job (values without commas)."""
+    return ["sbatch", "--parsable", f"--job-name={JOB_PREFIX}{job}",
+            f"--comment={COMMENT_PREFIX}{job}", *resource_args(config), "--no-requeue",
+            f"--chdir={job_dir}", f"--output={job_dir}/slurm-%j.out",
+            f"--signal=B:TERM@{int(shutdown_grace_s) + 5}",
+            "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())])]
 
 
 def job_record(job_id: str) -> dict[str, str] | None:
@@ -200,6 +175,18 @@ def job_record(job_id: str) -> dict[str, str] | None:
             return None
         raise
     return parse_fields(out.splitlines()[0]) if out.strip() else None
+
+
+def accounting_record(job_id: str) -> dict[str, str]:
+    """The job's ``JobState`` and ``ExitCode`` from ``sacct`` (for a job ``scontrol`` forgot);
+    ``UNKNOWN`` where the cluster keeps no accounting."""
+    try:
+        out = slurm("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode")
+    except SlurmError:
+        return {"JobState": "UNKNOWN", "ExitCode": "1:0"}
+    state, _, code = (out.splitlines() or ["UNKNOWN|1:0"])[0].partition("|")
+    # sacct says "CANCELLED by 0"; scontrol says CANCELLED
+    return {"JobState": state.split()[0] if state else "UNKNOWN", "ExitCode": code or "1:0"}
 
 
 def jobs_of(job: str) -> list[str]:
@@ -235,6 +222,7 @@ class SlurmLauncher:
     poll_s: float = 1.0
     orphan_wait_s: float = 60.0
     job_id: str | None = field(default=None, init=False)
+    _offset: int = field(default=0, init=False, repr=False)  # bytes of the output streamed
 
     def stop_orphans(self, job: str, on_line: Callable[[str], None]) -> None:
         """Stop the jobs of ``job`` an earlier (dead) run left queued or running: SIGTERM
@@ -300,29 +288,46 @@ class SlurmLauncher:
         on_line(f"submitted Slurm job {self.job_id} ({self.config.nodes} node(s))")
         output = job_dir / f"slurm-{self.job_id}.out"
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        offset, cancelled_by_us = 0, False
+        self._offset = 0
         try:
-            while True:
-                record = job_record(self.job_id) or {}
-                offset = _follow(output, offset, on_line)
-                if record.get("JobState") not in ACTIVE_STATES:
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"attempt ran over {timeout_s} s")
-                time.sleep(self.poll_s)
+            record = self._wait_for_end(output, on_line, deadline, timeout_s)
         except BaseException as e:
             interrupted(e)  # who stops the ranks is recorded before the job is cancelled
-            cancelled_by_us = True
             self.cancel()
             raise
         finally:
-            _follow(output, offset, on_line)
+            _follow(output, self._offset, on_line)
         state, code = record.get("JobState", "UNKNOWN"), record.get("ExitCode", "1:0")
         on_line(f"Slurm job {self.job_id} ended {state} (exit {code}, reason "
                 f"{record.get('Reason', 'None')})")
-        if state == "CANCELLED" and not cancelled_by_us and read_stop_request(job_dir) is None:
+        if state == "CANCELLED" and read_stop_request(job_dir) is None:  # not by us: we raised
             request_stop(job_dir, "user", f"Slurm job {self.job_id} cancelled (scancel)")
-        return exit_code_for_job(state, code, cancelled_by_us)
+        return exit_code_for_job(state, code, cancelled_by_us=False)
+
+    def _wait_for_end(self, output: Path, on_line: Callable[[str], None],
+                      deadline: float | None, timeout_s: float | None) -> dict[str, str]:
+        """Follow the job (and stream its output) until it leaves the queue; its last record.
+
+        Raises:
+            SlurmError: the controller did not answer for ``CONTROLLER_PATIENCE_S``.
+            TimeoutError: ``deadline`` (monotonic seconds) passed.
+        """
+        failures = 0
+        while True:
+            try:
+                record = job_record(self.job_id) or accounting_record(self.job_id)
+                failures = 0
+            except SlurmError:  # a controller busy or restarting: look again
+                failures += 1
+                if failures * self.poll_s > CONTROLLER_PATIENCE_S:
+                    raise
+                record = {"JobState": "RUNNING"}
+            self._offset = _follow(output, self._offset, on_line)
+            if record.get("JobState") not in ACTIVE_STATES:
+                return record
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"attempt ran over {timeout_s} s")
+            time.sleep(self.poll_s)
 
     def cancel(self) -> None:
         """Stop the attempt's job: SIGTERM (stop checkpoint), ``scancel`` after the grace."""
