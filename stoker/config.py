@@ -488,8 +488,8 @@ class PipelineConfig(_Frozen):
         kind = self.launcher.kind
         if kind != "local" and not self.tracking_uri().startswith(("http://", "https://")):
             raise ValueError(
-                f"tracking.tracking_uri: launcher.kind={kind} logs from containers to an MLflow "
-                "tracking server over HTTP (they cannot reach a sqlite file): start one "
+                f"tracking.tracking_uri: launcher.kind={kind} logs from containers or nodes to "
+                "an MLflow tracking server over HTTP (they cannot reach a sqlite file): start one "
                 "(`mlflow server --host 127.0.0.1`) and set tracking.tracking_uri=http://…")
         return self
 
