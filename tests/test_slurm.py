@@ -137,7 +137,8 @@ def test_a_higher_priority_job_preempts_and_the_next_attempt_resumes(uninterrupt
     thread, attempts = in_background(lambda: run_with_retries(
         lambda n: slurm_launcher.run(spec, on_line=lines.append, timeout_s=300), RetryConfig()))
     wait_for_step(spec.parent, 4)
-    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "--wrap", "sleep 2"],
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "-o", "/dev/null",
+                           "--wrap", "sleep 2"],
                           check=True, capture_output=True, text=True).stdout.strip()
     thread.join(timeout=240)
     outcomes = [a.outcome for a in attempts[0]]
