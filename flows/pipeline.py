@@ -10,7 +10,7 @@ from prefect.runtime import flow_run
 
 from flows.train import pull_and_train
 from stoker.config import PipelineConfig
-from stoker.forms import DockerPipelineForm, PipelineForm
+from stoker.forms import DockerPipelineForm, PipelineForm, SlurmPipelineForm
 from stoker.images.spec import ImageRequest
 from stoker.jobs.job import JobClaim, mark_done
 from stoker.stdio import guard_stdio
@@ -47,6 +47,12 @@ def pipeline_local(config: PipelineForm = PipelineForm()) -> dict:  # noqa: B008
 @flow(name="pipeline", log_prints=True, **_HOOKS)
 def pipeline_docker(config: DockerPipelineForm) -> dict:
     """The ``pipeline-docker`` deployment: train in the training image's containers."""
+    return run_pipeline(config.to_config(), DEFAULT_IMAGE)
+
+
+@flow(name="pipeline", log_prints=True, **_HOOKS)
+def pipeline_slurm(config: SlurmPipelineForm) -> dict:
+    """The ``pipeline-slurm`` deployment: train as one Slurm batch job per attempt."""
     return run_pipeline(config.to_config(), DEFAULT_IMAGE)
 
 

@@ -406,13 +406,34 @@ class DockerLauncherConfig(_Frozen):
     rdzv_port: int = Field(29400, gt=0, lt=65536, description="c10d rendezvous port (node 0).")
 
 
-class LauncherConfig(_Frozen):
-    """Where attempts run: local torchrun, Docker containers, or a Kubernetes job."""
+class SlurmLauncherConfig(_Frozen):
+    """How the slurm launcher submits an attempt: one batch job, one launcher per node."""
 
-    kind: Literal["local", "docker", "kubernetes"] = Field(
+    nodes: int = Field(1, ge=1, description="Nodes of the batch job (sbatch --nodes); at most "
+                       "the partition's, checked before anything is submitted.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (sbatch --gpus-per-node); "
+                               "0: CPU only.")
+    time_limit_min: int | None = Field(None, gt=0, description="Time limit in minutes "
+                                       "(sbatch --time); empty: the partition's.")
+    partition: str | None = Field(None, description="Partition (sbatch --partition); empty: "
+                                  "the cluster's default. Checked before submitting.")
+    account: str | None = Field(None, description="Account charged (sbatch --account).")
+    qos: str | None = Field(None, description="Quality of service (sbatch --qos).")
+    rdzv_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on the "
+                           "job's first node.")
+    python: str | None = Field(None, description="Python on the nodes (with Stoker and torch); "
+                               "empty: the orchestrator's (a shared filesystem).")
+
+
+class LauncherConfig(_Frozen):
+    """Where attempts run: local torchrun, Docker containers, a Kubernetes job or Slurm."""
+
+    kind: Literal["local", "docker", "kubernetes", "slurm"] = Field(
         "local", description="local: torchrun here; docker: the training image through the "
-        "Docker Engine; kubernetes: a Kubeflow TrainJob/PyTorchJob.")
+        "Docker Engine; kubernetes: a Kubeflow TrainJob/PyTorchJob; slurm: one batch job per "
+        "attempt (sbatch, srun per node).")
     docker: DockerLauncherConfig = DockerLauncherConfig()
+    slurm: SlurmLauncherConfig = SlurmLauncherConfig()
     kubernetes: dict[str, Any] = Field(
         default_factory=dict,
         description="KubernetesLaunchConfig fields (stoker/launch/kubeflow.py)"
@@ -467,8 +488,8 @@ class PipelineConfig(_Frozen):
         kind = self.launcher.kind
         if kind != "local" and not self.tracking_uri().startswith(("http://", "https://")):
             raise ValueError(
-                f"tracking.tracking_uri: launcher.kind={kind} logs from containers to an MLflow "
-                "tracking server over HTTP (they cannot reach a sqlite file): start one "
+                f"tracking.tracking_uri: launcher.kind={kind} logs from containers or nodes to "
+                "an MLflow tracking server over HTTP (they cannot reach a sqlite file): start one "
                 "(`mlflow server --host 127.0.0.1`) and set tracking.tracking_uri=http://…")
         return self
 

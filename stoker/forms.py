@@ -22,6 +22,7 @@ from stoker.config import (
     DockerLauncherConfig,
     PipelineConfig,
     RetryConfig,
+    SlurmLauncherConfig,
     TrackingConfig,
     TrainConfig,
     validate,
@@ -85,6 +86,9 @@ Retry = _pick("Retry", RetryConfig, ["max_preemptions", "max_infra_failures", "m
               "How many times an attempt is resumed, per way it can end.")
 Docker = _pick("Docker", DockerLauncherConfig, ["image", "nnodes", "gpus", "shm_size"],
                "The training containers (one per node) on this Docker host.")
+Slurm = _pick("Slurm", SlurmLauncherConfig, ["nodes", "gpus_per_node", "time_limit_min",
+                                             "partition", "account", "qos"],
+              "The batch job of each attempt: one Stoker launcher per node (srun).")
 
 
 class _JobForm(_DeploymentForm):
@@ -137,6 +141,21 @@ class DockerPipelineForm(_JobForm):
     def _values(self) -> dict[str, Any]:
         values = super()._values()
         values["launcher"] = {"kind": "docker", "docker": values.pop("docker")}
+        return values
+
+
+class SlurmPipelineForm(_JobForm):
+    """Pull the dataset, train as a Slurm batch job across nodes, register the model."""
+
+    data: Data = Data()
+    train: Train = Train()
+    slurm: Slurm = Slurm()
+    tracking: ServerTracking
+    retry: Retry = Retry()
+
+    def _values(self) -> dict[str, Any]:
+        values = super()._values()
+        values["launcher"] = {"kind": "slurm", "slurm": values.pop("slurm")}
         return values
 
 

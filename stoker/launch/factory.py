@@ -73,6 +73,12 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
                and "://" not in config.checkpoint_dir else []),
             environment=store_environment(config),
         )
+    if kind == "slurm":
+        from stoker.launch.slurm import SlurmLauncher
+
+        slurm = config.launcher.slurm
+        return SlurmLauncher(slurm, nproc_per_node=world_size, shutdown_grace_s=grace,
+                             **({"python": slurm.python} if slurm.python else {}))
     from stoker.config import validate
     from stoker.launch.kubeflow import KubernetesLaunchConfig
     from stoker.launch.kubernetes import KubernetesLauncher, api_client
@@ -155,6 +161,10 @@ def check_before_pull(config: PipelineConfig) -> None:
             worker_start()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if config.launcher.kind == "slurm":  # a partition or node count the cluster lacks
+        from stoker.launch.slurm_checks import check_slurm_config
+
+        check_slurm_config(config.launcher.slurm)
     problem = vision_problem(train.model) if config.launcher.kind == "local" else None
     if problem:  # containers: the training image must hold torchvision (not checkable here)
         raise ConfigError(problem)

@@ -75,6 +75,14 @@ def nproc(config: PipelineConfig, dev: Path = Path("/dev")) -> int:
     return torch.cuda.device_count() or 2
 
 
+def nodes(config: PipelineConfig) -> int:
+    """Nodes an attempt runs on: the docker launcher's containers, the slurm launcher's nodes,
+    else 1."""
+    kind = config.launcher.kind
+    return {"docker": config.launcher.docker.nnodes,
+            "slurm": config.launcher.slurm.nodes}.get(kind, 1)
+
+
 def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
                  image: ImageResult | None = None, flow_run_id: str | None = None,
                  flow_run_url: str | None = None) -> dict[str, str]:
@@ -88,7 +96,8 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
         "stoker.git_dirty": code["git_dirty"], "dvc.repo": dataset.repo_url,
         "dvc.rev": dataset.rev, "dvc.commit": dataset.commit, "dvc.path": dataset.path,
         "dvc.md5": dataset.md5, "stoker.launcher": config.launcher.kind,
-        "stoker.world_size": str(world_size), "stoker.capacity_type": config.cost.capacity_type,
+        "stoker.world_size": str(world_size * nodes(config)),
+        "stoker.capacity_type": config.cost.capacity_type,
     }
     if image is not None:
         tags.update(image.lineage_tags())

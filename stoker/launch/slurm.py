@@ -1,0 +1,356 @@
+"""Run an attempt as one Slurm batch job: ``srun`` starts Stoker's launcher once per node.
+
+The batch script (:func:`batch_script`) finds the first node's address, and ``srun
+--ntasks-per-node=1`` runs ``python -m stoker.runtime.launch`` (torchrun with Stoker's exit-code
+contract) on every node with a static rendezvous on that first node. The job is submitted with
+``sbatch --parsable`` and followed with ``scontrol -o show job`` (no accounting database is
+needed; ``MinJobAge`` keeps a finished job visible); its end maps to Stoker's exit codes
+(:func:`exit_code_for_job`).
+
+Stops and preemption: ``--signal=B:TERM@<grace>`` asks the batch shell to stop ``grace`` seconds
+before the time limit; it passes SIGTERM to ``srun``, which passes it to the launchers; the ranks
+commit a stop checkpoint and exit 75. A job preempted by a higher-priority partition
+(``PreemptMode=REQUEUE`` with ``GraceTime``) gets SIGTERM the same way. Jobs are submitted
+``--no-requeue``: Slurm ends a preempted job (``PREEMPTED``), and Stoker's retry policy submits
+the next attempt, which resumes from the stop checkpoint. A job cancelled by someone else
+(``scancel``) is a stop: the launcher records a stop request, so the attempt is not retried.
+
+Ownership: the job's name is ``stoker-<job key>`` and its comment ``stoker-job=<job key>``.
+Before submitting, the launcher looks for jobs of the same key still queued or running (an
+orchestrator that was killed left them): it asks them to stop (SIGTERM: they commit and exit 75)
+and waits up to ``orphan_wait_s`` for them to leave the queue, then cancels them outright. Such
+a job also stops by itself once the job lease is taken over or expires (the runtime's lease
+watchdog), so a job nobody follows does not train on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stoker.config import SlurmLauncherConfig
+from stoker.jobs.stop_request import read_stop_request, request_stop
+from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
+from stoker.runtime.spec import RunSpec
+from stoker.stopping import interrupted
+
+JOB_PREFIX = "stoker-"
+COMMENT_PREFIX = "stoker-job="
+# States in which a job still holds (or waits for) nodes.
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
+                 "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT",
+                 "STOPPED", "PREEMPTED_PENDING"}
+# How long the controller may not answer before the attempt gives up on following its job (s).
+CONTROLLER_PATIENCE_S = 120.0
+INFRASTRUCTURE_STATES = {"NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADLINE"}
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed (the command and its message are named)."""
+
+
+def slurm(*args: str, timeout_s: float = 30.0) -> str:
+    """Run a Slurm client command and return its stdout.
+
+    Raises:
+        SlurmError: the command is missing, timed out or exited non-zero (its stderr quoted).
+    """
+    try:
+        done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError:
+        raise SlurmError(f"{args[0]}: not found (Slurm's client commands must be on PATH)"
+                         ) from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{' '.join(args[:2])}: no answer in {timeout_s:g} s") from None
+    if done.returncode != 0:
+        message = " ".join((done.stderr or done.stdout).split())
+        raise SlurmError(f"{' '.join(args[:2])}: {message}")
+    return done.stdout
+
+
+def parse_fields(line: str) -> dict[str, str]:
+    """``Key=Value`` pairs of one ``scontrol -o`` line (values never hold spaces we read)."""
+    fields = {}
+    for token in line.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            fields.setdefault(key, value)
+    return fields
+
+
+def exit_code_for_job(state: str, exit_code: str, cancelled_by_us: bool) -> int:
+    """The attempt's exit code (Stoker's contract) from how the Slurm job ended.
+
+    Args:
+        state: the job's ``JobState`` (``COMPLETED``, ``FAILED``, ``PREEMPTED``, ...).
+        exit_code: the job's ``ExitCode``, ``"<code>:<signal>"`` of its batch script.
+        cancelled_by_us: this launcher cancelled the job (the orchestrator was stopped).
+
+    Returns:
+        0 completed; 75 preempted (``PREEMPTED``, or the batch script exited 75: a stop
+        checkpoint committed, e.g. before the time limit); 137 an infrastructure failure
+        (``NODE_FAIL``, ``BOOT_FAIL``, out of memory, a ``TIMEOUT`` without a stop checkpoint,
+        a kill); else the batch script's code (a bug or bad input), 128 + N for signal N.
+    """
+    code_text, _, signal_text = exit_code.partition(":")
+    code = int(code_text) if code_text.isdigit() else 1
+    signum = int(signal_text) if signal_text.isdigit() else 0
+    if state == "COMPLETED" and code == 0:
+        return 0
+    if state == "PREEMPTED" or code == EXIT_PREEMPTED:
+        return EXIT_PREEMPTED
+    if state in INFRASTRUCTURE_STATES or state == "TIMEOUT" or signum == 9:
+        return EXIT_INFRASTRUCTURE
+    if state == "CANCELLED":
+        return EXIT_PREEMPTED if cancelled_by_us else (code or EXIT_INFRASTRUCTURE)
+    return code if code else (128 + signum if signum else 1)
+
+
+def batch_script(python: str, spec_path: Path, nnodes: int, rdzv_port: int,
+                 shutdown_grace_s: float) -> str:
+    """The batch script of one attempt: ``srun`` runs Stoker's launcher once per node, with a
+    static rendezvous on the first node of the allocation; SIGTERM to the script is passed on
+    to ``srun`` (and from there to every node's launcher)."""
+    launch = [python, "-u", "-m", "stoker.runtime.launch", f"--nnodes={nnodes}",
+              "--nproc-per-node=$STOKER_NPROC", "--rdzv-backend=static",
+              '--master-addr="$addr"', f"--master-port={rdzv_port}",
+              '--node-rank="$SLURM_NODEID"', "--max-restarts=0",
+              f"--shutdown-timeout={int(shutdown_grace_s)}",
+              "-m", "stoker.runtime", shlex.quote(str(spec_path))]
+    node_command = " ".join(shlex.quote(a) if "$" not in a else a for a in launch)
+    return f"""#!/bin/bash
+# Stoker attempt: one launcher per node (srun), rendezvous on the first node.
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export addr=$(scontrol -o show node "$head" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 --export=ALL \\
+  bash -c {shlex.quote("exec " + node_command)} &
+step=$!
+trap 'kill -TERM $step 2>/dev/null' TERM INT
+while :; do  # a trapped signal ends `wait` early: wait again until srun is gone
+  wait $step; code=$?
+  kill -0 $step 2>/dev/null || break
+done
+wait $step 2>/dev/null; last=$?
+[ $last -ne 127 ] && code=$last
+exit $code
+"""
+
+
+def resource_args(config: SlurmLauncherConfig) -> list[str]:
+    """The ``sbatch`` options that ask for resources: nodes, GPUs, time, partition, account,
+    QoS."""
+    args = [f"--nodes={config.nodes}", "--ntasks-per-node=1"]
+    if config.gpus_per_node:
+        args.append(f"--gpus-per-node={config.gpus_per_node}")
+    for option, value in (("--time", config.time_limit_min), ("--partition", config.partition),
+                          ("--account", config.account), ("--qos", config.qos)):
+        if value is not None:
+            args.append(f"{option}={value}")
+    return args
+
+
+def sbatch_args(config: SlurmLauncherConfig, job: str, job_dir: Path,
+                shutdown_grace_s: float, env: dict[str, str]) -> list[str]:
+    """``sbatch`` options of one attempt (the script comes on stdin); ``env`` is added to
+    this process's environment for the job (values without commas)."""
+    return ["sbatch", "--parsable", f"--job-name={JOB_PREFIX}{job}",
+            f"--comment={COMMENT_PREFIX}{job}", *resource_args(config), "--no-requeue",
+            f"--chdir={job_dir}", f"--output={job_dir}/slurm-%j.out",
+            f"--signal=B:TERM@{int(shutdown_grace_s) + 5}",
+            "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())])]
+
+
+def job_record(job_id: str) -> dict[str, str] | None:
+    """The job's ``scontrol -o show job`` fields; None once Slurm forgot it (``MinJobAge``)."""
+    try:
+        out = slurm("scontrol", "-o", "show", "job", job_id)
+    except SlurmError as e:
+        if "Invalid job id" in str(e):
+            return None
+        raise
+    return parse_fields(out.splitlines()[0]) if out.strip() else None
+
+
+def accounting_record(job_id: str) -> dict[str, str]:
+    """The job's ``JobState`` and ``ExitCode`` from ``sacct`` (for a job ``scontrol`` forgot);
+    ``UNKNOWN`` where the cluster keeps no accounting."""
+    try:
+        out = slurm("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode")
+    except SlurmError:
+        return {"JobState": "UNKNOWN", "ExitCode": "1:0"}
+    state, _, code = (out.splitlines() or ["UNKNOWN|1:0"])[0].partition("|")
+    # sacct says "CANCELLED by 0"; scontrol says CANCELLED
+    return {"JobState": state.split()[0] if state else "UNKNOWN", "ExitCode": code or "1:0"}
+
+
+def jobs_of(job: str) -> list[str]:
+    """Ids of the queued or running Slurm jobs carrying ``job``'s key (any run's)."""
+    out = slurm("squeue", "-h", f"--name={JOB_PREFIX}{job}", "-o", "%i|%k|%T")
+    ids = []
+    for line in out.splitlines():
+        job_id, _, rest = line.partition("|")
+        comment, _, state = rest.partition("|")
+        if comment == f"{COMMENT_PREFIX}{job}" and state in ACTIVE_STATES:
+            ids.append(job_id)
+    return ids
+
+
+@dataclass
+class SlurmLauncher:
+    """Launch one attempt as a Slurm batch job over ``config.nodes`` nodes.
+
+    Attributes:
+        config: the ``launcher.slurm`` fields.
+        nproc_per_node: ranks per node (torchrun ``--nproc-per-node``).
+        shutdown_grace_s: seconds the ranks get to commit a stop checkpoint after SIGTERM.
+        python: interpreter on the nodes (a shared filesystem is assumed); default: this one.
+        poll_s: seconds between two looks at the job.
+        orphan_wait_s: how long an earlier run's job of the same key gets to stop (SIGTERM,
+            stop checkpoint) before it is cancelled outright.
+    """
+
+    config: SlurmLauncherConfig
+    nproc_per_node: int = 1
+    shutdown_grace_s: float = 25.0
+    python: str = field(default_factory=lambda: sys.executable)
+    poll_s: float = 1.0
+    orphan_wait_s: float = 60.0
+    job_id: str | None = field(default=None, init=False)
+    _offset: int = field(default=0, init=False, repr=False)  # bytes of the output streamed
+
+    def stop_orphans(self, job: str, on_line: Callable[[str], None]) -> None:
+        """Stop the jobs of ``job`` an earlier (dead) run left queued or running: SIGTERM
+        first (they commit a stop checkpoint and exit 75), ``scancel`` after
+        ``orphan_wait_s``."""
+        orphans = jobs_of(job)
+        if not orphans:
+            return
+        on_line(f"Slurm job(s) {' '.join(orphans)} of job {job} left by an earlier run: "
+                "stopping them (stop checkpoint) before this attempt")
+        with contextlib.suppress(SlurmError):
+            slurm("scancel", "--signal=TERM", "--full", *orphans)
+        deadline = time.monotonic() + self.orphan_wait_s
+        while jobs_of(job) and time.monotonic() < deadline:
+            time.sleep(self.poll_s)
+        if left := jobs_of(job):
+            slurm("scancel", *left)
+            while jobs_of(job):
+                time.sleep(self.poll_s)
+
+    def submit(self, spec_path: Path) -> str:
+        """Submit the attempt's batch job and return its id.
+
+        Raises:
+            SlurmError: ``sbatch`` refused the job (its message quoted).
+        """
+        spec = RunSpec.load(spec_path)
+        job_dir = Path(spec_path).parent.resolve()
+        script = batch_script(self.python, Path(spec_path).resolve(), self.config.nodes,
+                              self.config.rdzv_port, self.shutdown_grace_s)
+        # No STOKER_STOP_COMMITTED_FILE: each node's launcher keeps its own marker (a shared
+        # one in the job folder was removed by the first node to end, before the others read it).
+        env = {"STOKER_NPROC": str(self.nproc_per_node), "PYTHONUNBUFFERED": "1"}
+        args = sbatch_args(self.config, Path(spec.job_dir).name, job_dir,
+                           self.shutdown_grace_s, env)
+        try:
+            done = subprocess.run(args, input=script, capture_output=True, text=True,
+                                  timeout=60)
+        except FileNotFoundError:
+            raise SlurmError("sbatch: not found (Slurm's client commands must be on PATH)"
+                             ) from None
+        if done.returncode != 0:
+            raise SlurmError(f"sbatch: {' '.join(done.stderr.split())}")
+        return done.stdout.strip().split(";")[0]
+
+    def run(self, spec_path: Path, on_line: Callable[[str], None] = print,
+            timeout_s: float | None = None) -> int:
+        """Run one attempt to its end and return its exit code (Stoker's contract).
+
+        The job's output streams to ``on_line``. If the wait is interrupted (timeout, a stop
+        signal, an exception) the job is cancelled (SIGTERM first: a stop checkpoint) before
+        the exception propagates. A job cancelled by someone else is recorded as a user's
+        stop request in the job folder.
+
+        Raises:
+            SlurmError: a Slurm command failed.
+            TimeoutError: the attempt ran longer than ``timeout_s``.
+        """
+        job_dir = Path(spec_path).parent
+        job = Path(RunSpec.load(spec_path).job_dir).name
+        self.stop_orphans(job, on_line)
+        self.job_id = self.submit(spec_path)
+        on_line(f"submitted Slurm job {self.job_id} ({self.config.nodes} node(s))")
+        output = job_dir / f"slurm-{self.job_id}.out"
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._offset = 0
+        try:
+            record = self._wait_for_end(output, on_line, deadline, timeout_s)
+        except BaseException as e:
+            interrupted(e)  # who stops the ranks is recorded before the job is cancelled
+            self.cancel()
+            raise
+        finally:
+            _follow(output, self._offset, on_line)
+        state, code = record.get("JobState", "UNKNOWN"), record.get("ExitCode", "1:0")
+        on_line(f"Slurm job {self.job_id} ended {state} (exit {code}, reason "
+                f"{record.get('Reason', 'None')})")
+        if state == "CANCELLED" and read_stop_request(job_dir) is None:  # not by us: we raised
+            request_stop(job_dir, "user", f"Slurm job {self.job_id} cancelled (scancel)")
+        return exit_code_for_job(state, code, cancelled_by_us=False)
+
+    def _wait_for_end(self, output: Path, on_line: Callable[[str], None],
+                      deadline: float | None, timeout_s: float | None) -> dict[str, str]:
+        """Follow the job (and stream its output) until it leaves the queue; its last record.
+
+        Raises:
+            SlurmError: the controller did not answer for ``CONTROLLER_PATIENCE_S``.
+            TimeoutError: ``deadline`` (monotonic seconds) passed.
+        """
+        failures = 0
+        while True:
+            try:
+                record = job_record(self.job_id) or accounting_record(self.job_id)
+                failures = 0
+            except SlurmError:  # a controller busy or restarting: look again
+                failures += 1
+                if failures * self.poll_s > CONTROLLER_PATIENCE_S:
+                    raise
+                record = {"JobState": "RUNNING"}
+            self._offset = _follow(output, self._offset, on_line)
+            if record.get("JobState") not in ACTIVE_STATES:
+                return record
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"attempt ran over {timeout_s} s")
+            time.sleep(self.poll_s)
+
+    def cancel(self) -> None:
+        """Stop the attempt's job: SIGTERM (stop checkpoint), ``scancel`` after the grace."""
+        if self.job_id is None:
+            return
+        with contextlib.suppress(SlurmError):
+            slurm("scancel", "--signal=TERM", "--full", self.job_id)
+            deadline = time.monotonic() + self.shutdown_grace_s + 5
+            while time.monotonic() < deadline:
+                record = job_record(self.job_id) or {}
+                if record.get("JobState") not in ACTIVE_STATES:
+                    return
+                time.sleep(self.poll_s)
+            slurm("scancel", self.job_id)
+
+
+def _follow(path: Path, offset: int, on_line: Callable[[str], None]) -> int:
+    """Pass the whole lines of ``path`` after byte ``offset`` to ``on_line``; the new offset."""
+    with contextlib.suppress(FileNotFoundError), path.open("rb") as stream:
+        stream.seek(offset)
+        data = stream.read()
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].decode(errors="replace").splitlines():
+            on_line(line)
+        return offset + end
+    return offset
