@@ -46,6 +46,7 @@ def test_every_launcher_is_a_launcher():
     from stoker.launch.docker import DockerLauncher
     from stoker.launch.factory import KubernetesAdapter
     from stoker.launch.local import LocalLauncher
+    from stoker.launch.slurm import SlurmLauncher
 
-    for launcher in (LocalLauncher, DockerLauncher, KubernetesAdapter):
+    for launcher in (LocalLauncher, DockerLauncher, KubernetesAdapter, SlurmLauncher):
         assert issubclass(launcher, Launcher), launcher
