@@ -22,6 +22,7 @@ from stoker import stopping
 from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
 from stoker.predict_cli import predict
 from stoker.server_cli import prefect_api, server_app
+from stoker.ui_cli import ui
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode="markdown",
                   help="Stoker: resumable GPU training pipelines on Prefect, DVC, PyTorch, MLflow.")
@@ -647,6 +648,7 @@ def show_config(
 
 
 app.command()(predict)  # `stoker predict` (stoker.predict_cli)
+app.command()(ui)  # `stoker ui` (stoker.ui_cli)
 app.add_typer(server_app, name="server")  # `stoker server start|status|stop`
 
 if __name__ == "__main__":
