@@ -166,8 +166,10 @@ def run(
 
             from prefect.exceptions import CancelledRun
 
+            from stoker.tracking.command_goodput import record_command_goodput
+
             try:
-                summary = pipeline(config)
+                summary = record_command_goodput(pipeline(config), config.tracking_uri())
                 typer.echo(json.dumps(summary, indent=2, default=str))
             except CancelledRun:  # the flow recorded a stop signal as its Cancelled end
                 from tasks.stopping import prefect_cancel
