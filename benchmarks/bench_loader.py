@@ -46,6 +46,7 @@ from benchmarks.common import (  # noqa: E402
     env,
     log,
     options,
+    until_decided,
 )
 
 TARGET = Target(">=", 0.95)
@@ -165,7 +166,10 @@ def main() -> None:
                                 num_workers=args.workers)
             return samples_per_s(loader, args.batches)
 
-        pairs = alternate(baseline, candidate, args.repeats, args.warmups)
+        # Pairs are added while the interval straddles the target (two pairs here read 0.84
+        # where the published figure was 0.998).
+        pairs = alternate(baseline, candidate, args.repeats, args.warmups,
+                          decided=until_decided(lambda b, c: c / b, TARGET))
         log("peak RSS of listing 20k and 200k files")
         rss = {n: listed_peak_rss_mb(work / "rss", n) for n in (20_000, 200_000)}
 

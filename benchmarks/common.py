@@ -27,9 +27,12 @@ from typing import Any, NamedTuple
 from benchmarks.stats import (
     MET,
     MISSED,
+    UNDECIDED,
     Target,
     check,
+    median_interval,
     overall,
+    per_pair,
     ratio_summary,
     summary,
 )
@@ -148,7 +151,9 @@ class Pairs:
 
 def alternate(baseline: Callable[[int], float], candidate: Callable[[int], float],
               repeats: int, warmups: int = 0,
-              extra: dict[str, Callable[[int], float]] | None = None) -> Pairs:
+              extra: dict[str, Callable[[int], float]] | None = None,
+              decided: Callable[[Pairs], bool] | None = None,
+              max_repeats: int | None = None) -> Pairs:
     """Run ``baseline(i)`` and ``candidate(i)`` as ``repeats`` pairs, after ``warmups`` pairs.
 
     The order flips every pair (A B, B A, A B, ...) so that a drift in the machine's load does
@@ -158,6 +163,11 @@ def alternate(baseline: Callable[[int], float], candidate: Callable[[int], float
     ``extra`` arms (name -> function) run inside every pair too, after the candidate (A B X,
     X B A, ...): a variant of the candidate that attributes part of its cost, compared pair by
     pair like the two sides. Their runs are in ``Pairs.extra[name]``.
+
+    ``decided`` (e.g. ``until_decided(ratio_of, target)``): after ``repeats`` pairs, more pairs
+    run while it says the figure's verdict is still undecided, up to ``max_repeats`` pairs
+    (default 3 x ``repeats``): a verdict follows from the interval, and a straddling interval
+    needs more pairs, not a rounder reading.
     """
     arms = [("baseline", baseline), ("candidate", candidate), *(extra or {}).items()]
     for w in range(warmups):
@@ -165,13 +175,35 @@ def alternate(baseline: Callable[[int], float], candidate: Callable[[int], float
         for _, fn in arms:
             fn(-1 - w)
     runs: dict[str, list[Run]] = {name: [] for name, _ in arms}
-    for i in range(repeats):
+    # A --quick run (one pair) has no interval to decide: it stays one pair.
+    limit = repeats if decided is None or repeats < 2 else max(repeats, max_repeats or 3 * repeats)
+    i = 0
+    while i < repeats or (i < limit and not decided(_pairs(runs))):
         for name, fn in arms if i % 2 == 0 else arms[::-1]:
             runs[name].append(measure(fn, i))
         shown = ", ".join(f"{name} {runs[name][-1].value:.4g}" for name, _ in arms)
-        log(f"pair {i + 1}/{repeats}: {shown}")
-    return Pairs(tuple(runs.pop("baseline")), tuple(runs.pop("candidate")),
-                 {name: tuple(r) for name, r in runs.items()})
+        i += 1
+        log(f"pair {i}/{repeats if i <= repeats else limit}: {shown}"
+            + ("" if i <= repeats else " (undecided after the planned pairs: one more)"))
+    return _pairs(runs)
+
+
+def _pairs(runs: dict[str, list[Run]]) -> Pairs:
+    return Pairs(tuple(runs["baseline"]), tuple(runs["candidate"]),
+                 {name: tuple(r) for name, r in runs.items()
+                  if name not in ("baseline", "candidate")})
+
+
+def until_decided(ratio_of: Callable[[float, float], float],
+                  target: Target) -> Callable[[Pairs], bool]:
+    """For ``alternate(decided=...)``: whether the per-pair ratios' interval decides ``target``
+    (met or missed, not undecided)."""
+    def decided(pairs: Pairs) -> bool:
+        if len(pairs.baseline) < 2:
+            return False
+        ratios = per_pair(pairs.values("baseline"), pairs.values("candidate"), ratio_of)
+        return target.verdict(median_interval(ratios)) != UNDECIDED
+    return decided
 
 
 def side(pairs: Pairs, which: str, name: str, unit: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from stoker.environment import TELEMETRY_OFF, quiet_telemetry, sqlite_path  # no
 from stoker.jobs_cli import WORK_DIR_OPTION, jobs, logs, status, stop
 from stoker.predict_cli import predict
 from stoker.server_cli import prefect_api, server_app
+from stoker.ui_cli import ui
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode="markdown",
                   help="Stoker: resumable GPU training pipelines on Prefect, DVC, PyTorch, MLflow.")
@@ -131,8 +132,10 @@ def run(
 
             from prefect.exceptions import CancelledRun
 
+            from stoker.tracking.command_goodput import record_command_goodput
+
             try:
-                summary = pipeline(config)
+                summary = record_command_goodput(pipeline(config), config.tracking_uri())
                 typer.echo(json.dumps(summary, indent=2, default=str))
             except CancelledRun:  # the flow recorded a stop signal as its Cancelled end
                 from stoker.orchestration.flow_runs import prefect_cancel
@@ -404,6 +407,7 @@ def show_config(
 for command in (jobs, status, stop, logs):  # stoker.jobs_cli
     app.command()(command)
 app.command()(predict)  # `stoker predict` (stoker.predict_cli)
+app.command()(ui)  # `stoker ui` (stoker.ui_cli)
 app.add_typer(server_app, name="server")  # `stoker server start|status|stop`
 
 if __name__ == "__main__":

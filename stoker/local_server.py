@@ -38,6 +38,8 @@ import httpx
 import psutil
 from filelock import FileLock
 
+from stoker.server_report import cpu_seconds, why_not_started
+
 PORT_FILE = "server.port"  # the port of this home's server: kept when it stops, reused
 DEFAULT_PORT = 4200  # Prefect's own default: the UI address users know; another if taken
 RECORD = "server.json"
@@ -258,13 +260,13 @@ class LocalServer:
             port = self._port()
             logged = self._log_size()
             try:
-                return self._start_on(port)
+                return self._start_on(port, logged)
             except ServerError:
                 # The port is free now and the server did not say it was taken: it failed for
                 # another reason. (The other process may have let the port go again already.)
                 if free_port(preferred=port) == port and not self._bind_failed(logged):
                     raise
-        return self._start_on(self._port())
+        return self._start_on(self._port(), self._log_size())
 
     def _log_size(self) -> int:
         try:
@@ -281,7 +283,7 @@ class LocalServer:
         except OSError:
             return False
 
-    def _start_on(self, port: int) -> str:
+    def _start_on(self, port: int, logged: int) -> str:
         (self.home / PORT_FILE).write_text(f"{port}\n")
         api_url = f"http://127.0.0.1:{port}/api"
         env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -303,10 +305,12 @@ class LocalServer:
         self._write(record)
         if not self._wait_healthy(record, self.startup_timeout_s):
             alive = self.record() is not None
+            used_s = cpu_seconds(pid) if alive else None  # before it is ended
             self._end(record)
+            why = why_not_started(self.log_path, logged, used_s, self.startup_timeout_s)
             raise ServerError(f"Prefect server on {api_url} "
                               + ("did not answer within " f"{self.startup_timeout_s:g} s"
-                                 if alive else "exited") + f"; see {self.log_path}")
+                                 if alive else "exited") + f"; {why}; see {self.log_path}")
         return api_url
 
     def _wait_healthy(self, record: dict[str, Any], timeout_s: float) -> bool:

@@ -52,7 +52,10 @@ def predict(
     if model_uri is None:
         model_uri = default_model_uri(where)
     try:
-        model = mlflow.pyfunc.load_model(model_uri)
+        # suppress_warnings: no comparison of the model's pip requirements with every
+        # installed distribution (seconds of metadata scanning, CPU-bound); a Stoker model
+        # is checked below by its own metadata, and a real mismatch fails as it loads.
+        model = mlflow.pyfunc.load_model(model_uri, suppress_warnings=True)
     except MlflowException as e:
         fail(f"{model_uri}: {e.message.splitlines()[0]}; {registered_models()} ({where})")
     meta = (model.metadata.metadata or {}).get("stoker")
@@ -74,7 +77,7 @@ def expand_images(paths: list[Path]) -> list[Path]:
 
     Exits 2 (one line) for a path that does not exist or a folder without a file.
     """
-    from stoker.runtime.data import visible
+    from stoker.runtime.listing import visible  # no torch: a bad path fails in a second
 
     missing = [str(p) for p in paths if not p.exists()]
     if missing:

@@ -30,6 +30,7 @@ from benchmarks.common import (  # noqa: E402
     compared,
     emit,
     options,
+    until_decided,
 )
 from benchmarks.jobs import steady_window  # noqa: E402
 from benchmarks.report import HOW_TO_READ, render  # noqa: E402
@@ -100,6 +101,26 @@ def test_extra_arms_run_inside_every_pair_and_flip_with_it():
     assert pairs.values("candidate") == [10.0, 11.0]
     assert per_pair(pairs.values("X"), pairs.values("candidate"),
                     lambda x, c: c / x) == pytest.approx([0.5, 11 / 21])
+
+
+def test_pairs_are_added_while_the_interval_straddles_the_target():
+    """Review finding: the loader row (published 0.998, target >= 0.95) measured 0.84 in two
+    pairs here: its planned pairs left an interval that straddled the target. Pairs are now
+    added until the interval decides, up to 3x the planned pairs; a decided figure stops at
+    the planned pairs, and a --quick run (one pair) stays one pair."""
+    ratios = iter([0.80, 1.10, 0.97, 0.98, 0.99, 0.97, 0.98, 0.99, 0.98, 0.97])
+    target = Target(">=", 0.95)
+    decided = until_decided(lambda b, c: c / b, target)
+    pairs = alternate(lambda i: 1.0, lambda i: next(ratios), 2, decided=decided)
+    n = len(pairs.baseline)
+    assert 2 < n <= 6, n  # more than planned, within the cap
+    ratios_seen = per_pair(pairs.values("baseline"), pairs.values("candidate"),
+                           lambda b, c: c / b)
+    assert decided(pairs) or n == 6, ratios_seen
+    steady = alternate(lambda i: 1.0, lambda i: 1.0 + i / 100, 3, decided=decided)
+    assert len(steady.baseline) == 3  # met at once: no extra pair
+    quick = alternate(lambda i: 1.0, lambda i: 0.5, 1, decided=decided)
+    assert len(quick.baseline) == 1
 
 
 def test_ratios_are_taken_per_pair_never_between_side_medians():

@@ -21,7 +21,7 @@ from local_servers import stop_local_servers
 from mlflow import MlflowClient
 from prefect_server import seed_prefect_home
 
-from stoker.local_server import PORT_FILE, SERVER_NICE, LocalServer, server_pids
+from stoker.local_server import PORT_FILE, SERVER_NICE, LocalServer, ServerError, server_pids
 
 pytestmark = pytest.mark.integration
 
@@ -312,3 +312,47 @@ def test_two_homes_racing_for_one_port_get_a_server_each(tmp_path):
             assert rec["port"] in listening, (rec, listening)
     finally:
         stop_local_servers(tmp_path)
+
+
+def test_a_start_that_does_not_answer_in_time_says_why(tmp_path):
+    """New-user finding: a run failed with `did not answer within 120 s` and an empty
+    server.log. The error now carries the last lines the server wrote in this start, or says
+    it wrote nothing, and how much CPU it got while it was waited for (a loaded machine, or a
+    start still at work)."""
+    home = tmp_path / ".prefect"
+    seed_prefect_home(home)
+    (home / PORT_FILE).write_text(f"{own_port(tmp_path)}\n")
+    server = LocalServer(home, startup_timeout_s=0.5)  # Prefect's app takes seconds to import
+    try:
+        with pytest.raises(ServerError) as caught:
+            server.ensure()
+    finally:
+        stop_local_servers(tmp_path)
+    message = str(caught.value)
+    assert "did not answer within 0.5 s" in message and "\n" not in message
+    assert re.search(r"(its last log lines: |it wrote nothing to server\.log)", message), message
+    assert re.search(r"it used [\d.]+ CPU-s in 0\.5 s: ", message), message
+    # The same home, given its time, starts: the failed start left nothing in the way.
+    server = LocalServer(home, startup_timeout_s=180)
+    try:
+        assert server.ensure()[1]
+    finally:
+        stop_local_servers(tmp_path)
+
+
+def test_a_server_that_exits_at_start_names_its_own_error(tmp_path):
+    """A server that exits at start (here: a database path it cannot open) ends the start at
+    once with the last lines of its own log, not only `exited; see server.log`."""
+    home = tmp_path / ".prefect"
+    home.mkdir()
+    (home / PORT_FILE).write_text(f"{own_port(tmp_path)}\n")
+    os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = \
+        f"sqlite+aiosqlite:///{tmp_path / 'no-such-folder' / 'prefect.db'}"
+    try:
+        with pytest.raises(ServerError) as caught:
+            LocalServer(home, startup_timeout_s=180).ensure()
+    finally:
+        del os.environ["PREFECT_API_DATABASE_CONNECTION_URL"]
+        stop_local_servers(tmp_path)
+    message = str(caught.value)
+    assert "exited; its last log lines: " in message and "\n" not in message, message

@@ -110,3 +110,31 @@ def test_stoker_predict_prints_class_names(champion, tmp_path):
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert by_folder.returncode == 0, by_folder.stderr[-3000:]
     assert by_folder.stdout == alone.stdout
+
+
+def _predict_modules(args: list[str], cwd: Path) -> tuple[int, set[str]]:
+    """Run ``stoker predict ARGS`` in a fresh interpreter: its exit code and the top-level
+    modules it imported."""
+    code = ("import sys\nfrom stoker.cli import app\ntry:\n    app(sys.argv[1:])\n"
+            "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+            "print('MODULES', code, ' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    out = subprocess.run([sys.executable, "-c", code, "predict", *args], capture_output=True,
+                         text=True, timeout=300, cwd=cwd,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    line = next(x for x in out.stdout.splitlines() if x.startswith("MODULES"))
+    _, exit_code, *modules = line.split()
+    return int(exit_code), set(modules)
+
+
+def test_stoker_predict_imports_no_prefect_and_a_bad_path_no_torch(champion, tmp_path):
+    """New-user finding: `stoker predict` took 87-231 s for one image. It imports no Prefect
+    (and starts no server); a path that does not exist is refused before torch and MLflow
+    load (in well under a second)."""
+    uri, name = champion
+    write_images(tmp_path / "imgs", {"x": 1}, size=16, mode="RGB")
+    image = str(next((tmp_path / "imgs").rglob("*.png")))
+    code, modules = _predict_modules([image, "--model-uri", f"models:/{name}@champion",
+                                      "--tracking-uri", uri], tmp_path)
+    assert code == 0 and "torch" in modules and "prefect" not in modules
+    code, modules = _predict_modules(["no-such.png", "--tracking-uri", uri], tmp_path)
+    assert code == 2 and not {"torch", "mlflow", "prefect"} & modules, modules
