@@ -20,6 +20,7 @@ import typer
 
 from stoker import stopping
 from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
+from stoker.cost_cli import cost
 from stoker.predict_cli import predict
 from stoker.server_cli import prefect_api, server_app
 
@@ -647,6 +648,7 @@ def show_config(
 
 
 app.command()(predict)  # `stoker predict` (stoker.predict_cli)
+app.command()(cost)  # `stoker cost` (stoker.cost_cli)
 app.add_typer(server_app, name="server")  # `stoker server start|status|stop`
 
 if __name__ == "__main__":

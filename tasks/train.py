@@ -78,6 +78,7 @@ from stoker.stopping import (
 )
 from stoker.tracking.cost import cost_report, steps_lost
 from stoker.tracking.events import training_event
+from stoker.tracking.spend import log_cost_records
 from tasks.stopping import CancelWatcher, attempt_state, crash_orphaned_flow_run
 
 
@@ -383,6 +384,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
         tags=[RunTag("stoker.capacity_types", ",".join(report.capacity_types)),
               RunTag("stoker.attempts", str(report.attempts)),
               RunTag("stoker.preemptions", str(report.preemptions))])
+    log_cost_records(client, result["run_id"], history, world_size, result["gpu_model"],
+                     config.cost.prices, result["step"])  # for `stoker cost`
     logger.info("cost: %.4f device-hours on %s, $%.4f, goodput %.2f, %d preemption(s), "
                 "%d step(s) lost", report.gpu_hours, report.gpu_model, report.cost_usd,
                 report.goodput, report.preemptions, report.steps_lost)

@@ -5,8 +5,9 @@ Prices are USD per GPU-hour. The defaults are illustrative list prices (late 202
 same shape. Reserved is 60 % below on-demand: a 1- or 3-year commitment (AWS EC2 Instance
 Savings Plans and Reserved Instances: "up to 72 %" off on-demand, aws.amazon.com/savingsplans;
 typical GPU commitments land at 50-65 %), the rate the purchase-mix advice
-(:mod:`stoker.tracking.purchase_mix`) prices a reserved GPU-hour at. A GPU model matches the first table key contained in its NVML name
-(``"NVIDIA H200"`` matches ``"H200"``); anything else uses ``"default"``.
+(:mod:`stoker.tracking.purchase_mix`) prices a reserved GPU-hour at. A GPU model matches the
+first table key contained in its NVML name (``"NVIDIA H200"`` matches ``"H200"``); anything else
+uses ``"default"``.
 """
 
 from __future__ import annotations
