@@ -27,6 +27,7 @@ from stoker.jobs.attempts import (
     lost_steps,
 )
 from stoker.launch.factory import make_launcher
+from stoker.jobs.budget import BudgetWatcher, check_at_start, run_gpu_model
 from stoker.jobs.job import JobClaim, check_resumable, completed_training, job_store
 from stoker.jobs.lease import JobBusy, held_lease
 from stoker.launch.local import discard_standby
@@ -193,6 +194,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     if left and left[-1].get("steps_lost"):
         log_steps_lost(left[-1].get("reached_step", 0))
     finished = completed_training(job_dir)  # the orchestrator died after the ranks finished
+    if finished is None:  # a spent budget launches nothing (one line, exit 5)
+        check_at_start(job_dir, config.train.max_cost_usd, config.train.max_duration,
+                       config.cost.prices)
     if finished is not None:
         logger.info("job %s: training already completed (step %d/%d); going on to registration "
                     "without launching", job_dir.name, finished["step"], finished["total_steps"])
@@ -302,6 +306,11 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
 
     watcher = ProgressWatcher(job_dir, on_progress)
     watcher.start()
+    budget = BudgetWatcher(job_dir, config.train.max_cost_usd, config.train.max_duration,
+                           config.cost.prices, world_size,
+                           lambda: run_gpu_model(client, run_file), logger.info)
+    if config.train.max_cost_usd or config.train.max_duration:  # spend against budget
+        budget.start()
     cancels = CancelWatcher(job_dir, flow_run.get_id(), logger) if flow_run.get_id() else None
     if cancels is not None:  # a cancel that no worker carries out still stops the job
         cancels.start()
@@ -341,6 +350,8 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
     finally:
         discard_standby()  # a launcher parked for a retry that did not come
         watcher.stop()
+        if budget.is_alive():
+            budget.stop()
         if cancels is not None:
             cancels.stop()
         if sync is not None:
