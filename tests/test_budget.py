@@ -109,3 +109,18 @@ def test_spend_counts_closed_attempts_and_the_open_one_up_to_now():
     assert spend.billed_s == 150.0
     assert spend.cost_usd == pytest.approx(100 * 2 * 12 / 3600 + 50 * 2 * 36 / 3600)
     assert spend.usd_per_s == pytest.approx(2 * 36 / 3600)
+
+
+def test_stoker_status_shows_spend_against_budget(tmp_path):
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+    from stoker.jobs.budget import write_spend
+
+    job = tmp_path / "jobs" / "budgeted"
+    job.mkdir(parents=True)
+    write_spend(job, Spend(0.42, 310.0, 0.02), "cpu", 2, 1.0, 3600.0)
+    result = CliRunner().invoke(app, ["status", "budgeted", "--work-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    [line] = [x for x in result.stdout.splitlines() if x.startswith("budget")]
+    assert line.startswith("budget     spent $0.4200 of $1 (42%); billed 310 s of 3600 s (9%)")

@@ -114,6 +114,20 @@ def read_spend(job_dir: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def budget_line(job_dir: Path) -> str | None:
+    """Spend against budget as the job's last reading says (``stoker status``), with its age;
+    None when the job has no budget reading."""
+    last = read_spend(job_dir)
+    if last is None:
+        return None
+    spend = Spend(real_number(last.get("cost_usd")) or 0.0,
+                  real_number(last.get("billed_s")) or 0.0, 0.0)
+    at = real_number(last.get("time"))
+    when = f" (read {time.time() - at:.0f} s ago)" if at is not None else ""
+    return describe(spend, real_number(last.get("max_cost_usd")),
+                    real_number(last.get("max_duration_s"))) + when
+
+
 def budget_stop(message: str) -> TrainingStopped:
     """The error of a job its budget stopped (``by`` = :data:`BUDGET_BY`: exit 5)."""
     error = TrainingStopped(message)
