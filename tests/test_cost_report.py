@@ -76,6 +76,17 @@ def test_stoker_cost_totals_are_the_sum_of_three_finished_jobs_mlflow_metrics(ha
     lines = list(csv.DictReader(io.StringIO(table.stdout)))
     assert [x["job"] for x in lines][-1] == "TOTAL" and len(lines) == 4
     assert float(lines[-1]["cost_usd"]) == pytest.approx(expected, abs=1e-5)
+    # The scheduled flow publishes the same report as the `stoker-cost` markdown artifact.
+    from prefect.client.orchestration import get_client
+
+    from flows.cost_report import CostReportForm, cost_report_flow
+
+    flowed = cost_report_flow(CostReportForm(tracking_uri=f"sqlite:///{work / 'mlflow.db'}",
+                                             days=1))
+    assert flowed["totals"]["cost_usd"] == pytest.approx(expected, abs=1e-5)
+    with get_client(sync_client=True) as prefect:
+        [artifact] = [a for a in prefect.read_artifacts() if a.key == "stoker-cost"]
+    assert "cost-a" in artifact.data and "Reserve " in artifact.data
     # A period before the jobs holds none of them.
     empty = CliRunner().invoke(app, ["cost", "--work-dir", str(work), "--since", "2020-01-01",
                                      "--until", "2020-02-01", "--format", "json"])
