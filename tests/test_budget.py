@@ -72,7 +72,9 @@ def test_a_job_stops_at_its_budget_with_a_checkpoint_and_resumes_with_a_higher_o
     assert run.data.tags["stoker.stopped_by"].startswith("budget: max_cost_usd")
     with get_client(sync_client=True) as client:
         tasks = {t.name: t.state for t in client.read_task_runs()}
+        [flow_run] = client.read_flow_runs()
     assert tasks["attempt-1"].name == "StoppedByBudget"
+    assert flow_run.state.type.value == "CANCELLED" and "budget" in flow_run.state.message
 
     # A budget spent already: one line before anything is pulled or launched.
     with pytest.raises(TrainingStopped) as refused:
