@@ -27,7 +27,12 @@ from stoker.jobs.attempts import (
     lost_steps,
 )
 from stoker.launch.factory import make_launcher
-from stoker.jobs.budget import BudgetWatcher, check_at_start, run_gpu_model
+from stoker.jobs.budget import (
+    BudgetWatcher,
+    check_at_start,
+    run_gpu_model,
+    usd_per_hour,
+)
 from stoker.jobs.job import JobClaim, check_resumable, completed_training, job_store
 from stoker.jobs.lease import JobBusy, held_lease
 from stoker.launch.local import discard_standby
@@ -79,7 +84,7 @@ from stoker.stopping import (
 )
 from stoker.tracking.cost import cost_report, steps_lost
 from stoker.tracking.events import training_event
-from stoker.tracking.spend import log_cost_records
+from stoker.tracking.spend import log_cost_records, log_stopped_cost
 from tasks.stopping import CancelWatcher, attempt_state, crash_orphaned_flow_run
 
 
@@ -358,6 +363,9 @@ def _train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | Non
             sync.stop()
     history = attempts_log.history()  # every attempt of the job, whichever flow run made it
     if attempts and attempts[-1].outcome == Outcome.STOPPED:
+        model = budget.gpu_model_known() or run_gpu_model(client, run_file)
+        log_stopped_cost(client, read_text(run_file), history, world_size, model,
+                         config.cost.prices, usd_per_hour(config, world_size, model, capacities))
         stopped(client, run_file, read_stop_request(job_dir), job_dir.name)
     if attempts and attempts[-1].outcome != Outcome.COMPLETED:
         if read_text(run_file):

@@ -70,6 +70,9 @@ def test_a_job_stops_at_its_budget_with_a_checkpoint_and_resumes_with_a_higher_o
     assert first_stop > 0
     run = MlflowClient(config.tracking_uri()).get_run((job / "mlflow_run_id").read_text())
     assert run.data.tags["stoker.stopped_by"].startswith("budget: max_cost_usd")
+    # Its cost so far is on the run, for `stoker cost`, and equals what the budget counted.
+    assert run.data.metrics["cost_usd"] == pytest.approx(_spent(job), abs=1e-4)
+    assert run.data.metrics["usd_per_hour"] == pytest.approx(2 * 36.0)
     with get_client(sync_client=True) as client:
         tasks = {t.name: t.state for t in client.read_task_runs()}
         [flow_run] = client.read_flow_runs()

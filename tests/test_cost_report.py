@@ -112,3 +112,20 @@ def test_a_period_that_cannot_be_read_is_one_line_and_exit_2(tmp_path):
 def test_ages_and_dates_read_as_unix_seconds():
     assert parse_when("2d", 1_000_000.0, "--since") == 1_000_000.0 - 2 * 86400
     assert parse_when("2026-01-01", 0, "--since") == 1767225600.0
+
+
+def test_a_guard_stop_is_counted_with_the_money_per_hour_it_released(tmp_path):
+    from stoker.tracking.spend import job_rows, totals
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("guarded", artifact_location=str(tmp_path / "a"))
+    for job, stopped_by in (("idle-job", "cost-guard: idle for 900 s"), ("user-job", "user: x")):
+        run = client.create_run(experiment, tags={"stoker.job": job,
+                                                  "stoker.stopped_by": stopped_by})
+        for key, value in (("cost_usd", 1.5), ("gpu_hours", 0.5), ("usd_per_hour", 72.0)):
+            client.log_metric(run.info.run_id, key, value, step=10)
+        client.set_terminated(run.info.run_id, "KILLED")
+    rows = {r.job: r for r in job_rows(client, 0, int(time.time() * 1000) + 1000)}
+    assert rows["idle-job"].guard_stopped and rows["idle-job"].guard_saved_usd_per_hour == 72.0
+    assert not rows["user-job"].guard_stopped and rows["user-job"].guard_saved_usd_per_hour == 0
+    assert totals(rows.values())["cost_usd"] == 3.0

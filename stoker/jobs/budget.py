@@ -179,6 +179,10 @@ class BudgetWatcher(threading.Thread):
             except Exception as e:  # noqa: BLE001 - a failed check must not end the job
                 self.say(f"budget check failed: {e}")
 
+    def gpu_model_known(self) -> str | None:
+        """The GPU model this watcher read (or the job's last reading had); None if neither."""
+        return self._model
+
     def stop(self) -> None:
         self.stopped.set()
         self.join(timeout=10)
@@ -214,3 +218,13 @@ def run_gpu_model(client, run_file: Path) -> str | None:
         return client.get_run(run_id).data.tags.get("stoker.gpu_model") if run_id else None
     except Exception:  # noqa: BLE001 - not known yet: asked again at the next check
         return None
+
+
+def usd_per_hour(config, devices: int, gpu_model: str | None,
+                 capacities: dict[int, str]) -> float:
+    """USD per hour the job's ``devices`` cost on its last attempt's capacity type
+    (``capacities``: attempt number -> type; the config's when empty); 0 for an unknown model."""
+    if gpu_model is None:
+        return 0.0
+    capacity = capacities[max(capacities)] if capacities else config.cost.capacity_type
+    return devices * config.cost.prices.price(gpu_model, capacity)

@@ -62,6 +62,41 @@ def log_cost_records(client, run_id: str, history: list[dict], devices: int, gpu
     client.log_dict(run_id, {"gpu_model": gpu_model, "attempts": windows}, ATTEMPTS_ARTIFACT)
 
 
+def log_stopped_cost(client, run_id: str | None, history: list[dict], devices: int,
+                     gpu_model: str | None, prices: PriceTable, usd_per_hour: float) -> None:
+    """Log the cost so far of a job a stop request ended (its budget, the cost guard, a user):
+    ``cost_usd``, ``gpu_hours``, ``attempts``, ``preemptions``, ``steps_lost`` (the closed
+    attempts' own), ``usd_per_hour`` (devices x price: what the stop released per hour) and
+    :func:`log_cost_records`, so that ``stoker cost`` counts it. A later completion logs the
+    job's full cost over them. Never raises: tracking must not mask the stop.
+
+    Args:
+        gpu_model: NVML name or ``cpu``; None (rank 0 never tagged it): nothing is logged.
+        usd_per_hour: USD per hour the job's devices cost when it stopped.
+    """
+    if not run_id or gpu_model is None:
+        return
+    import time
+
+    from mlflow.entities import Metric
+
+    try:
+        step = max((x.step for x in client.get_metric_history(run_id, "train_loss")), default=0)
+        cost = sum(a["duration_s"] / 3600 * devices * prices.price(gpu_model, a["capacity_type"])
+                   for a in history)
+        billed = sum(a["duration_s"] for a in history)
+        now_ms = int(time.time() * 1000)
+        values = {"cost_usd": round(cost, 6), "gpu_hours": round(devices * billed / 3600, 6),
+                  "attempts": len(history), "usd_per_hour": usd_per_hour,
+                  "preemptions": sum(a.get("outcome") == "preempted" for a in history),
+                  "steps_lost": sum(int(a.get("steps_lost") or 0) for a in history)}
+        client.log_batch(run_id, metrics=[Metric(k, float(v), now_ms, step)
+                                          for k, v in values.items()])
+        log_cost_records(client, run_id, history, devices, gpu_model, prices, step)
+    except Exception:  # noqa: BLE001 - the report lacks this job; the stop stands
+        return
+
+
 @dataclass(frozen=True)
 class JobRow:
     """One job's cost in the report. Hours are GPU-hours, money USD, times ISO 8601 UTC."""
@@ -81,11 +116,13 @@ class JobRow:
     steps_lost: int
     steps_lost_cost_usd: float
     guard_stopped: bool
+    guard_saved_usd_per_hour: float
 
 
 COLUMNS = tuple(f.name for f in fields(JobRow))
 TOTALLED = ("gpu_hours", "gpu_hours_on_demand", "gpu_hours_spot", "gpu_hours_reserved",
-            "cost_usd", "preemptions", "steps_lost", "steps_lost_cost_usd")
+            "cost_usd", "preemptions", "steps_lost", "steps_lost_cost_usd",
+            "guard_saved_usd_per_hour")
 
 
 def _iso(ms: int | None) -> str:
@@ -115,7 +152,8 @@ def _row(client, run, models: dict[str, str]) -> JobRow:
         goodput=float(m.get("goodput", 0.0)), preemptions=int(m.get("preemptions", 0)),
         steps_lost=lost, steps_lost_cost_usd=round(
             cost * lost / (final_step + lost), 6) if final_step + lost else 0.0,
-        guard_stopped=tags.get("stoker.stopped_by", "").startswith("cost-guard"))
+        guard_stopped=(guard := tags.get("stoker.stopped_by", "").startswith("cost-guard")),
+        guard_saved_usd_per_hour=float(m.get("usd_per_hour", 0.0)) if guard else 0.0)
 
 
 def job_rows(client, since_ms: int, until_ms: int) -> list[JobRow]:
