@@ -53,6 +53,10 @@ def cost(
     work_dir: Annotated[Path, typer.Option("--work-dir", "-w", help="The work folder whose "
                                            "MLflow store (<work-dir>/mlflow.db) is read")] =
         Path("work"),
+    prices: Annotated[Path | None, typer.Option(
+        help="YAML price table for the advice (the shape of cost.prices: usd_per_gpu_hour: "
+        "{H100: {on_demand: 4.0, spot: 1.7, reserved: 1.6}, default: {...}}) [default: the "
+        "built-in table]", show_default=False)] = None,
 ) -> None:
     """Spend per job and per registered model over a period: GPU-hours by capacity type, cost,
     goodput, steps lost to preemption and their cost, cost-guard stops, and the purchase mix
@@ -89,9 +93,26 @@ def cost(
         render_table,
     )
 
-    summary = collect(MlflowClient(tracking_uri), since_s, until_s, PriceTable())
+    table = _price_table(prices) if prices is not None else PriceTable()
+    summary = collect(MlflowClient(tracking_uri), since_s, until_s, table)
     render = {"table": render_table, "csv": render_csv, "json": render_json}[output_format]
     typer.echo(render(summary), nl=False)
     if plot is not None:
         plot_spend(summary, plot)
         typer.echo(f"spend plot: {plot}", err=True)
+
+
+def _price_table(path: Path):
+    """The price table in YAML file ``path``; exit 2 with one line when it cannot be read."""
+    import yaml
+    from pydantic import ValidationError
+
+    from stoker.tracking.pricing import PriceTable
+
+    try:
+        return PriceTable(**(yaml.safe_load(path.read_text()) or {}))
+    except (OSError, yaml.YAMLError, TypeError, ValidationError) as e:
+        first = str(e).splitlines()[0] if not isinstance(e, ValidationError) else \
+            "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
+        typer.echo(f"error: --prices {path}: {first}", err=True)
+        raise typer.Exit(2) from None

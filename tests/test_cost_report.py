@@ -129,3 +129,20 @@ def test_a_guard_stop_is_counted_with_the_money_per_hour_it_released(tmp_path):
     assert rows["idle-job"].guard_stopped and rows["idle-job"].guard_saved_usd_per_hour == 72.0
     assert not rows["user-job"].guard_stopped and rows["user-job"].guard_saved_usd_per_hour == 0
     assert totals(rows.values())["cost_usd"] == 3.0
+
+
+def test_a_price_table_that_cannot_be_read_is_one_line_and_exit_2(tmp_path):
+    from stoker.tracking.spend import job_rows  # noqa: F401 - the store below is real
+
+    MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").search_experiments()  # creates it
+    bad = tmp_path / "prices.yaml"
+    bad.write_text("usd_per_gpu_hour: {H100: {on_demand: -1}}\n")
+    result = CliRunner().invoke(app, ["cost", "--work-dir", str(tmp_path), "--prices", str(bad)])
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: --prices {bad}: ")
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(PRICES))
+    ok = CliRunner().invoke(app, ["cost", "--work-dir", str(tmp_path), "--prices", str(good),
+                                  "--format", "json"])
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["jobs"] == []
