@@ -19,6 +19,7 @@ import typer
 
 from stoker import stopping
 from stoker.config import ConfigError, PipelineConfig, load_pipeline_config
+from stoker.cost_cli import cost
 from stoker.environment import TELEMETRY_OFF, quiet_telemetry, sqlite_path  # noqa: F401
 from stoker.jobs_cli import WORK_DIR_OPTION, jobs, logs, status, stop
 from stoker.predict_cli import predict
@@ -85,7 +86,8 @@ def run(
     """Run the main job: pull the dataset, train with torchrun, register the model in MLflow.
 
     Exit codes: 0 done, 1 failed, 2 bad input, 3 stopped on request, 4 the job is owned by
-    another live run, 130/143 Ctrl-C/SIGTERM (docs: reference/exit-codes.md)."""
+    another live run, 5 stopped by its budget, 130/143 Ctrl-C/SIGTERM (docs:
+    reference/exit-codes.md)."""
     overrides = _with_work_dir(overrides, work_dir)
     if resume_stalled:
         overrides = [*overrides, "retry.resume_stalled=true"]
@@ -106,7 +108,7 @@ def run(
         raise typer.Exit(EXIT_BUSY) from None
     except TrainingStopped as e:  # the guard stopped it for a stall: not resumed by default
         typer.echo(f"stoker run: {e}", err=True)
-        raise typer.Exit(stopping.EXIT_STOPPED) from None
+        raise typer.Exit(stopping.stopped_exit_code(e)) from None
     if done is not None:
         typer.echo(f"job {config.job_id} is already done; nothing to do", err=True)
         typer.echo(json.dumps(done, indent=2, default=str))
@@ -152,7 +154,7 @@ def run(
                     raise
             except TrainingStopped as e:  # the cost guard or a user stopped the job
                 typer.echo(f"stoker run: {e}", err=True)
-                code = stopping.EXIT_STOPPED
+                code = stopping.stopped_exit_code(e)
             except JobBusy as e:  # found after the pull (no job_id): still one line
                 typer.echo(f"error: {e}", err=True)
                 code = EXIT_BUSY
@@ -407,6 +409,7 @@ def show_config(
 for command in (jobs, status, stop, logs):  # stoker.jobs_cli
     app.command()(command)
 app.command()(predict)  # `stoker predict` (stoker.predict_cli)
+app.command()(cost)  # `stoker cost` (stoker.cost_cli)
 app.command()(ui)  # `stoker ui` (stoker.ui_cli)
 app.add_typer(server_app, name="server")  # `stoker server start|status|stop`
 

@@ -246,6 +246,14 @@ class TrainConfig(_Frozen):
         "value), lr and samples_per_s every N optimizer steps (and at the last); 1: a value per "
         "step. Each value costs rank 0 about 0.08 ms of CPU with the sqlite store.")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    max_cost_usd: float | None = Field(
+        None, gt=0, description="Job-wide budget in USD (all attempts and runs of the job, at "
+        "cost.prices): near it (within one progress interval) the job commits a checkpoint and "
+        "stops (exit 5); rerun with a higher value to resume. Empty: no limit.")
+    max_duration: float | None = Field(
+        None, gt=0, description="Job-wide billed wall time, in seconds or with a unit (90m, "
+        "12h, 2d), over all attempts and runs of the job: near it the job commits a checkpoint "
+        "and stops (exit 5). Empty: no limit.")
     data_timeout_s: float = Field(
         300.0, ge=0, description="Seconds a rank waits for one batch from its DataLoader "
         "workers (num_workers > 0) before it kills them and the attempt ends as an "
@@ -277,6 +285,21 @@ class TrainConfig(_Frozen):
         if value not in builtin and not (module and attr):
             raise ValueError(f"unknown model {value!r}: use {', '.join(builtin)} or "
                              "'module:callable'")
+        return value
+
+    @field_validator("max_duration", mode="before")
+    @classmethod
+    def _duration_s(cls, value: Any) -> Any:
+        """``90m``, ``12h``, ``2d``, ``3600s`` as seconds; a number stays as it is."""
+        if isinstance(value, str) and (m := re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*",
+                                                         value)):
+            return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"expected seconds or a duration like 90m, 12h, 2d, got "
+                                 f"{value!r}") from None
         return value
 
     @field_validator("image_std")

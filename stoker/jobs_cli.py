@@ -122,6 +122,10 @@ def status(job: Annotated[str | None, typer.Argument(
                    "uses the newest committed step")
     if s.cost_usd is not None:
         typer.echo(f"cost       ${s.cost_usd:.4f}")
+    from stoker.jobs.budget import budget_line
+
+    if (line := budget_line(folder)) is not None:  # train.max_cost_usd / max_duration
+        typer.echo(f"budget     {line}")
     attempts = AttemptLog(folder)
     for a in attempts.history():
         code = a.get("exit_code")  # none (-1) when the attempt's process was lost

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import psutil
 
 EXIT_STOPPED = 3  # the cost guard or a user stopped the job (stop-requested.json): not retried
+EXIT_BUDGET = 5  # the job's budget (train.max_cost_usd / max_duration) stopped it
 EXIT_SIGINT = 130  # 128 + SIGINT, what shells report for Ctrl-C
 EXIT_SIGTERM = 143  # 128 + SIGTERM
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -263,3 +264,9 @@ def exit_now(code: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def stopped_exit_code(error: BaseException) -> int:
+    """``stoker run``'s code for a :class:`~stoker.jobs.stop_request.TrainingStopped`: 5 when
+    the job's budget stopped it (``error.by == "budget"``), else 3."""
+    return EXIT_BUDGET if getattr(error, "by", None) == "budget" else EXIT_STOPPED

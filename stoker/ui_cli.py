@@ -36,7 +36,7 @@ def ui(
     port: Annotated[int, typer.Option(help="Port of the UI")] = 5050,
 ) -> None:
     """Serve the MLflow UI of a work folder's store until Ctrl-C (http://127.0.0.1:5050)."""
-    from stoker.cli import TELEMETRY_OFF, sqlite_path
+    from stoker.environment import TELEMETRY_OFF, sqlite_path
 
     tracking_uri = tracking_uri or f"sqlite:///{work_dir / 'mlflow.db'}"
     store = sqlite_path(tracking_uri)

@@ -61,7 +61,8 @@ def attempt_state(code: int, request: StopRequest | None,
         return Completed(name="Preempted", data=code, message=f"{message} (checkpoint "
                          f"committed, {'to be resumed' if retried else NO_RETRY})")
     if outcome == Outcome.STOPPED:
-        name = "StoppedByGuard" if request.by == "cost-guard" else "StoppedByUser"
+        name = {"cost-guard": "StoppedByGuard", "budget": "StoppedByBudget"}.get(
+            request.by, "StoppedByUser")
         return Cancelled(name=name, data=code, message=f"{message}: {request.describe()}")
     if outcome == Outcome.INFRASTRUCTURE:
         return Failed(name="InfrastructureFailure", data=code,

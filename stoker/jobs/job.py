@@ -283,6 +283,10 @@ def check_job_early(config: PipelineConfig) -> dict | None:
     from stoker.jobs.stop_request import refuse_stalled
 
     refuse_stalled(job_dir, config.retry.resume_stalled)
+    from stoker.jobs.budget import check_at_start
+
+    check_at_start(job_dir, config.train.max_cost_usd, config.train.max_duration,
+                   config.cost.prices)  # a spent budget: before the pull
     return None
 
 

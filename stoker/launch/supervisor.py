@@ -434,4 +434,9 @@ def stopped(client, run_file: Path, request: StopRequest | None, job: str) -> No
     if run_file.exists():
         finish_run(client, run_file.read_text().strip(), "KILLED")
     reason = request.describe() if request else "stopped on request"
+    if request is not None and request.by == "budget":  # stoker.jobs.budget: exit 5
+        error = TrainingStopped(f"job {job} {reason}; raise train.max_cost_usd / "
+                                "train.max_duration and run the same command to resume it")
+        error.by = request.by
+        raise error
     raise TrainingStopped(f"job {job} {reason}; run the same command to resume it")

@@ -21,6 +21,7 @@ from stoker.config import ConfigError, PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
 from stoker.jobs.attempts import AttemptLog, describe_interrupted, lost_steps
+from stoker.jobs.budget import BudgetWatcher, check_at_start, run_gpu_model, usd_per_hour
 from stoker.jobs.job import check_resumable, completed_training, job_store
 from stoker.jobs.lease import JobBusy, held_lease
 from stoker.jobs.mlflow_run import continue_lost_run, open_job_store
@@ -73,6 +74,7 @@ from stoker.stopping import (
 )
 from stoker.tracking.cost import cost_report, steps_lost
 from stoker.tracking.events import training_event
+from stoker.tracking.spend import log_cost_records, log_stopped_cost
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,9 @@ class TrainingRun:
         if left and left[-1].get("steps_lost"):
             self.log_steps_lost(left[-1].get("reached_step", 0))
         self.finished = completed_training(job_dir)  # the orchestrator died after the ranks
+        if self.finished is None:  # a spent budget launches nothing (one line, exit 5)
+            check_at_start(job_dir, config.train.max_cost_usd, config.train.max_duration,
+                           config.cost.prices)
         if self.finished is not None:
             log.info("job %s: training already completed (step %d/%d); going on to "
                      "registration without launching", job_dir.name, self.finished["step"],
@@ -334,6 +339,12 @@ class TrainingRun:
         job_dir, cancels = self.job_dir, self.hooks.cancels
         self.watcher = ProgressWatcher(job_dir, progress())
         self.watcher.start()
+        train = self.config.train
+        budget = BudgetWatcher(job_dir, train.max_cost_usd, train.max_duration,
+                               self.config.cost.prices, self.world_size,
+                               lambda: run_gpu_model(self.client, self.run_file), self.log.info)
+        if train.max_cost_usd or train.max_duration:  # spend against budget
+            budget.start()
         if cancels is not None:  # a cancel that no worker carries out still stops the job
             cancels.start()
         store = job_store(self.config)
@@ -350,11 +361,13 @@ class TrainingRun:
         finally:
             discard_standby()  # a launcher parked for a retry that did not come
             self.watcher.stop()
+            if budget.is_alive():
+                budget.stop()
             if cancels is not None:
                 cancels.stop()
             if sync is not None:
                 sync.stop()
-        return self.finish(attempts)
+        return self.finish(attempts, budget)
 
     def _attempts(self) -> list[Attempt]:
         """This run's attempts, under the retry policy (none when training had completed)."""
@@ -387,12 +400,16 @@ class TrainingRun:
         if self.run_id:
             finish_run(self.client, self.run_id, "KILLED")
 
-    def finish(self, attempts: list[Attempt]) -> TrainResult:
-        """After the last attempt: raise how a job that did not complete ended, or price a
-        completed one on its MLflow run and return its result."""
-        job_dir = self.job_dir
+    def finish(self, attempts: list[Attempt], budget: BudgetWatcher) -> TrainResult:
+        """After the last attempt: raise how a job that did not complete ended (a stopped
+        one's cost so far on its MLflow run), or price a completed one on its MLflow run and
+        return its result."""
+        job_dir, prices = self.job_dir, self.config.cost.prices
         history = self.attempts_log.history()  # every attempt of the job, any flow run's
         if attempts and attempts[-1].outcome == Outcome.STOPPED:
+            model = budget.gpu_model_known() or run_gpu_model(self.client, self.run_file)
+            log_stopped_cost(self.client, self.run_id, history, self.world_size, model, prices,
+                             usd_per_hour(self.config, self.world_size, model, self.capacities))
             stopped(self.client, self.run_file, read_stop_request(job_dir), job_dir.name)
         if attempts and attempts[-1].outcome != Outcome.COMPLETED:
             self._failed(attempts, history)
@@ -409,6 +426,8 @@ class TrainingRun:
             tags=[RunTag("stoker.capacity_types", ",".join(report.capacity_types)),
                   RunTag("stoker.attempts", str(report.attempts)),
                   RunTag("stoker.preemptions", str(report.preemptions))])
+        log_cost_records(self.client, result["run_id"], history, self.world_size,
+                         result["gpu_model"], prices, result["step"])  # for `stoker cost`
         self.log.info("cost: %.4f device-hours on %s, $%.4f, goodput %.2f, %d preemption(s), "
                       "%d step(s) lost", report.gpu_hours, report.gpu_model, report.cost_usd,
                       report.goodput, report.preemptions, report.steps_lost)

@@ -2,8 +2,12 @@
 
 Prices are USD per GPU-hour. The defaults are illustrative list prices (late 2026, one GPU of an
 8-GPU instance); set your own with ``PriceTable(usd_per_gpu_hour={...})`` or a YAML mapping of the
-same shape. A GPU model matches the first table key contained in its NVML name
-(``"NVIDIA H200"`` matches ``"H200"``); anything else uses ``"default"``.
+same shape. Reserved is 60 % below on-demand: a 1- or 3-year commitment (AWS EC2 Instance
+Savings Plans and Reserved Instances: "up to 72 %" off on-demand, aws.amazon.com/savingsplans;
+typical GPU commitments land at 50-65 %), the rate the purchase-mix advice
+(:mod:`stoker.tracking.purchase_mix`) prices a reserved GPU-hour at. A GPU model matches the
+first table key contained in its NVML name (``"NVIDIA H200"`` matches ``"H200"``); anything else
+uses ``"default"``.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ class PriceTable(BaseModel):
 
     usd_per_gpu_hour: dict[str, dict[CapacityType, float]] = Field(
         default_factory=lambda: {
-            "H200": {"on_demand": 5.00, "spot": 2.10, "reserved": 3.40},
-            "H100": {"on_demand": 4.00, "spot": 1.70, "reserved": 2.70},
-            "A100": {"on_demand": 2.50, "spot": 1.00, "reserved": 1.70},
-            "L4": {"on_demand": 0.80, "spot": 0.30, "reserved": 0.55},
+            "H200": {"on_demand": 5.00, "spot": 2.10, "reserved": 2.00},
+            "H100": {"on_demand": 4.00, "spot": 1.70, "reserved": 1.60},
+            "A100": {"on_demand": 2.50, "spot": 1.00, "reserved": 1.00},
+            "L4": {"on_demand": 0.80, "spot": 0.30, "reserved": 0.32},
             "cpu": {"on_demand": 0.0, "spot": 0.0, "reserved": 0.0},
-            "default": {"on_demand": 2.00, "spot": 0.80, "reserved": 1.35},
+            "default": {"on_demand": 2.00, "spot": 0.80, "reserved": 0.80},
         },
         description="GPU model fragment -> capacity type -> USD per GPU-hour.",
     )
