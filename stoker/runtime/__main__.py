@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(spec_path: Path, stop: StopFlag) -> int:
     """Load the spec and train; ``stop`` is already listening. Returns the exit code."""
     from stoker.config import ConfigError
-    from stoker.runtime import EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, CheckpointWriteError
+    from stoker.runtime import EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, CheckpointWriteError, hang
     from stoker.runtime.bucket import attach, caused_by_lost_lease
     from stoker.runtime.checkpoint import CheckpointError
     from stoker.runtime.data import DataError, DataStall, data_worker_killed
@@ -68,7 +68,9 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     except ConfigError as e:
         log.error("%s", e)
         return 2
-    env = init_distributed()
+    policy = hang.HangPolicy(**spec.train.hang.model_dump())
+    hang.install(int(rank), policy)
+    env = init_distributed(policy.collective_timeout_s)
     trainer: Trainer | None = None
     outcome = "failed"
     try:

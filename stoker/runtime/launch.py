@@ -44,11 +44,13 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
+from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, hang
+from stoker.runtime.hang import HEARTBEAT_DIR_ENV
 from stoker.runtime.preemption import STOP_COMMITTED_ENV, STOP_COMMITTED_FILE
 
 RANK_ENDED = re.compile(r"stoker\.runtime\.launch: rank (\d+) ended the attempt itself")
@@ -159,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     argv = sys.argv[1:] if argv is None else argv
     with attempt_temporaries() as tmp:
+        beats = tmp / "heartbeats"  # each rank's (stoker.runtime.hang), read by the watchdog
+        beats.mkdir(exist_ok=True)
+        os.environ[HEARTBEAT_DIR_ENV] = str(beats)  # the workers inherit it
         given = os.environ.get(STOP_COMMITTED_ENV, "").strip()
         if given:  # the caller's (the local launcher: in the job folder, which the lease guards)
             marker = Path(given)
@@ -323,6 +328,12 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
 
     args = parse_args(argv)
     _act_on_the_first_stop_signal_only()
+    done, hung = threading.Event(), []
+    folder = os.environ.get(HEARTBEAT_DIR_ENV, "")
+    watchdog = threading.Thread(target=lambda: hung.append(hang.watch(folder, done)),
+                                name="stoker-hang-watchdog", daemon=True)
+    if folder:
+        watchdog.start()
     try:
         if start == "fork" and _runs_the_runtime(args):
             _launch_forked(args)
@@ -330,6 +341,8 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
             run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        if _stop_watchdog(watchdog, done, hung):
+            return EXIT_INFRASTRUCTURE  # the watchdog ended the ranks: its line said why
         if failure.exitcode == EXIT_INFRASTRUCTURE:
             # The rank chose 137 (its data workers stalled, a peer was gone): a shell, Docker
             # and the attempt line would read 137 as a SIGKILL; say that nothing was killed.
@@ -350,7 +363,17 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
               "stopping, see its error above; or they ran out of train.preemption_grace_s): "
               "exit 137", file=sys.stderr, flush=True)
         return 137
+    finally:
+        _stop_watchdog(watchdog, done, hung)
     return 0
+
+
+def _stop_watchdog(watchdog: threading.Thread, done: threading.Event, hung: list) -> bool:
+    """Stop the hang watchdog; returns whether it found a hang (and ended the ranks)."""
+    done.set()
+    if watchdog.is_alive():
+        watchdog.join()
+    return any(hung)
 
 
 def _act_on_the_first_stop_signal_only() -> None:
