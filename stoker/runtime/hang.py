@@ -252,22 +252,32 @@ def _test_pause(rank: int, section: str, step: int) -> None:
         time.sleep(float(parts[3]))
 
 
-def end_hung_ranks(beats: dict[int, Beat], dump_wait_s: float = 2.0) -> None:
-    """Dump every rank's stack (``SIGUSR2``, and ``SIGCONT`` for a stopped one), wait
-    ``dump_wait_s`` seconds for the dumps, then SIGKILL the ranks. Only this process's own
-    descendants are signalled (a pid in a heartbeat file is not trusted further)."""
+def end_hung_ranks(beats: dict[int, Beat], dump_wait_s: float = 1.0) -> None:
+    """Dump every rank's stack (``SIGUSR2``), wait ``dump_wait_s`` seconds for the dumps, then
+    SIGKILL the ranks. The running ranks first: a rank frozen by ``SIGSTOP`` dumps only once
+    continued (``SIGCONT``), and with its peers gone it cannot train on in that moment. Only
+    this process's own descendants are signalled (a pid in a heartbeat file is not trusted
+    further)."""
     import psutil
 
     mine = {p.pid: p for p in psutil.Process().children(recursive=True)}
     ranks = [mine[b.pid] for b in beats.values() if b.pid in mine]
-    for sig in (STACK_SIGNAL, signal.SIGCONT):
-        for proc in ranks:
-            with contextlib.suppress(psutil.Error):
-                proc.send_signal(sig)
-    time.sleep(dump_wait_s)
+    frozen = []
     for proc in ranks:
         with contextlib.suppress(psutil.Error):
-            proc.kill()
+            if proc.status() == psutil.STATUS_STOPPED:
+                frozen.append(proc)
+    for group in ([p for p in ranks if p not in frozen], frozen):
+        for proc in group:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(STACK_SIGNAL)
+                if proc in frozen:
+                    proc.send_signal(signal.SIGCONT)
+        if group:
+            time.sleep(dump_wait_s)
+        for proc in group:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
 
 def watch(folder: str | Path, done, poll_s: float = 0.5) -> Hang | None:
