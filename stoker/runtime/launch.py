@@ -13,7 +13,9 @@ maps how the workers ended to one exit code that container engines and scheduler
 * 137: the first failed worker was killed by SIGKILL (OOM killer, node loss), or exited 137 itself
   (an infrastructure failure it found: its data workers stalled, a peer rank is gone; the launcher
   then prints ``rank N ended the attempt itself with exit 137 ..., not a SIGKILL``), or the
-  launcher was stopped and the workers were killed before their stop checkpoint committed.
+  launcher was stopped and the workers were killed before their stop checkpoint committed,
+  or this launcher's hang watchdog found no rank progressing (:mod:`stoker.runtime.hang`:
+  every rank's stack is dumped, then the ranks are killed).
 * anything else: the first failed worker's exit code (a bug or bad config in user code), or
   128 + N when it died of signal N.
 
