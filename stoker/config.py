@@ -165,6 +165,24 @@ class DataConfig(_Frozen):
             and not Path(given).is_absolute()
 
 
+class HangConfig(_Frozen):
+    """How the launcher finds a hung attempt (see docs/explanation/hangs.md); seconds."""
+
+    enabled: bool = Field(True, description="Watch the ranks' heartbeats; a hang ends the "
+                          "attempt as an infrastructure failure (137), retried from the last "
+                          "committed checkpoint.")
+    step_factor: float = Field(10.0, gt=1, description="A step hangs once no rank progressed "
+                               "for this many observed step times (at least step_floor_s).")
+    step_floor_s: float = Field(120.0, gt=0, description="The least time without progress "
+                                "that counts as a hung step, s.")
+    startup_s: float = Field(900.0, gt=0, description="Time allowed without progress before "
+                             "the first steps (imports, data, resume), s.")
+    eval_s: float = Field(600.0, gt=0, description="Time allowed for one evaluation, s.")
+    checkpoint_s: float = Field(600.0, gt=0, description="Time allowed for one checkpoint "
+                                "save, s.")
+    warmup_steps: int = Field(3, gt=0, description="Steps seen before step times count.")
+
+
 class TrainConfig(_Frozen):
     """How to train. Batch sizes are global (summed over ranks) so that a job can resume at
     another world size on the same data order."""
@@ -263,6 +281,8 @@ class TrainConfig(_Frozen):
         25.0, gt=0, description="Seconds the runtime has to save after SIGTERM before torchrun "
         "kills it (torchrun --shutdown-timeout)."
     )
+    hang: HangConfig = Field(default_factory=HangConfig, description="Hang detection: "
+                             "per-section timeouts of the launcher's watchdog.")
     preemption_notice_url: str | None = Field(
         None, description="Cloud preemption-notice endpoint to poll (AWS spot instance-action)."
     )

@@ -224,6 +224,18 @@ def test_stalled_job_is_stopped_when_configured(tmp_path):
     assert row.action_status == "none"
 
 
+def test_a_hung_job_at_full_utilization_is_stalled_not_busy(tmp_path):
+    """A collective that never returns spins the GPU at 100%: its stale heartbeat decides."""
+    job = tmp_path / "jobs" / "hung"
+    clock = Clock()
+    write_heartbeat(job, clock.now - 7200)
+    frames = steady(utilization=100, memory_used_mib=60_000, processes=[(os.getpid(), 60_000)])
+    row, actor, _ = sweep(tmp_path, frames, container(job_dir=job), clock=clock)
+    assert row.decision.verdict == Verdict.STALLED, row.decision.reasons
+    assert "hung" in row.decision.reasons[-1]
+    assert [r.id for r in actor.stopped] == ["c0ffee"]
+
+
 def test_stalled_needs_a_heartbeat(tmp_path):
     frames = steady(utilization=0, memory_used_mib=60_000, processes=[(os.getpid(), 60_000)])
     row, actor, _ = sweep(tmp_path, frames, container())

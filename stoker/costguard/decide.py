@@ -19,7 +19,9 @@ Pure functions, no I/O. The rules, in order:
    process is on one of its GPUs, only with positive evidence that its job stalled: a heartbeat
    older than ``idle_timeout_s`` (no heartbeat at all: busy).
 7. **stalled** - holds memory on a GPU in every sample, utilization at or below
-   ``stall_utilization_percent`` throughout, and a heartbeat older than ``stall_timeout_s``.
+   ``stall_utilization_percent`` throughout, and a heartbeat older than ``stall_timeout_s``;
+   or **hung**: memory held and utilization above it in every sample (a collective that never
+   returns spins the GPU) with a heartbeat older than ``stall_timeout_s``.
 8. **busy** - anything else (with the reason: utilization, memory, a fresh heartbeat).
 """
 
@@ -225,6 +227,9 @@ def decide(evidence: Evidence, policy: Policy, now: float) -> Decision:
             if all(r.memory_used_mib > policy.idle_memory_mib for r in rs)]
     if held and max_util <= policy.stall_utilization_percent:
         return _held_without_compute(policy, signals, progress_age, held, evidence)
+    if (held and progress_age is not None and progress_age >= policy.stall_timeout_s
+            and all(r.utilization_percent > policy.stall_utilization_percent for r in readings)):
+        return _hung(policy, signals, progress_age, held, evidence)
     reasons = []
     if max_util > policy.idle_utilization_percent:
         reasons.append(f"utilization up to {max_util:.0f}% "
@@ -307,6 +312,18 @@ def _held_without_compute(policy: Policy, signals: dict, progress_age: float | N
                                       f"{progress_age:.0f} s (>= stall_timeout_s "
                                       f"{policy.stall_timeout_s:g})"),
                     act=policy.stop_stalled, waste_since=evidence.last_progress, signals=signals)
+
+
+def _hung(policy: Policy, signals: dict, progress_age: float, held: list[str],
+          evidence: Evidence) -> Decision:
+    """Memory held and the GPUs busy, but no progress for ``stall_timeout_s``: a hung
+    collective spins the GPU at full utilization, so utilization is no sign of work."""
+    return Decision(Verdict.STALLED, (
+        f"holds memory on {', '.join(held)} at up to "
+        f"{signals['max_utilization_percent']:.0f}% utilization",
+        f"heartbeat has not advanced for {progress_age:.0f} s (>= stall_timeout_s "
+        f"{policy.stall_timeout_s:g}): hung (a collective that never returns keeps the GPU "
+        "busy)"), act=policy.stop_stalled, waste_since=evidence.last_progress, signals=signals)
 
 
 def _signals(evidence: Evidence, readings: list[GpuReading], now: float) -> dict:

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(spec_path: Path, stop: StopFlag) -> int:
     """Load the spec and train; ``stop`` is already listening. Returns the exit code."""
     from stoker.config import ConfigError
-    from stoker.runtime import EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, CheckpointWriteError
+    from stoker.runtime import EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, CheckpointWriteError, hang
     from stoker.runtime.bucket import attach, caused_by_lost_lease
     from stoker.runtime.checkpoint import CheckpointError
     from stoker.runtime.data import DataError, DataStall, data_worker_killed
@@ -71,7 +71,9 @@ def run(spec_path: Path, stop: StopFlag) -> int:
         return 2
     title_process(f"stoker-rank{rank} job {Path(spec.job_dir).name}: python -m stoker.runtime "
                   f"{spec_path}")  # ps -eo args: which job this rank trains
-    env = init_distributed()
+    policy = hang.HangPolicy(**spec.train.hang.model_dump())
+    hang.install(int(rank), policy)
+    env = init_distributed(policy.collective_timeout_s)
     trainer: Trainer | None = None
     outcome = "failed"
     try:

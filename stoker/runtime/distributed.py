@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -36,8 +37,12 @@ class DistEnv:
         return self.backend is not None
 
 
-def init_distributed() -> DistEnv:
+def init_distributed(timeout_s: float | None = None) -> DistEnv:
     """Join the process group described by torchrun's variables, or run as one process.
+
+    Args:
+        timeout_s: how long a collective may wait for a peer, s (``train.hang``'s
+            ``collective_timeout_s``); None: torch's default (30 minutes for gloo).
 
     Reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (and ``MASTER_ADDR``/``MASTER_PORT`` through
     the ``env://`` init method). CUDA + NCCL when GPUs are visible, CPU + gloo otherwise.
@@ -55,7 +60,8 @@ def init_distributed() -> DistEnv:
     if "RANK" not in os.environ:  # plain `python -m stoker.runtime`: one process, no group
         return DistEnv(0, 0, 1, device, None)
     dist.init_process_group(
-        backend=backend, device_id=device if backend == "nccl" else None
+        backend=backend, device_id=device if backend == "nccl" else None,
+        timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s),
     )
     return DistEnv(rank, local_rank, world_size, device, backend)
 

@@ -13,7 +13,9 @@ maps how the workers ended to one exit code that container engines and scheduler
 * 137: the first failed worker was killed by SIGKILL (OOM killer, node loss), or exited 137 itself
   (an infrastructure failure it found: its data workers stalled, a peer rank is gone; the launcher
   then prints ``rank N ended the attempt itself with exit 137 ..., not a SIGKILL``), or the
-  launcher was stopped and the workers were killed before their stop checkpoint committed.
+  launcher was stopped and the workers were killed before their stop checkpoint committed,
+  or this launcher's hang watchdog found no rank progressing (:mod:`stoker.runtime.hang`:
+  every rank's stack is dumped, then the ranks are killed).
 * anything else: the first failed worker's exit code (a bug or bad config in user code), or
   128 + N when it died of signal N.
 
@@ -44,11 +46,13 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
-from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
+from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, hang
+from stoker.runtime.hang import HEARTBEAT_DIR_ENV
 from stoker.runtime.preemption import STOP_COMMITTED_ENV, STOP_COMMITTED_FILE
 
 RANK_ENDED = re.compile(r"stoker\.runtime\.launch: rank (\d+) ended the attempt itself")
@@ -163,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _name_the_job(argv)
     with attempt_temporaries() as tmp:
+        beats = tmp / "heartbeats"  # each rank's (stoker.runtime.hang), read by the watchdog
+        beats.mkdir(exist_ok=True)
+        os.environ[HEARTBEAT_DIR_ENV] = str(beats)  # the workers inherit it
         given = os.environ.get(STOP_COMMITTED_ENV, "").strip()
         if given:  # the caller's (the local launcher: in the job folder, which the lease guards)
             marker = Path(given)
@@ -340,6 +347,12 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
 
     args = parse_args(argv)
     _act_on_the_first_stop_signal_only()
+    done, hung = threading.Event(), []
+    folder = os.environ.get(HEARTBEAT_DIR_ENV, "")
+    watchdog = threading.Thread(target=lambda: hung.append(hang.watch(folder, done)),
+                                name="stoker-hang-watchdog", daemon=True)
+    if folder:
+        watchdog.start()
     try:
         if start == "fork" and _runs_the_runtime(args):
             _launch_forked(args)
@@ -347,6 +360,8 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
             run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        if _stop_watchdog(watchdog, done, hung):
+            return EXIT_INFRASTRUCTURE  # the watchdog ended the ranks: its line said why
         if failure.exitcode == EXIT_INFRASTRUCTURE:
             # The rank chose 137 (its data workers stalled, a peer was gone): a shell, Docker
             # and the attempt line would read 137 as a SIGKILL; say that nothing was killed.
@@ -367,7 +382,17 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
               "stopping, see its error above; or they ran out of train.preemption_grace_s): "
               "exit 137", file=sys.stderr, flush=True)
         return 137
+    finally:
+        _stop_watchdog(watchdog, done, hung)
     return 0
+
+
+def _stop_watchdog(watchdog: threading.Thread, done: threading.Event, hung: list) -> bool:
+    """Stop the hang watchdog; returns whether it found a hang (and ended the ranks)."""
+    done.set()
+    if watchdog.is_alive():
+        watchdog.join()
+    return any(hung)
 
 
 def _act_on_the_first_stop_signal_only() -> None:

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from stoker.config import ConfigError
-from stoker.runtime import EXIT_PREEMPTED
+from stoker.runtime import EXIT_PREEMPTED, hang
 from stoker.runtime.background_tracking import BackgroundTracker
 from stoker.runtime.checkpoint import Checkpointer, CheckpointError, Loaded
 from stoker.runtime.data import (
@@ -366,6 +366,7 @@ class Trainer(ProfilingMixin):
             epoch, first = divmod(self.step, self.steps_per_epoch)
             epoch_started = time.perf_counter()
             for _ in range(first, self.steps_per_epoch):
+                hang.mark("step", self.step)
                 t0 = time.perf_counter()
                 micro = [self._next_batch() for _ in range(self.cfg.grad_accum_steps)]
                 self.timings["data"] += time.perf_counter() - t0
@@ -522,6 +523,7 @@ class Trainer(ProfilingMixin):
     def evaluate(self, epoch: int, epoch_time_s: float) -> dict[str, float]:
         """Validation over all ranks (each takes every world_size-th sample); logs and returns
         ``val_accuracy`` (0..1) and ``val_loss`` (mean cross-entropy)."""
+        hang.mark("eval", self.step)
         t0 = time.perf_counter()
         self.module.eval()
         # This epoch's validation batches follow its last step in the attempt's one iterator.
@@ -569,6 +571,7 @@ class Trainer(ProfilingMixin):
 
     def save(self) -> None:
         """Save a checkpoint at the current step (every rank calls this)."""
+        hang.mark("checkpoint", self.step)
         t0 = time.perf_counter()
         # Metrics up to a checkpoint must survive a crash (steps before it are never re-run):
         # what MLflow has not confirmed yet is saved in it (tracking_backlog), not waited for.
