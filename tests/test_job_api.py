@@ -28,6 +28,7 @@ def test_a_job_records_its_attempts_stop_request_and_status(tmp_path):
     assert job.stop_request().describe() == "stopped by user: maintenance window"
     assert job.status().state == "stopped"
     assert job.processes().describe() == "none on this host"
+    assert Job.named(tmp_path, job.name) == job
 
 
 def test_claim_leases_the_job_and_refuses_a_second_owner(tmp_path):

@@ -4,6 +4,7 @@ lists their PIDs (issue 42: every rank read ``python -m stoker.runtime.launch --
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -62,6 +63,8 @@ def test_the_launcher_and_every_rank_name_their_job(make_spec, warm):
             if len(named) == 3 and all(named.values()):
                 seen = lines
                 found = job_processes(job_dir)
+                comms = {f"rank{r}": p.name() for r, p in ranks.items()}
+                comms.update(("launcher", p.name()) for p in parents if p is not None)
                 status = CliRunner().invoke(app, ["status", job_dir.name, "-w",
                                                   str(job_dir.parent.parent)]).output
                 break
@@ -80,6 +83,9 @@ def test_the_launcher_and_every_rank_name_their_job(make_spec, warm):
     assert found.launcher is not None and found.describe().startswith("holder ")
     if standby is not None:
         assert found.launcher == standby.process.pid
+    # Each keeps its process name (ps -o comm, pgrep, top): a trial saw the launcher's cut
+    # to its interpreter's path ('/work/trial42/s').
+    assert comms["launcher"] == "python" and comms["rank0"] == "stoker-rank0"
     assert f"processes  holder {found.holder}, launcher {found.launcher}, ranks " in status
 
 
@@ -93,3 +99,8 @@ def test_no_processes_for_a_job_held_elsewhere_or_not_held(tmp_path):
     (tmp_path / "lease.json").write_text(
         f'{{"token": "t", "expires": 1e12, "host": "{host}", "pid": 4294967295}}')
     assert job_processes(tmp_path).holder is None  # a garbled PID is untrusted input
+    # A PID reused by a process that began after the lease was taken is not its holder.
+    (tmp_path / "lease.json").write_text(
+        f'{{"token": "t", "expires": 1e12, "host": "{host}", "pid": {os.getpid()}, '
+        f'"acquired": 1000.0}}')
+    assert job_processes(tmp_path).holder is None

@@ -30,6 +30,7 @@ from typing import Any
 from stoker.config import PipelineConfig
 from stoker.jobs.attempts import AttemptLog
 from stoker.jobs.job import JobClaim, done_summary
+from stoker.jobs.lease import JobBusy
 from stoker.jobs.processes import JobProcesses, job_processes
 from stoker.jobs.status import JobSummary, job_summary
 from stoker.jobs.stop_request import StopRequest, read_stop_request, request_stop
@@ -52,6 +53,12 @@ class Job:
         process titles call the job."""
         return self.path.name
 
+    @classmethod
+    def named(cls, work_dir: Path, name: str) -> Job:
+        """The job folder ``name`` of ``work_dir`` (``<work_dir>/jobs/<name>``), as ``stoker
+        status NAME -w WORK_DIR`` reads it; it need not exist yet."""
+        return cls(Path(work_dir) / "jobs" / name)
+
     @staticmethod
     def claim(config: PipelineConfig, flow_run_id: str | None = None) -> JobClaim:
         """Own the job of ``config`` (a context manager: leased on entry with ``job_id``, or by
@@ -65,12 +72,15 @@ class Job:
     def begin_attempt(self, number: int, capacity_type: str, flow_run_id: str | None = None,
                       launcher: str | None = None) -> None:
         """Record attempt ``number`` as started, before it is launched (``launcher``: its
-        kind, ``local``/``docker``/``kubernetes``/``slurm``)."""
+        kind, ``local``/``docker``/``kubernetes``/``slurm``). For an orchestrator that holds
+        the job's lease (:meth:`claim`); anyone else would corrupt the job's records."""
         AttemptLog(self.path).start(number, capacity_type, flow_run_id, launcher)
 
     def end_attempt(self, number: int, outcome: dict[str, Any]) -> None:
         """Close attempt ``number`` with its outcome record (``exit_code``, ``outcome``,
-        ``started`` and ``duration_s`` in seconds, ...: :meth:`Attempt.to_dict` fields)."""
+        ``started`` and ``duration_s`` in seconds, ``capacity_type``: the fields of
+        :meth:`stoker.launch.retry.Attempt.to_dict`). For the lease holder only, as
+        :meth:`begin_attempt`."""
         AttemptLog(self.path).end(number, outcome)
 
     def attempts(self) -> list[dict[str, Any]]:
@@ -78,8 +88,11 @@ class Job:
         return AttemptLog(self.path).records()
 
     def request_stop(self, by: str, reason: str, verdict: str | None = None) -> StopRequest:
-        """Ask the job to stop (``stop-requested.json``): its next attempt is not a retry, and
-        the runtime commits a stop checkpoint once signalled (``stoker stop`` signals too)."""
+        """Ask the job to stop: writes ``stop-requested.json`` only. ``by`` names who asks
+        (``user``, ``cost-guard``, ``budget``), ``verdict`` is the guard's (``idle``,
+        ``stalled``). The ranks stop at their next check of it only once signalled; the retry
+        policy then ends the job as stopped, not preempted. ``stoker stop`` writes this and
+        signals the launcher (:func:`stoker.jobs.stop.stop_job`)."""
         return request_stop(self.path, by, reason, verdict)
 
     def stop_request(self) -> StopRequest | None:
@@ -104,4 +117,4 @@ class Job:
         return job_processes(self.path)
 
 
-__all__ = ["Job", "JobClaim", "JobProcesses", "JobSummary", "StopRequest"]
+__all__ = ["Job", "JobBusy", "JobClaim", "JobProcesses", "JobSummary", "StopRequest"]

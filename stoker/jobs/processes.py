@@ -4,7 +4,7 @@ Every process Stoker starts for a job names the job in its command line (``ps -e
 the launcher ``stoker-launch job <JOB>: python -m stoker.runtime.launch ...``, each rank
 ``stoker-rank<R> job <JOB>: python -m stoker.runtime <SPEC>`` (its process name, ``ps -o comm``,
 stays ``stoker-rank<R>``), a standby launcher once it is handed an attempt. So ``pgrep -f 'job
-<JOB>'`` finds one job's processes, and ``stoker status`` prints their PIDs.
+<JOB>:'`` finds one job's processes, and ``stoker status`` prints their PIDs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from stoker.runtime.lease import read_lease
-from stoker.runtime.records import integer
+from stoker.runtime.records import integer, real_number
 
 RANK_NAME = re.compile(r"^stoker-rank\d+$")  # what a rank names itself (stoker.runtime)
 
@@ -66,8 +66,11 @@ def job_processes(job_dir: Path) -> JobProcesses:
     pid = integer(lease.get("pid"))
     if lease.get("host") != socket.gethostname() or pid is None or not 0 < pid < 2**31:
         return JobProcesses()
+    acquired = real_number(lease.get("acquired"))
     try:
         holder = psutil.Process(pid)
+        if acquired is not None and holder.create_time() > acquired + 1.0:
+            return JobProcesses()  # the PID was reused: its process began after the lease
         below = holder.children(recursive=True)
     except psutil.Error:
         return JobProcesses()

@@ -253,7 +253,7 @@ def job_summary(job_dir: Path, now: float | None = None,
         preemptions=sum(1 for a in history if a.get("outcome") == "preempted"),
         cost_usd=real_number(cost),
         mlflow_run_id=read_text(job_dir / "mlflow_run_id", warn=quiet),
-        heartbeat_age_s=now - beat_time if beat_time is not None else None,
+        heartbeat_age_s=max(0.0, now - beat_time) if beat_time is not None else None,
         progress=progress, owner=owner,
         # An attempt that no live run trains and no one closed (its run died, or a second
         # Ctrl-C stopped it at once) has lost its steps already (trial: `steps lost 0` beside

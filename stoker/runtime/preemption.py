@@ -54,10 +54,10 @@ def title_process(title: str | None = None) -> None:
         from setproctitle import getproctitle, setproctitle
     except ImportError:
         return
-    title = getproctitle() if title is None else title
-    name = ""
+    name = ""  # read first: setproctitle's first call, getproctitle's too, rewrites it
     with contextlib.suppress(OSError):
         name = Path("/proc/self/comm").read_text().strip()
+    title = getproctitle() if title is None else title
     setproctitle(title)
     if name:
         name_process(name)
