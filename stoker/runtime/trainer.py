@@ -8,18 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,8 +24,7 @@ from torch.utils.data import DataLoader
 
 from stoker.config import ConfigError
 from stoker.runtime import EXIT_PREEMPTED, hang
-from stoker.runtime.background_tracking import BackgroundTracker
-from stoker.runtime.checkpoint import Checkpointer, CheckpointError, Loaded
+from stoker.runtime.checkpoint import Checkpointer
 from stoker.runtime.data import (
     AttemptBatches,
     AttemptData,
@@ -40,24 +35,18 @@ from stoker.runtime.data import (
     check_divisible,
     val_batches,
 )
-from stoker.runtime.distributed import DistEnv, all_reduce_sum, barrier
+from stoker.runtime.distributed import DistEnv, all_reduce_sum
 from stoker.runtime.models import build_model
 from stoker.runtime.preemption import StopFlag, data_worker_init, loader_iter
 from stoker.runtime.profiling import ProfilingMixin
 from stoker.runtime.progress import ProgressWriter
-from stoker.runtime.records import read_text
+from stoker.runtime.reporting import ReportingMixin
 from stoker.runtime.resume import resume_point
-from stoker.runtime.spec import TRAJECTORY_FIELDS, RunSpec
-from stoker.runtime.tracking import RunTracker, flatten
+from stoker.runtime.spec import RunSpec
+from stoker.runtime.training_state import TrainingStateMixin
 
 log = logging.getLogger("stoker.runtime")
 
-SHARED_KEYS = {"model", "optimizer", "scheduler", "scaler", "step", "config", "run_id",
-               "world_size"}
-RUN_OPEN_TIMEOUT_S = 300.0  # the result names the run: wait this long for MLflow at the end
-# A stopping attempt waits this long for MLflow, no longer: what it has not confirmed is in the
-# stop checkpoint (tracking_backlog) and is sent by the attempt that resumes from it.
-STOP_TRACKING_WAIT_S = 2.0
 
 
 # The per-step agreement (loss, stop, time-due) is one collective for the steps of about this
@@ -65,10 +54,6 @@ STOP_TRACKING_WAIT_S = 2.0
 # gloo thread competes with the ranks' compute), while a stop still lands within ~0.1 s.
 AGREE_EVERY_S = 0.1
 EPOCH_LINE_EVERY_S = 10.0  # at most one epoch line per this many seconds (first and last: always)
-# Periodic checkpoints that hold the loop longer than this share of an attempt's time get one
-# warning (after a few saves), naming the settings that space them out.
-CHECKPOINT_SHARE_WARN = 0.05
-CHECKPOINT_SHARE_MIN_SAVES = 3
 MAX_AGREE_STEPS = 16
 
 
@@ -106,7 +91,7 @@ class _Agreement:
         return self.steps[-1].step
 
 
-class Trainer(ProfilingMixin):
+class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin):
     """Owns the model, optimizer, data order, checkpointer and (rank 0) tracking of one job."""
 
     def __init__(self, spec: RunSpec, env: DistEnv, stop: StopFlag):
@@ -206,104 +191,6 @@ class Trainer(ProfilingMixin):
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                                 start_powerSGD_iter=10)
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-
-    def _restore(self, loaded: Loaded | None) -> None:
-        if loaded is None:
-            self._seed_rank()
-            return
-        missing = SHARED_KEYS - loaded.shared.keys()
-        if missing:
-            raise CheckpointError(f"{loaded.path}: missing keys {sorted(missing)}")
-        self._check_trajectory(loaded)
-        try:
-            self.module.load_state_dict(loaded.shared["model"], strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"{loaded.path}: model state does not match "
-                                  f"train.model={self.cfg.model!r}: {e}") from None
-        self.optimizer.load_state_dict(loaded.shared["optimizer"])
-        self.scheduler.load_state_dict(loaded.shared["scheduler"])
-        self.scaler.load_state_dict(loaded.shared["scaler"])
-        self.step = int(loaded.shared["step"])
-        self.run_id = loaded.shared["run_id"]
-        self.metrics = dict(loaded.shared.get("metrics", {}))
-        self.train_time_s = float(loaded.shared.get("train_time_s", 0.0))
-        self._tracking_backlog = list(loaded.shared.get("tracking_backlog", []))
-        self._metrics_window = list(loaded.shared.get("metrics_window", [0.0, 0, 0.0]))
-        if loaded.rank_state is not None:
-            self._set_rng(loaded.rank_state["rng"])
-        else:
-            log.warning("checkpoint %s was written at world size %d, now %d: per-rank RNG "
-                        "reseeded from (seed, rank, step); the data order is unchanged",
-                        loaded.path, loaded.world_size, self.env.world_size)
-            self._seed_rank()
-        if self.env.is_main:
-            log.info("resumed from %s (step %d of %d)", loaded.path, self.step, self.total_steps)
-
-    def _check_trajectory(self, loaded: Loaded) -> None:
-        saved = loaded.shared["config"]
-        now = self.cfg.model_dump(mode="json")
-        # A field newer than the checkpoint was, in effect, at its default when it was written.
-        defaults = type(self.cfg)().model_dump(mode="json")
-        changed = [f for f in TRAJECTORY_FIELDS if saved.get(f, defaults[f]) != now.get(f)]
-        if changed:
-            detail = ", ".join(f"train.{f}: {saved.get(f)!r} -> {now.get(f)!r}" for f in changed)
-            raise CheckpointError(
-                f"{loaded.path}: cannot resume with a changed trajectory ({detail}); restore "
-                "these values or start a new job")
-
-    def _seed_rank(self) -> None:
-        seed = self.cfg.seed + 1 + self.env.rank + 7919 * self.step
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
-
-    def _rng_state(self) -> dict[str, Any]:
-        state = {"python": random.getstate(), "numpy": np.random.get_state(),
-                 "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def _set_rng(self, state: dict[str, Any]) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-
-    def _open_tracker(self) -> BackgroundTracker:
-        """Open (or reopen) the job's MLflow run in a worker thread: the first step does not
-        wait for MLflow's import and the store (about 2 CPU-s); metrics queue meanwhile."""
-        run_file = Path(self.spec.job_dir) / "mlflow_run_id"
-        # The job's record first: the orchestrator replaces a run the store lost (the
-        # checkpoint still names that one), and the bucket's record must not go back to it.
-        run_id = self.run_id = read_text(run_file) or self.run_id
-        spec, params = self.spec, flatten(self.cfg.model_dump(mode="json"), "train.")
-        tags = {"stoker.gpu_model": self.gpu_model(),
-                "stoker.world_size": str(self.env.world_size)}
-
-        def open_run() -> RunTracker:
-            tracker = RunTracker(
-                spec.tracking_uri, spec.experiment, run_id=run_id, run_name=spec.run_name,
-                tags=spec.tags, params=params, artifact_location=spec.artifact_location,
-                system_metrics_interval_s=spec.system_metrics_interval_s,
-                on_created=run_file.write_text)
-            tracker.set_tags(tags)
-            if run_id is None:
-                tracker.log_dataset(spec.tags or {})  # once per run: the Datasets panel
-            return tracker
-
-        return BackgroundTracker(open_run)
-
-    def _run_id(self) -> str | None:
-        """The MLflow run id: the open run's, else the one this job already had (or None)."""
-        return (self.tracker.run_id if self.tracker is not None else None) or self.run_id
-
-    def gpu_model(self) -> str:
-        """NVML/CUDA name of this rank's GPU (``NVIDIA H200``), or ``cpu``."""
-        if self.env.device.type == "cuda":
-            return torch.cuda.get_device_name(self.env.device)
-        return "cpu"
 
     # -- the loop -----------------------------------------------------------------------------
     def _open_data(self) -> Iterator | None:
@@ -556,154 +443,3 @@ class Trainer(ProfilingMixin):
                    "val_loss": self.metrics["val_loss"], "epoch_time_s": epoch_time_s})
         return self.metrics
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything shared by all ranks that an exact continuation needs."""
-        epoch, step_in_epoch = divmod(self.step, self.steps_per_epoch)
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "step": self.step, "epoch": epoch,
-                "data_position": {"epoch": epoch, "step_in_epoch": step_in_epoch},
-                "config": self.cfg.model_dump(mode="json"), "run_id": self._run_id(),
-                "world_size": self.env.world_size, "metrics": self.metrics,
-                "train_time_s": self.train_time_s,
-                "metrics_window": list(self._metrics_window),
-                "tracking_backlog": self.tracker.backlog() if self.tracker is not None else []}
-
-    def save(self) -> None:
-        """Save a checkpoint at the current step (every rank calls this)."""
-        hang.mark("checkpoint", self.step)
-        t0 = time.perf_counter()
-        # Metrics up to a checkpoint must survive a crash (steps before it are never re-run):
-        # what MLflow has not confirmed yet is saved in it (tracking_backlog), not waited for.
-        shared = self.state_dict() if self.env.is_main else None
-        if shared is not None and self.ckpt.async_save:
-            shared["model"] = self._freeze_buffers(shared["model"])
-        # Async: the host copy runs in the background, overlapping the next forward/backward;
-        # train_step waits for it before the next optimizer.step (the weights change there).
-        self.ckpt.save(self.step, shared, {"rng": self._rng_state(),
-                                           "world_size": self.env.world_size},
-                       metrics={k: v for k, v in self.metrics.items() if k != "epoch"},
-                       defer_copy=self.ckpt.async_save)
-        self._last_save = time.monotonic()
-        self.timings["checkpoint"] += time.perf_counter() - t0
-        self._event("checkpoint", path=self.ckpt.step_dir(self.step),
-                    blocking_s=round(self.ckpt.last_blocking_s, 4))
-
-    def _check_checkpoint_share(self) -> None:
-        """After a periodic save: once per attempt, on rank 0, warn when checkpoints have held
-        the loop more than ``CHECKPOINT_SHARE_WARN`` of the attempt's time so far (after
-        ``CHECKPOINT_SHARE_MIN_SAVES`` saves): the cadence suits slower steps, and the
-        settings that space saves out are named. Figures: the loop's own timer (seconds held
-        per save, ``timings["checkpoint"]``) over the wall time since the loop started."""
-        self._periodic_saves += 1
-        if not self.env.is_main or self._share_warned \
-                or self._periodic_saves < CHECKPOINT_SHARE_MIN_SAVES:
-            return
-        wall = time.perf_counter() - self._loop_started
-        share = self.timings["checkpoint"] / wall if wall > 0 else 0.0
-        if share <= CHECKPOINT_SHARE_WARN:
-            return
-        self._share_warned = True
-        cfg = self.cfg
-        log.warning(
-            "checkpoints held the loop %.0f %% of this attempt's %.1f s so far (%d saves, %.0f ms "
-            "each): space them out with train.checkpoint_every_steps (now %s) or "
-            "train.checkpoint_every_s (now %s)%s", 100 * share, wall, self._periodic_saves,
-            1000 * self.timings["checkpoint"] / self._periodic_saves,
-            cfg.checkpoint_every_steps or "unset", cfg.checkpoint_every_s or "unset",
-            "" if cfg.async_checkpoint else
-            ", or write them in the background with train.async_checkpoint=true")
-
-    def _freeze_buffers(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``model_state`` with the module's buffers cloned: a forward pass changes them in place
-        (BatchNorm statistics, DDP's buffer broadcast) before the background copy may reach them;
-        they are small. Parameters change only in ``optimizer.step``."""
-        for name, _ in self.module.named_buffers():
-            if name in model_state:  # in place: the OrderedDict keeps its _metadata
-                model_state[name] = model_state[name].clone()
-        return model_state
-
-    def _finish_attempt(self) -> None:
-        """Make the last checkpoint durable and committed before any rank exits."""
-        self.ckpt.wait()
-        barrier(self.env)
-
-    # -- reporting ----------------------------------------------------------------------------
-    def _log_step(self, step: int, epoch: int, loss: float, lr: float, step_s: float,
-                  ended: float | None = None) -> None:
-        """Report one agreed step: its progress event every ``log_every_steps`` steps; to MLflow
-        every ``metrics_every_steps`` steps (and at the last), the mean loss and the throughput
-        of the steps since its last value, and the learning rate."""
-        window = self._metrics_window
-        window[0] += loss
-        window[1] += 1
-        window[2] += step_s
-        last = step == self.total_steps
-        if step % self.cfg.log_every_steps == 0 or last:
-            samples_per_s = self.cfg.global_batch_size / max(step_s, 1e-9)
-            self._event("step", epoch=epoch, loss=loss, lr=lr, samples_per_s=samples_per_s,
-                        at_step=step, at_time=ended)
-        # Each MLflow value costs rank 0 ~0.08 ms of CPU (the sqlite store's insert): at 10 ms
-        # steps, a loss per step alone took ~0.8 % of rank 0's CPU.
-        if step % self.cfg.metrics_every_steps == 0 or last:
-            loss_sum, steps, seconds = window
-            self._log({"train_loss": loss_sum / steps, "lr": lr,
-                       "samples_per_s": steps * self.cfg.global_batch_size / max(seconds, 1e-9)},
-                      step)
-            self._metrics_window = [0.0, 0, 0.0]
-
-    def _event(self, event: str, at_step: int | None = None, at_time: float | None = None,
-               **fields: Any) -> None:
-        if self.progress is not None:
-            self.progress.event(event, self.step if at_step is None else at_step,
-                                at_time=at_time, **fields)
-
-    def _log(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if self.tracker is not None:
-            self.tracker.log_metrics(self.step if step is None else step, metrics)
-
-    def _write_result(self, wall_s: float, steps_run: int) -> None:
-        if not self.env.is_main:
-            return
-        job = Path(self.spec.job_dir)
-        (job / "final").mkdir(parents=True, exist_ok=True)
-        tmp = job / "final" / "model.pt.tmp"
-        torch.save(self.module.state_dict(), tmp)
-        tmp.replace(job / "final" / "model.pt")
-        profile = self.profile(wall_s, steps_run)
-        if self.tracker is not None:
-            self.tracker.wait_open(RUN_OPEN_TIMEOUT_S)
-        result = {"run_id": self._run_id(), "step": self.step, "total_steps": self.total_steps,
-                  "metrics": self.metrics, "model": self.cfg.model,
-                  "num_classes": self.splits.num_classes,
-                  "input_shape": list(self.splits.input_shape),
-                  "image_mean": list(self.cfg.image_mean) if self.cfg.image_mean else None,
-                  "image_std": list(self.cfg.image_std) if self.cfg.image_std else None,
-                  "classes": list(self.splits.classes), "model_path": str(job / "final/model.pt"),
-                  "world_size": self.env.world_size, "gpu_model": self.gpu_model(),
-                  "train_time_s": self.train_time_s, "profile": profile}
-        (job / "result.json.tmp").write_text(json.dumps(result, indent=2))
-        (job / "result.json.tmp").replace(job / "result.json")
-        if self.tracker is not None:
-            self.tracker.log_metrics(self.step, {f"profile_{k}": v for k, v in profile.items()
-                                                 if isinstance(v, int | float)})
-
-    def close(self, outcome: str) -> None:
-        """Flush tracking and progress; mark the run FINISHED, KILLED (preempted) or FAILED."""
-        with contextlib.suppress(CheckpointError):
-            self.ckpt.wait()
-        self.close_data()
-        status = {"completed": "FINISHED", "preempted": "KILLED"}.get(outcome, "FAILED")
-        if self.progress is not None:  # on record first: closing MLflow can take seconds
-            self.progress.event("end", self.step, outcome=outcome)
-            self.progress.heartbeat(self.step, outcome=outcome, force=True)
-        if self.tracker is not None:
-            try:
-                self.tracker.set_tags({"stoker.last_outcome": outcome})
-                stopping = outcome == "preempted"
-                self.tracker.end(status, abandon_unopened=stopping,
-                                 timeout_s=STOP_TRACKING_WAIT_S if stopping else RUN_OPEN_TIMEOUT_S)
-            except Exception as e:  # tracking must not mask the training outcome
-                log.warning("could not finish MLflow run %s: %s", self._run_id(), e)
-        if self.progress is not None:
-            self.progress.close()
