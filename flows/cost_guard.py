@@ -10,6 +10,7 @@ from __future__ import annotations
 from prefect import flow
 
 from stoker.costguard.config import CostGuardConfig
+from stoker.costguard.summary import summary
 from stoker.forms import CostGuardForm
 from tasks.cost_guard import report, sweep
 from tasks.stopping import untagged_task_runs
@@ -34,15 +35,4 @@ def run_sweep(config: CostGuardConfig) -> dict:
     with untagged_task_runs():  # the sweep samples for a minute: see untagged_task_runs
         result = sweep(config)
         report(result)
-    return {
-        "dry_run": result.dry_run,
-        "idle_gpu_hours": result.idle_gpu_hours,
-        "usd_per_hour": result.usd_per_hour,
-        "resources": [{"resource": r.key, "verdict": str(r.decision.verdict),
-                       "reasons": list(r.decision.reasons),
-                       "action": r.action_status, "detail": r.action}
-                      for r in result.resources],
-        "gpus": [{"gpu": r.id, "verdict": str(r.decision.verdict),
-                  "reasons": list(r.decision.reasons)} for r in result.gpus],
-        "notes": list(result.notes),
-    }
+    return summary(result)

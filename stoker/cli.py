@@ -332,6 +332,12 @@ def cost_guard(
 
         typer.echo(render_markdown(sweep_host(config)), nl=False)
         return
+    if not config.prefect.enabled:  # no flow run to record nor to cancel: no server either
+        from stoker.costguard.summary import summary
+        from stoker.costguard.sweep import sweep_host
+
+        typer.echo(json.dumps(summary(sweep_host(config)), indent=2, default=str))
+        return
     with prefect_api():  # the local server (or PREFECT_API_URL), not a temporary one
         from flows.cost_guard import cost_guard as cost_guard_flow
 

@@ -42,10 +42,12 @@ def predict(
              "your store")
     if store is not None and not store.is_file():
         fail(f"no MLflow store at {store}: {where}")
+    folders = [p for p in images if p.is_dir()]
     images = expand_images(images)  # before the model loads (seconds)
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    from stoker.predict_checks import answered_by, mismatch
     from stoker.tracking.pyfunc import preprocess_images
 
     mlflow.set_tracking_uri(tracking_uri)
@@ -61,6 +63,9 @@ def predict(
     meta = (model.metadata.metadata or {}).get("stoker")
     if meta is None:
         fail(f"{model_uri}: not a Stoker classifier (no class list stored)")
+    if problem := mismatch(images, folders, meta, model_uri):
+        fail(problem)
+    typer.echo(answered_by(model_uri), err=True)
     try:
         batch = preprocess_images(images, meta["preprocessing"])
     except OSError as e:

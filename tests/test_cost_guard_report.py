@@ -107,3 +107,32 @@ def test_plain_cli_sweep_prints_the_report_without_prefect(tmp_path, monkeypatch
     assert result.output.startswith("# Stoker cost guard")
     assert "**dry run**" in result.output and "`GPU-fake-0000`" in result.output
     assert all(line == line.rstrip() for line in result.output.splitlines())
+
+
+
+def test_guard_without_prefect_sweeps_without_a_server(tmp_path):
+    """Issue 46: ``prefect.enabled=false`` still started a long-lived local Prefect server.
+    The real ``stoker cost-guard`` process, with an API URL on a closed port standing for "no
+    server" (any Prefect call would fail on it) and a fake NVML module (no GPU here)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    (tmp_path / "fake_nvml_cli.py").write_text(
+        "import sys\nfrom fake_nvml import FakeNvml, Gpu\n"
+        "sys.modules[__name__] = FakeNvml([[Gpu(index=0)]])\n")
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api",
+           "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), str(tmp_path)])}
+    started = time.monotonic()
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "stoker"), "cost-guard", f"work_dir={tmp_path}",
+         "nvml_module=fake_nvml_cli", "prefect.enabled=false", "docker.enabled=false",
+         "policy.window_s=0.2", "policy.sample_interval_s=0.1"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer = json.loads(result.stdout)
+    assert answer["dry_run"] is True and [g["gpu"] for g in answer["gpus"]] == ["GPU-fake-0000"]
+    assert "127.0.0.1:9" not in result.stderr, result.stderr[-3000:]
+    assert time.monotonic() - started < 120  # generous: a 2-core machine shared by many

@@ -216,3 +216,22 @@ def test_a_damaged_manifest_is_never_published_under_its_hash(tmp_path):
     with pytest.raises(DatasetError, match="does not match its own hash"):
         pull_dataset(str(repo), "v2", "data/images", tmp_path / "datasets")
     assert not (tmp_path / "datasets" / v2.removesuffix(".dir")).exists()
+
+
+def test_remote_on_a_closed_port_is_named_with_its_error(user_repo, tmp_path):
+    """A DVC remote that does not answer (issue 46): its name, URL and the error, not a
+    missing manifest or missing files."""
+    closed = "http://127.0.0.1:9/store"  # port 9 (discard): refused at once
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", str(user_repo), str(repo)], check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "remote", "add", "far", closed], cwd=repo,
+                   check=True, capture_output=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam",
+                    "far remote"], cwd=repo, check=True)
+    subprocess.run(["git", "tag", "far"], cwd=repo, check=True)
+    with pytest.raises(DatasetError) as e:
+        pull_dataset(str(repo), "far", "data/images", tmp_path / "datasets", remote="far")
+    said = str(e.value)
+    assert f"DVC remote 'far' ({closed}) did not answer" in said, said
+    assert "refused" in said.lower(), said
+    assert "manifest" not in said and "missing from" not in said, said

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -138,3 +139,31 @@ def test_stoker_predict_imports_no_prefect_and_a_bad_path_no_torch(champion, tmp
     assert code == 0 and "torch" in modules and "prefect" not in modules
     code, modules = _predict_modules(["no-such.png", "--tracking-uri", uri], tmp_path)
     assert code == 2 and not {"torch", "mlflow", "prefect"} & modules, modules
+def test_predict_refuses_colour_images_on_a_gray_model_and_names_the_answering_version(
+        tmp_path):
+    """Issue 46: RGB shapes on a 1-channel digits model printed confident digit labels, exit 0,
+    without saying which model answered."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    register(uri, 0.5, name="digits", classes=tuple("0123456789"), shape=(1, 8, 8), tmp=tmp_path)
+    write_images(tmp_path / "shapes", {"circle": 1, "square": 1}, size=8, mode="RGB")
+    write_images(tmp_path / "gray", {"3": 1}, size=8, mode="L")
+    write_images(tmp_path / "pets", {"cat": 1, "dog": 1}, size=8, mode="L")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+
+    def predict(*args):
+        return subprocess.run([str(BIN / "stoker"), "predict", *args, "--tracking-uri", uri,
+                               "--model-uri", "models:/digits@champion"], capture_output=True,
+                              text=True, timeout=300, cwd=tmp_path, env=env)
+
+    colour = predict(*sorted(str(p) for p in (tmp_path / "shapes").rglob("*.png")))
+    assert colour.returncode == 2 and colour.stdout == "", colour.stderr[-3000:]
+    [line] = colour.stderr.strip().splitlines()
+    assert "colour (3 channels) image" in line and "1 channel" in line, line
+    assert "--model-uri" in line, line
+    classes = predict(str(tmp_path / "pets"))
+    assert classes.returncode == 2, classes.stderr
+    assert "class folders cat, dog are none of the classes" in classes.stderr, classes.stderr
+    fine = predict(str(tmp_path / "gray"))
+    assert fine.returncode == 0, fine.stderr[-3000:]
+    assert re.search(r"^model: digits version 1 \(alias (.*, )?champion(, .*)?\), run [0-9a-f]{32} "
+                     r"\(models:/digits@champion\)$", fine.stderr, re.M), fine.stderr

@@ -33,6 +33,7 @@ from stoker.data.remote import (
     check_reachable,
     is_local,
     original_remotes,
+    probe_remote,
     remote_names,
     resolve_repo_url,
 )
@@ -194,12 +195,17 @@ def _fetch(clone: Path, repo_url: str, ref: DatasetRef, remote: str | None,
         try:
             dvc.fetch(targets=[target], remote=remote)
         except DvcException as e:
+            if problem := probe_remote(dvc, name, url, ref.md5):
+                raise DatasetError(f"{where}: {problem}") from e
             missing = _missing_files(dvc, target)
             if not missing:
                 raise DatasetError(f"{where}: dvc fetch from remote {name!r} ({url}) failed: "
                                    f"{e}") from e
             raise _missing_error(where, ref, name, url, missing,
                                  _manifest(cache_dir, ref.md5)) from e
+        if not _cache_object(cache_dir, ref.md5).is_file() and (
+                problem := probe_remote(dvc, name, url, ref.md5)):
+            raise DatasetError(f"{where}: {problem}")  # fetch only logged it
     return cache_dir, True
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from stoker.config import is_local, resolve_repo_url
 
-__all__ = ["check_reachable", "is_local", "original_remotes", "relative_remotes",
+__all__ = ["check_reachable", "is_local", "original_remotes", "probe_remote", "relative_remotes",
            "resolve_repo_url"]
 
 
@@ -61,4 +61,44 @@ def check_reachable(name: str | None, url: str | None) -> str | None:
         return "no DVC remote: set data.remote or a default remote (dvc remote add -d)"
     if is_local(url) and not Path(url).is_dir():
         return f"DVC remote {name!r} ({url}) is not reachable: no such folder"
+    return None
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error``'s chain of causes (``__cause__``, else ``__context__``), outermost first."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain and len(chain) < 10:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def probe_remote(dvc_repo, name: str, url: str, md5: str) -> str | None:
+    """Why a DVC remote did not answer for object ``md5``, or None when it answered.
+
+    DVC's fetch logs a remote that cannot be reached and goes on, so the failure would
+    surface later as a missing object. This asks the remote for the object through DVC's own
+    filesystem and reads the connection error under the "not found" DVC reports.
+
+    Args:
+        dvc_repo: an open ``dvc.repo.Repo`` that defines remote ``name``.
+        name, url: the remote, as configured.
+        md5: the object asked for (a ``.dir`` manifest's hash).
+
+    Returns:
+        ``DVC remote 'name' (url) did not answer: <Error>: <message>``, or None.
+    """
+    remote = dvc_repo.cloud.get_remote(name)
+    path = remote.fs.join(remote.path, "files", "md5", md5[:2], md5[2:])
+    try:
+        remote.fs.info(path)
+    except Exception as e:  # noqa: BLE001 - any backend's error is the answer
+        chain = _causes(e)
+        if isinstance(e, FileNotFoundError) and len(chain) == 1:
+            return None  # the remote answered: the object is not there
+        deepest = chain[-1]
+        words = f"{type(deepest).__name__}: {deepest}"
+        if len(chain) > 1 and chain[-2] is not e:
+            words = f"{chain[-2]} ({words})"
+        return f"DVC remote {name!r} ({url}) did not answer: {words}"
     return None

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, SecretStr
 
 from stoker import __version__
 from stoker.images.spec import ImageSpec, content_hash, image_ref, image_tag, write_context
+from stoker.images.stream import engine_error
 from stoker.tracking.lineage import code_version
 
 USERNAME_ENV = "STOKER_REGISTRY_USERNAME"
@@ -248,8 +249,8 @@ def ensure_base_image(api: docker.APIClient, base_image: str,
         repository, tag = parse_repository_tag(base_image)
         on_log(f"pulling base image {base_image}")
         for chunk in api.pull(repository, tag=tag, stream=True, decode=True, auth_config=auth):
-            if "error" in chunk:
-                raise docker.errors.APIError(chunk["error"])
+            if (error := engine_error(chunk)) is not None:
+                raise docker.errors.APIError(error)
             for line in _lines(chunk):
                 on_log(line)
     except docker.errors.APIError as e:
@@ -280,10 +281,9 @@ def build(api: docker.APIClient, spec: ImageSpec, ref: str, labels: dict[str, st
                                buildargs=spec.build_args(), labels=labels, network_mode="host",
                                rm=True, forcerm=True, decode=True)
             for chunk in stream:
-                if "error" in chunk:
+                if (error := engine_error(chunk)) is not None:
                     tail = "\n".join(recent)
-                    raise ImageBuildError(
-                        f"build of {ref} failed: {chunk['error'].strip()}\n{tail}")
+                    raise ImageBuildError(f"build of {ref} failed: {error}\n{tail}")
                 for line in _lines(chunk):
                     recent.append(line)
                     on_log(line)
@@ -308,8 +308,7 @@ def push(api: docker.APIClient, ref: str, credentials: RegistryCredentials | Non
     auth = credentials.auth_config(registry) if credentials else None
     digest = None
     for chunk in api.push(repository, tag=tag, stream=True, decode=True, auth_config=auth):
-        if "error" in chunk:
-            error = chunk["error"].strip()
+        if (error := engine_error(chunk)) is not None:
             if _is_auth_failure(error):
                 raise _auth_error(registry, credentials, error)
             raise PushRejectedError(f"registry {registry} rejected the push of {ref}: {error}")

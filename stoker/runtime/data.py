@@ -51,11 +51,13 @@ def read_image(file: Path, channels: int | None) -> np.ndarray:
     """
     from PIL import Image
 
+    from stoker.runtime.pixels import to_model_mode
+
     with Image.open(file) as image:
         gray = channels == 1 or (channels is None and image.mode in GRAY_MODES)
-        image.load()
-        return np.asarray(image.convert("L" if gray else "RGB"), dtype=np.uint8).reshape(
-            image.height, image.width, 1 if gray else 3)
+        image = to_model_mode(image, 1 if gray else 3)
+        return np.asarray(image, dtype=np.uint8).reshape(image.height, image.width,
+                                                         1 if gray else 3)
 
 
 def load_image_folder(root: Path, channels: int | Literal["auto"] = "auto"

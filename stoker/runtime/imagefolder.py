@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from stoker.runtime.listing import GRAY_MODES, DataError, class_folders, image_files
+from stoker.runtime.pixels import to_model_mode
 
 log = logging.getLogger("stoker.runtime")
 
@@ -306,7 +307,9 @@ def _pillow():
 
 
 def open_image(path: Path | str, channels: int):
-    """One image file, decoded and converted to ``L`` (1 channel) or ``RGB`` (3): a PIL image.
+    """One image file, decoded and converted to ``L`` (1 channel) or ``RGB`` (3): a PIL image,
+    upright, by :func:`stoker.runtime.pixels.to_model_mode` (the rule training, ``stoker predict``
+    and the served model share).
 
     Raises:
         DataError: the file is not a readable image (named).
@@ -314,8 +317,8 @@ def open_image(path: Path | str, channels: int):
     image_module, unidentified = _pillow()
     try:
         with image_module.open(path) as image:
-            return image.convert("L" if channels == 1 else "RGB")
-    except (unidentified, OSError) as e:
+            return to_model_mode(image, channels)
+    except (unidentified, OSError, ValueError) as e:
         raise DataError(f"{path}: not a readable image ({e})") from None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 IGNORED_NAMES = frozenset({"__MACOSX", "Thumbs.db", "desktop.ini"})
-GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
+GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16L", "I;16B", "I;16N", "F"})
 
 
 class DataError(RuntimeError):

@@ -47,13 +47,15 @@ def preprocess_images(paths: list[Path], preprocessing: dict) -> np.ndarray:
     """
     from PIL import Image
 
+    from stoker.runtime.pixels import to_model_mode
+
     size = (preprocessing["width"], preprocessing["height"])
     mean = np.asarray(preprocessing["mean"], dtype=np.float32)[:, None, None]
     std = np.asarray(preprocessing["std"], dtype=np.float32)[:, None, None]
     batch = []
     for path in paths:
         with Image.open(path) as image:
-            image = image.convert(preprocessing["color_mode"])
+            image = to_model_mode(image, 1 if preprocessing["color_mode"] == "L" else 3)
             if image.size != size:
                 image = image.resize(size, Image.Resampling.BILINEAR)
             pixels = np.asarray(image, dtype=np.float32) * preprocessing["scale"]

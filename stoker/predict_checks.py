@@ -1,0 +1,77 @@
+"""What ``stoker predict`` says before it answers: which model version answers, and whether the
+images can be read by it at all (their channels, their class folders)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
+
+
+def answered_by(model_uri: str) -> str:
+    """The model version behind ``model_uri`` as one line: name, version, alias and run.
+
+    Args:
+        model_uri: an MLflow model URI (``models:/name@alias``, ``models:/name/3``, ``runs:/..``).
+
+    Returns:
+        ``model: <name> version <v> (alias <a>), run <run id> (<uri>)``; for a URI that names no
+        registered version, ``model: <uri>``.
+    """
+    from mlflow import MlflowClient
+
+    match = MODELS_URI.match(model_uri)
+    if match is None:
+        return f"model: {model_uri}"
+    client = MlflowClient()
+    name, alias = match["name"], match["alias"]
+    try:
+        version = (client.get_model_version_by_alias(name, alias) if alias
+                   else client.get_model_version(name, match["version"]))
+    except Exception:  # noqa: BLE001 - only what is said; loading the model already worked
+        return f"model: {model_uri}"
+    aliases = sorted(set(version.aliases or []) | ({alias} if alias else set()))
+    named = f" (alias {', '.join(aliases)})" if aliases else ""
+    return f"model: {name} version {version.version}{named}, run {version.run_id} ({model_uri})"
+
+
+def mismatch(images: list[Path], folders: list[Path], meta: dict, model_uri: str) -> str | None:
+    """Why these images do not fit the model (one line naming the first that does not), or None.
+
+    Args:
+        images: the image files to predict.
+        folders: the folders the user gave (their class subfolders are compared with the
+            model's classes).
+        meta: the model's ``stoker`` metadata (``preprocessing.channels``, ``classes``).
+        model_uri: the model, for the message.
+
+    Returns:
+        The reason, ending with a ``--model-uri`` suggestion; None when they fit.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    from stoker.runtime.listing import GRAY_MODES
+
+    channels = int(meta["preprocessing"]["channels"])
+    hint = "; choose a model trained on such images with --model-uri"
+    for path in images:
+        try:
+            with Image.open(path) as image:
+                colour = image.mode not in GRAY_MODES
+        except (UnidentifiedImageError, OSError) as e:
+            return f"{path}: not a readable image ({e})"
+        if colour != (channels == 3):
+            has = "colour (3 channels)" if colour else "gray (1 channel)"
+            wants = "3 channels" if channels == 3 else "1 channel (gray)"
+            return f"{path}: a {has} image, but {model_uri} takes {wants}{hint}"
+    classes = set(meta.get("classes") or [])
+    for folder in folders:
+        subfolders = sorted(p.name for p in folder.iterdir()  # those holding files: classes
+                            if p.is_dir() and not p.name.startswith(".")
+                            and any(f.is_file() for f in p.iterdir()))
+        unknown = [name for name in subfolders if name not in classes]
+        if subfolders and len(unknown) == len(subfolders):
+            return (f"{folder}: class folders {', '.join(unknown[:5])} are none of the classes "
+                    f"of {model_uri} ({', '.join(sorted(classes)[:10])}){hint}")
+    return None

@@ -1,0 +1,58 @@
+"""The Docker Engine's own message reaches the user when a build or push stream reports its
+failure only in ``errorDetail`` (issue 46). The Engine cannot be made to send that shape on
+demand, so the real ``build``/``push`` read a stand-in of the Engine API client that yields the
+stream exactly as the Engine API documents it (``docker.APIClient`` with ``decode=True``)."""
+
+from __future__ import annotations
+
+import pytest
+from image_support import ENTRY
+
+from stoker.images.build import ImageBuildError, PushRejectedError, build, push
+from stoker.images.spec import ImageSpec, load_matrix
+from stoker.images.stream import engine_error
+
+MESSAGE = "failed to solve: process \"/bin/sh -c false\" did not complete successfully"
+ONLY_DETAIL = {"errorDetail": {"code": 1, "message": MESSAGE}}
+
+
+class EngineStream:
+    """``docker.APIClient``'s build/push answering with a fixed decoded JSON stream."""
+
+    def __init__(self, *chunks: dict):
+        self.chunks = chunks
+
+    def build(self, **_):
+        return iter(self.chunks)
+
+    def push(self, *_, **__):
+        return iter(self.chunks)
+
+
+def test_build_failure_only_in_error_detail_names_the_engine_message():
+    stream = EngineStream({"stream": "Step 1/2 : FROM base\n"}, ONLY_DETAIL)
+    with pytest.raises(ImageBuildError) as e:
+        build(stream, ImageSpec(entry=load_matrix().entry(ENTRY)), "127.0.0.1:5000/x:1", {},
+              lambda line: None)
+    assert MESSAGE in str(e.value) and "code 1" in str(e.value)
+    assert "without an image id" not in str(e.value)
+
+
+def test_push_failure_only_in_error_detail_names_the_engine_message():
+    stream = EngineStream({"status": "The push refers to repository [127.0.0.1:5000/x]"},
+                          {"errorDetail": {"message": "blob upload unknown"}})
+    with pytest.raises(PushRejectedError) as e:
+        push(stream, "127.0.0.1:5000/x:1", None, lambda line: None)
+    assert "blob upload unknown" in str(e.value) and "127.0.0.1:5000" in str(e.value)
+    assert "no digest" not in str(e.value)
+
+
+@pytest.mark.parametrize("chunk, expected", [
+    ({"error": " boom \n", "errorDetail": {"message": "boom"}}, "boom"),
+    ({"errorDetail": {"message": "", "code": 2}}, "(no message) (code 2)"),
+    ({"errorDetail": "plain"}, "plain"),
+    ({"stream": "ok"}, None),
+    ({"error": ""}, None),
+])
+def test_engine_error_reads_both_shapes(chunk, expected):
+    assert engine_error(chunk) == expected
