@@ -191,3 +191,62 @@ def test_waits_for_an_orphan_that_stops_once_the_lease_moved(docker_engine, make
         assert orphan.status == "exited"
     finally:
         orphan.remove(force=True)
+
+
+ORCHESTRATOR = """
+import sys
+from pathlib import Path
+from stoker.jobs.lease import JobLease
+from stoker.launch.docker import DockerLauncher
+from stoker.runtime.spec import RunSpec
+spec_path, image, port = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+lease = JobLease(spec_path.parent, float(sys.argv[4])).acquire()
+RunSpec.load(spec_path).model_copy(update={"lease_token": lease.token}).dump(spec_path)
+DockerLauncher(image=image, gpus=0, shm_size="256m", shutdown_grace_s=20,
+               rdzv_endpoint=f"127.0.0.1:{port}").run(spec_path, timeout_s=900)
+"""
+
+
+def test_a_container_whose_orchestrator_died_stops_once_the_lease_expires(
+        training_image, make_spec, docker_engine):
+    """Issue 46: `kill -9` of the orchestrator (stoker run) with launcher.kind=docker left the
+    training container running when no rerun came: a GPU paid for, nobody recording. The
+    runtime inside watches the lease: once it expires it commits a stop checkpoint and the
+    container exits; no container of the job is left after the expiry + 30 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from image_support import free_port
+
+    ttl_s = 8.0
+    spec = make_spec(f"orphan-{uuid.uuid4().hex[:8]}", epochs=200, tracking=False,
+                     checkpoint_every_steps=1000)
+    job = spec.parent.name
+    orchestrator = subprocess.Popen(
+        [sys.executable, "-c", ORCHESTRATOR, str(spec), training_image.ref, str(free_port()),
+         str(ttl_s)], env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    label = {"label": f"{DOCKER_JOB_LABEL}={job}"}
+    try:
+        deadline = time.monotonic() + 300
+        while not any(e["event"] == "step" for e in events(spec.parent)):
+            assert orchestrator.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert docker_engine.containers.list(filters=label)  # it trains in a container
+        os.kill(orchestrator.pid, signal.SIGKILL)
+        orchestrator.wait(30)
+        killed = time.monotonic()
+        while docker_engine.containers.list(filters=label) \
+                and time.monotonic() < killed + ttl_s + 30:
+            time.sleep(1)
+        assert not docker_engine.containers.list(filters=label), "a container trains unowned"
+        ends = [e for e in events(spec.parent) if e["event"] == "end"]
+        assert ends and ends[-1]["outcome"] == "preempted"  # with its stop checkpoint
+        assert (spec.parent / "checkpoints" / f"step-{ends[-1]['step']:09d}" / "COMMITTED").exists()
+    finally:
+        if orchestrator.poll() is None:
+            orchestrator.kill()
+        for container in docker_engine.containers.list(all=True, filters=label):
+            container.remove(force=True)
