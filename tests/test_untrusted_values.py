@@ -26,3 +26,25 @@ def test_an_option_like_value_is_refused_naming_its_field(demo_repo, tmp_path, f
     assert not marker.exists()
     assert not (tmp_path / "datasets" / ".repos").exists() or not any(
         p for p in (tmp_path / "datasets" / ".repos").iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("name", ["evil\x1b[2Jname", "two\nlines", "bell\x07"])
+def test_a_model_name_with_a_control_character_is_refused_at_validation(name):
+    from stoker.config import ConfigError, PipelineConfig, validate
+
+    with pytest.raises(ConfigError) as refused:
+        validate(PipelineConfig, {"tracking": {"registered_model": name}})
+    message = str(refused.value)
+    assert "tracking.registered_model" in message and "control character" in message
+    assert name not in message  # shown escaped, never raw
+
+
+def test_a_class_folder_with_a_control_character_is_refused_by_name(tmp_path):
+    from stoker.runtime.data import DataError
+    from stoker.runtime.imagefolder import scan_image_folder
+
+    for name in ("ok", "evil\x1b[31m"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.png").write_bytes(b"")
+    with pytest.raises(DataError, match=r"class name contains the control character '\\x1b'"):
+        scan_image_folder(tmp_path, probe=False)

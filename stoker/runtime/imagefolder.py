@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from stoker.data.untrusted import control_characters
 from stoker.runtime.data import GRAY_MODES, DataError, class_folders, image_files
 
 log = logging.getLogger("stoker.runtime")
@@ -98,6 +99,9 @@ def scan_image_folder(root: Path, probe: bool = True) -> dict:
         raise DataError(f"{root}: no class folders (expected <class>/<image> files)")
     classes, sizes, colour = [], set(), False
     for folder in folders:
+        if (char := control_characters(folder.name)) is not None:
+            raise DataError(f"{folder.parent}/{folder.name!r}: class name contains the control "
+                            f"character {char}; rename the folder")
         files = image_files(folder)
         if not files:
             raise DataError(f"{folder}: empty class (no image files)")
