@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from stoker.runtime.listing import control_characters
 from stoker.tracking.pricing import PriceTable
 
 _SCP_LIKE = re.compile(r"^[\w.-]+@[\w.-]+:")  # git@github.com:owner/repo.git
@@ -396,6 +397,8 @@ class TrackingConfig(_Frozen):
     def _not_blank(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
             raise ValueError("must not be empty")
+        if value is not None and (char := control_characters(value)) is not None:
+            raise ValueError(f"contains the control character {char}")
         return value
 
     @field_validator("tracking_uri", "ui_url")

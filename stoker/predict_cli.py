@@ -8,6 +8,7 @@ where it can be.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -49,20 +50,18 @@ def predict(
 
     from stoker.predict_checks import answered_by, mismatch
     from stoker.tracking.pyfunc import preprocess_images
+    from stoker.tracking.safe_model import UnsafeModelError, load_classifier
 
     mlflow.set_tracking_uri(tracking_uri)
     if model_uri is None:
         model_uri = default_model_uri(where)
-    try:
-        # suppress_warnings: no comparison of the model's pip requirements with every
-        # installed distribution (seconds of metadata scanning, CPU-bound); a Stoker model
-        # is checked below by its own metadata, and a real mismatch fails as it loads.
-        model = mlflow.pyfunc.load_model(model_uri, suppress_warnings=True)
-    except MlflowException as e:
-        fail(f"{model_uri}: {e.message.splitlines()[0]}; {registered_models()} ({where})")
-    meta = (model.metadata.metadata or {}).get("stoker")
-    if meta is None:
-        fail(f"{model_uri}: not a Stoker classifier (no class list stored)")
+    with tempfile.TemporaryDirectory(prefix="stoker-predict-") as tmp:
+        try:  # checks the MLmodel file first; runs no code the model ships (safe_model)
+            model, meta = load_classifier(model_uri, Path(tmp))
+        except MlflowException as e:
+            fail(f"{model_uri}: {e.message.splitlines()[0]}; {registered_models()} ({where})")
+        except UnsafeModelError as e:
+            fail(f"{e} (refused before loading)")
     if problem := mismatch(images, folders, meta, model_uri):
         fail(problem)
     typer.echo(answered_by(model_uri), err=True)
@@ -70,7 +69,7 @@ def predict(
         batch = preprocess_images(images, meta["preprocessing"])
     except OSError as e:
         fail(str(e))
-    table = model.predict(batch, params={"logits": logits})
+    table = model.predict(None, batch, params={"logits": logits})
     for path, (_, row) in zip(images, table.iterrows(), strict=True):
         extra = "".join(f"\t{k}={row[k]:.3f}" for k in table.columns if k.startswith("logit_"))
         typer.echo(f"{path}\t{row['class']}\t{row['probability']:.3f}{extra}")

@@ -37,6 +37,7 @@ from stoker.data.remote import (
     remote_names,
     resolve_repo_url,
 )
+from stoker.data.untrusted import option_like
 from stoker.runtime.records import read_json, write_json
 
 LOCK_TIMEOUT_S = 3600.0  # a cold pull of a large dataset holds the clone's lock this long at most
@@ -93,7 +94,7 @@ def _clone(repo_url: str, datasets_dir: Path) -> Path:
     clone.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=clone.parent))
     try:
-        git(clone.parent, "clone", "-q", "--no-checkout", repo_url, str(staging))
+        git(clone.parent, "clone", "-q", "--no-checkout", "--", repo_url, str(staging))
     except RuntimeError as e:
         shutil.rmtree(staging, ignore_errors=True)
         raise DatasetError(f"data.repo_url {repo_url}: cannot clone: {_reason(e)}") from None
@@ -336,6 +337,9 @@ def check_local_rev(repo_url: str, rev: str, path: str) -> str | None:
     Raises:
         DatasetError: naming ``data.rev`` or ``data.path``, as the pull would.
     """
+    if (refused := option_like({"data.repo_url": repo_url, "data.rev": rev,
+                                "data.path": path})) is not None:
+        raise DatasetError(refused)
     repo = Path(repo_url)
     if "://" in repo_url or not (repo / ".git").exists():
         return None
@@ -349,7 +353,7 @@ def _commit_of(repo: Path, rev: str, repo_url: str) -> str:
         DatasetError: naming ``data.rev`` and the repository.
     """
     try:
-        return git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}")
+        return git(repo, "rev-parse", "--verify", "--end-of-options", f"{rev}^{{commit}}")
     except RuntimeError:
         raise DatasetError(f"data.rev {rev!r}: not found in {repo_url}") from None
 
@@ -378,6 +382,9 @@ def pull_dataset(
     """
     from filelock import FileLock, Timeout
 
+    if (refused := option_like({"data.repo_url": repo_url, "data.rev": rev, "data.path": path,
+                                "data.remote": remote})) is not None:
+        raise DatasetError(refused)
     repo_url = resolve_repo_url(repo_url)
     datasets_dir = datasets_dir.resolve()
     (datasets_dir / ".repos").mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ from tenacity import Retrying, stop_after_attempt, wait_exponential
 # Defined there: the orchestrator names them without importing torch.
 from stoker.runtime import CheckpointError, CheckpointWriteError
 from stoker.runtime.lease import LeaseLost
+from stoker.runtime.safe_load import UnsafeCheckpointError, load_data_only
 from stoker.runtime.staging import HashingWriter, HostStaging
 
 log = logging.getLogger(__name__)
@@ -553,20 +554,23 @@ class Checkpointer:
 
         Raises:
             CheckpointError: it is not committed, or a file is missing, corrupt or unreadable.
+            UnsafeCheckpointError: a file names a type outside the data-only allow-list.
         """
         folder = self.step_dir(step)
         if not self.fs.exists(f"{folder}/{MARKER}"):
             raise CheckpointError(f"checkpoint {folder}: no {MARKER} marker ({UNFINISHED})")
         try:
             marker, blobs = self._verify_and_read(step)
-            shared = torch.load(io.BytesIO(blobs["shared.pt"]), map_location=map_location,
-                                weights_only=False)
-            own = blobs.get(f"rank-{self.rank:05d}.pt")
+            shared = load_data_only(blobs["shared.pt"], f"{folder}/shared.pt", map_location)
+            own_name = f"rank-{self.rank:05d}.pt"
+            own = blobs.get(own_name)
             same_world = marker["world_size"] == self.world_size
             rank_state = (
-                torch.load(io.BytesIO(own), map_location="cpu", weights_only=False)
+                load_data_only(own, f"{folder}/{own_name}")
                 if own is not None and same_world else None
             )
+        except UnsafeCheckpointError:
+            raise  # a planted payload is refused, never skipped for an older step
         except Exception as e:  # any unreadable file makes the whole checkpoint unusable
             raise CheckpointError(f"checkpoint {folder}: unusable ({type(e).__name__}: {e})") \
                 from e
@@ -589,6 +593,8 @@ class Checkpointer:
                 continue
             try:
                 return self.load_step(step, map_location)
+            except UnsafeCheckpointError:
+                raise
             except CheckpointError as e:
                 warn(f"{e}; falling back to the previous committed checkpoint")
         return None

@@ -31,7 +31,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from stoker.runtime.listing import GRAY_MODES, DataError, class_folders, image_files
+from stoker.runtime.listing import (
+    GRAY_MODES,
+    DataError,
+    class_folders,
+    control_characters,
+    image_files,
+)
 from stoker.runtime.pixels import to_model_mode
 
 log = logging.getLogger("stoker.runtime")
@@ -99,6 +105,9 @@ def scan_image_folder(root: Path, probe: bool = True) -> dict:
         raise DataError(f"{root}: no class folders (expected <class>/<image> files)")
     classes, sizes, colour = [], set(), False
     for folder in folders:
+        if (char := control_characters(folder.name)) is not None:
+            raise DataError(f"{folder.parent}/{folder.name!r}: class name contains the control "
+                            f"character {char}; rename the folder")
         files = image_files(folder)
         if not files:
             raise DataError(f"{folder}: empty class (no image files)")

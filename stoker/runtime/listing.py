@@ -33,3 +33,21 @@ def class_folders(root: Path) -> list[Path]:
 def image_files(folder: Path) -> list[Path]:
     """The candidate image files of one class folder, sorted by name (hidden files skipped)."""
     return sorted(p for p in folder.iterdir() if p.is_file() and visible(p))
+
+
+def control_characters(value: str) -> str | None:
+    """The first control character in ``value`` as an escape (``'\\x1b'``), None when none.
+
+    A class or model name is printed in terminals, logs, the MLflow UI and tags: an escape
+    sequence in it could rewrite what a reader sees.
+
+    Args:
+        value: a name (a class folder, a registered model).
+
+    Returns:
+        ``repr`` of the first character below U+0020, U+007F..U+009F, or None.
+    """
+    for char in value:
+        if ord(char) < 0x20 or 0x7F <= ord(char) <= 0x9F:
+            return repr(char)
+    return None

@@ -8,7 +8,9 @@ uses it; a step any rank cannot load is skipped for the next one, and moved asid
 
 When step folders exist but none is usable the job either restarts from step 0 with a loud
 warning naming every skipped folder and why (``train.on_no_usable_checkpoint=restart``), or
-refuses with a ``CheckpointError`` and changes nothing (``refuse``).
+refuses with a ``CheckpointError`` and changes nothing (``refuse``). A file that tries to
+build a type outside the data-only allow-list (``stoker.runtime.safe_load``) is never skipped:
+every rank stops with ``UnsafeCheckpointError`` (exit 2), whatever ``on_no_usable_checkpoint``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from stoker.runtime.checkpoint import UNFINISHED, Checkpointer, CheckpointError, Loaded
 from stoker.runtime.distributed import DistEnv, all_reduce_min, broadcast_from_main
+from stoker.runtime.safe_load import UnsafeCheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,13 @@ def _all_ranks(ok: bool, step: int, env: DistEnv) -> tuple[bool, int, int]:
     return bool(tensor[0]), int(tensor[1]), -int(tensor[2])
 
 
+def _agree_any(flag: bool, env: DistEnv) -> bool:
+    """True on every rank when ``flag`` is true on any rank."""
+    tensor = torch.tensor([int(not flag)], dtype=torch.int64, device=env.device)
+    all_reduce_min(tensor, env)
+    return not bool(tensor[0])
+
+
 def resume_point(ckpt: Checkpointer, env: DistEnv, on_none: str = "restart",
                  map_location: str | torch.device = "cpu",
                  warn: Callable[[str], None] = log.warning) -> ResumePoint:
@@ -69,6 +79,8 @@ def resume_point(ckpt: Checkpointer, env: DistEnv, on_none: str = "restart",
     Raises:
         CheckpointError: the ranks ended on different steps (a bug), or no folder is usable and
             ``on_none == "refuse"`` (the message names every folder and why).
+        UnsafeCheckpointError: a file of the chosen step names a type that is not allowed
+            (a planted pickle): refused on every rank, never skipped for an older step.
     """
     steps = ckpt.step_folders() if env.is_main else []
     skipped: list[str] = []
@@ -86,10 +98,16 @@ def resume_point(ckpt: Checkpointer, env: DistEnv, on_none: str = "restart",
         index += 1
         if step < 0:
             break
+        refused: UnsafeCheckpointError | None = None
         try:
             loaded, reason = ckpt.load_step(step, map_location), ""
+        except UnsafeCheckpointError as e:
+            loaded, reason, refused = None, str(e), e
         except CheckpointError as e:
             loaded, reason = None, str(e)
+        if _agree_any(refused is not None, env):  # a planted payload stops every rank
+            raise refused or UnsafeCheckpointError(
+                f"checkpoint {ckpt.step_dir(step)}: refused on another rank (see its log)")
         ok, low, high = _all_ranks(loaded is not None, step if loaded else -1, env)
         if ok:
             if low != step or high != step:

@@ -76,7 +76,7 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         self.classes = list(meta["classes"])
         channels = meta["preprocessing"]["channels"]
         self.model = build_model(meta["model"], len(self.classes), channels)
-        state = torch.load(context.artifacts["weights"], map_location="cpu")
+        state = torch.load(context.artifacts["weights"], map_location="cpu", weights_only=True)
         self.model.load_state_dict(state, strict=True)
         self.model.eval()
 

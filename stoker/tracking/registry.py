@@ -377,7 +377,8 @@ def load_trained_model(result: dict):
     from stoker.runtime.models import build_model
 
     model = build_model(result["model"], result["num_classes"], result["input_shape"][0])
-    model.load_state_dict(torch.load(result["model_path"], map_location="cpu"), strict=True)
+    model.load_state_dict(torch.load(result["model_path"], map_location="cpu", weights_only=True),
+                          strict=True)
     return model.eval()
 
 

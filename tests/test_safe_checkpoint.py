@@ -1,0 +1,77 @@
+"""Issue 44, point 1: a checkpoint is loaded data-only, so a pickle payload planted in a shared
+checkpoint folder (with a matching sha256 record) is refused by name and never run."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint_recovery import committed, folder, run, starts
+
+from stoker.runtime.checkpoint import MARKER, Checkpointer
+from stoker.runtime.safe_load import UnsafeCheckpointError
+
+
+class Payload:
+    """Pickles as a call to os.system that creates ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant(step_dir: Path, name: str, marker: Path) -> None:
+    """Replace ``name`` by a payload and record its sha256 in the marker, as an attacker with
+    write access to the shared folder would."""
+    buffer = io.BytesIO()
+    torch.save({"model": Payload(marker)}, buffer)
+    (step_dir / name).write_bytes(buffer.getvalue())
+    record = json.loads((step_dir / MARKER).read_text())
+    record["files"][name] = hashlib.sha256(buffer.getvalue()).hexdigest()
+    (step_dir / MARKER).write_text(json.dumps(record))
+
+
+def test_a_planted_pickle_is_refused_by_name_and_never_run(tmp_path):
+    """Plain: load_latest refuses the newest step (naming the file and posix.system) instead of
+    falling back to an older one, and the payload's marker file is never created."""
+    root = tmp_path / "checkpoints"
+    ckpt = Checkpointer(str(root), 0, 1)
+    for step in (1, 2):
+        ckpt.save(step, {"step": step, "model": {"w": torch.ones(2)}}, {"rng": {}})
+        ckpt.wait()
+    marker = tmp_path / "pwned"
+    plant(root / "step-000000002", "shared.pt", marker)
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        Checkpointer(str(root), 0, 1).load_latest()
+    assert "step-000000002/shared.pt" in str(refused.value)
+    assert "posix.system" in str(refused.value)
+    assert not marker.exists()
+    assert Checkpointer(str(root), 0, 1).committed_steps() == [1, 2]  # nothing moved aside
+
+
+@pytest.mark.integration
+def test_the_job_stops_with_exit_2_on_a_planted_pickle_and_does_not_restart(make_spec, tmp_path):
+    """Real torchrun (2 gloo ranks): a payload planted in rank 1's file of the newest step stops
+    every rank with exit 2 naming the file; no step is skipped, nothing restarts from step 0."""
+    spec = make_spec("planted", epochs=2, checkpoint_every_steps=5, keep_latest_k=3)
+    code, output = run(spec, stop_after=7)
+    assert code == 75, output[-3000:]
+    steps = committed(spec)
+    marker = tmp_path / "pwned"
+    plant(folder(spec, steps[-1]), "rank-00001.pt", marker)
+    before = starts(spec)
+
+    code, output = run(spec, timeout_s=180)
+    assert code == 2, output[-3000:]
+    assert f"{folder(spec, steps[-1])}/rank-00001.pt: refused" in output
+    assert "posix.system" in output
+    assert not marker.exists()
+    assert starts(spec) == before  # no attempt started, from step 0 or any other
+    assert committed(spec) == steps
