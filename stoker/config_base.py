@@ -1,0 +1,135 @@
+"""The machinery under every Stoker config: frozen pydantic models that refuse inf, NaN and a
+boolean for a number, one-line errors that name each field (``train.lr: must be > 0, got -1``),
+and the loader that merges defaults, a YAML file and dotted overrides (OmegaConf).
+
+Imports no Prefect and nothing of Stoker's: the training runtime uses it in the image.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names each offending field."""
+
+
+def _takes_numbers_not_bools(annotation: Any) -> bool:
+    """Whether a field typed ``annotation`` takes an int or float but no bool."""
+    found: set[Any] = set()
+    stack = [annotation]
+    while stack:
+        kind = stack.pop()
+        found.add(kind)
+        stack.extend(typing.get_args(kind))
+    return bool(found & {int, float}) and not found & {bool, Any}
+
+
+class _Frozen(BaseModel):
+    # No inf/NaN floats: `train.lr=inf` must be refused, not train to NaN.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info) -> Any:
+        """``train.epochs=true`` is refused (pydantic would read it as 1)."""
+        if isinstance(value, bool) and _takes_numbers_not_bools(
+                cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
+
+
+_FIELD_MESSAGE = re.compile(r"^([a-z_][a-z0-9_.]*): (.+)$", re.S)
+
+
+def _field_names(model: type[BaseModel] | None, path: tuple) -> list[str]:
+    """The field names of the model found at ``path`` inside ``model`` ([] when unknown)."""
+    for part in path:
+        field = getattr(model, "model_fields", {}).get(str(part))
+        if field is None:
+            return []
+        options = [field.annotation, *typing.get_args(field.annotation)]
+        model = next((t for t in options if isinstance(t, type) and issubclass(t, BaseModel)),
+                     None)
+    return list(getattr(model, "model_fields", {}))
+
+
+def _unknown_field(model: type[BaseModel] | None, loc: tuple) -> str:
+    close = difflib.get_close_matches(str(loc[-1]), _field_names(model, loc[:-1]), n=1)
+    return f"unknown field; did you mean {close[0]!r}?" if close else "unknown field"
+
+
+def format_validation_error(error: ValidationError, prefix: str = "",
+                            model: type[BaseModel] | None = None) -> str:
+    """Render a pydantic error as one line per field: ``train.lr: must be > 0, got -1``;
+    with ``model``, an unknown field names the closest known one (``did you mean 'epochs'?``)."""
+    lines = []
+    for item in error.errors():
+        loc = ".".join(str(part) for part in item["loc"] if part != "__root__")
+        name = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
+        message = item["msg"].removeprefix("Value error, ")
+        named = _FIELD_MESSAGE.match(message) if item["type"] == "value_error" else None
+        if named:  # a model validator naming its field: `train.` + `global_batch_size: ...`
+            name = f"{name}.{named[1]}" if loc else f"{prefix}{named[1]}"
+            message = named[2]
+        elif (item["type"] not in ("missing", "extra_forbidden") and "input" in item and loc
+              and "got " not in message and not isinstance(item["input"], dict | list)):
+            message = f"{message}, got {item['input']!r}"
+        if item["type"] == "extra_forbidden":
+            message = _unknown_field(model, item["loc"])
+        elif item["type"] == "string_type" and isinstance(item.get("input"), int | float | bool):
+            kind = "boolean" if isinstance(item["input"], bool) else "number"
+            message += f" (YAML read it as a {kind}: quote it, e.g. " \
+                       f"{name}=\"'{item['input']}'\")"
+        line = f"{name}: {message}"
+        if line not in lines:  # a union field reports once per member
+            lines.append(line)
+    return "; ".join(lines)
+
+
+def validate(model: type[BaseModel], values: dict[str, Any], prefix: str = ""):
+    """Build ``model`` from plain values, raising ConfigError that names each bad field."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, prefix, model)) from None
+
+
+def load_config(model: type[BaseModel], config_file: Path | None = None,
+                overrides: list[str] | None = None):
+    """Merge ``model``'s defaults, a YAML file and ``a.b=value`` overrides into a validated model.
+
+    Raises:
+        ConfigError: the file is missing or not a mapping, an override is malformed, or a value
+            fails validation (the message names the field).
+    """
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    layers = []
+    if config_file is not None:
+        if not Path(config_file).is_file():
+            raise ConfigError(f"config file {config_file}: not found")
+        try:
+            loaded = OmegaConf.load(config_file)
+        except (yaml.YAMLError, OmegaConfBaseException, UnicodeDecodeError, OSError) as e:
+            raise ConfigError(f"config file {config_file}: not valid YAML: {e}") from None
+        if not OmegaConf.is_dict(loaded):
+            raise ConfigError(f"config file {config_file}: must hold a mapping of fields")
+        layers.append(loaded)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected field=value, e.g. train.epochs=3")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+        merged = OmegaConf.to_container(OmegaConf.merge(*layers) if layers else OmegaConf.create())
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config: {e}") from None
+    return validate(model, merged)
