@@ -27,6 +27,7 @@ from stoker.config_base import (  # noqa: F401 - re-exported: stoker.config is t
     _Frozen,
     format_validation_error,
     load_config,
+    refuse_url_credentials,
     validate,
 )
 from stoker.config_runs import (  # noqa: F401 - re-exported
@@ -121,6 +122,8 @@ class DataConfig(_Frozen):
         # Resolved here, in the user's process: Prefect may run the pull in another directory.
         if value is None or not value.strip():
             return None
+        refuse_url_credentials(value, "to git: a credential helper (git config --global "
+                               "credential.helper store), GIT_ASKPASS, or an SSH key")
         return resolve_repo_url(value.strip())
 
     # The value as given, before _absolute_repo resolved it: whether it was a relative path
@@ -184,6 +187,9 @@ class TrackingConfig(_Frozen):
     def _known_scheme(cls, value: str | None, info) -> str | None:
         if value is None:
             return value
+        refuse_url_credentials(value, "in the environment: MLFLOW_TRACKING_USERNAME and "
+                               "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for a "
+                               "server, PGPASSWORD or ~/.pgpass for a database")
         scheme = value.partition("://")[0].split("+")[0].lower() if "://" in value else ""
         allowed = TRACKING_SCHEMES if info.field_name == "tracking_uri" else ("http", "https")
         if scheme not in allowed and not (scheme == "" and info.field_name == "tracking_uri"):
@@ -268,6 +274,8 @@ class PipelineConfig(_Frozen):
     def _store_url(cls, value: str | None) -> str | None:
         if value is None or not value.strip():
             return None
+        refuse_url_credentials(value, "in the environment (AWS_ACCESS_KEY_ID, "
+                               "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN)")
         value = value.strip()
         if "://" not in value:  # a path: absolute, so that every process reads the same one
             return str(Path(value).expanduser().resolve())

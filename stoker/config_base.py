@@ -133,3 +133,60 @@ def load_config(model: type[BaseModel], config_file: Path | None = None,
     except OmegaConfBaseException as e:
         raise ConfigError(f"config: {e}") from None
     return validate(model, merged)
+
+
+# Query parameters that carry a secret (signed URLs, tokens): never stored with the URL.
+_SECRET_PARAMETERS = frozenset({
+    "token", "access_token", "auth", "password", "passwd", "pwd", "secret", "api_key", "apikey",
+    "key", "sig", "signature", "x-amz-signature", "x-amz-credential", "x-amz-security-token",
+    "x-goog-signature", "x-goog-credential"})
+
+
+def url_credentials(url: str) -> str | None:
+    """What credential ``url`` carries, in words (``a password``, ``a user name (token)``,
+    ``the query parameter 'token'``), or None when it carries none. An ``ssh://git@host`` or
+    ``git@host:path`` user is no credential; any user of an http(s) URL is (a token given as
+    the user name, GitHub's way)."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    try:
+        parts = urlsplit(url.strip())
+        password, user = parts.password, parts.username
+    except ValueError:  # an unparsable port or netloc: no credential can be read from it
+        return None
+    if password:
+        return "a password"
+    if user and parts.scheme.lower() in ("http", "https"):
+        return "a user name (a token)"
+    for name, _value in parse_qsl(parts.query, keep_blank_values=True):
+        if name.lower() in _SECRET_PARAMETERS:
+            return f"the query parameter {name!r}"
+    return None
+
+
+def refuse_url_credentials(url: str | None, where: str) -> str | None:
+    """``url`` unchanged, or ValueError when it carries a credential (:func:`url_credentials`):
+    a URL is recorded (Prefect parameters, MLflow tags, the job's records, logs), so its
+    credentials belong in the environment; ``where`` says which variables take them."""
+    if url is not None and (found := url_credentials(url)) is not None:
+        raise ValueError(f"holds {found}, and this URL is recorded (Prefect parameters, MLflow "
+                         f"tags, the job's records, logs): give the URL without it and the "
+                         f"credential {where}; got {masked_url(url)}")
+    return url
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its credentials as ``***`` (user and password, secret query values), for a
+    message that quotes it."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url.strip())
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<a URL that cannot be parsed>"
+    netloc = f"***@{host}{port}" if parts.username or parts.password else parts.netloc
+    query = urlencode([(k, "***" if k.lower() in _SECRET_PARAMETERS else v)
+                       for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
