@@ -163,11 +163,12 @@ class BudgetWatcher(threading.Thread):
     def __init__(self, job_dir: Path, max_cost_usd: float | None,
                  max_duration_s: float | None, prices: PriceTable, devices: int,
                  gpu_model: Callable[[], str | None], say: Callable[[str], None],
-                 every_s: float = 5.0):
+                 every_s: float = 5.0, warn: Callable[[str], None] | None = None):
         super().__init__(daemon=True, name="budget-watcher")
         self.job_dir, self.prices, self.devices = Path(job_dir), prices, devices
         self.max_cost_usd, self.max_duration_s = max_cost_usd, max_duration_s
         self.gpu_model, self.say, self.every_s = gpu_model, say, every_s
+        self.warn = warn or say  # a check that failed: the budget is not being enforced
         self.stopped = threading.Event()
         self.fired: str | None = None
         self._model: str | None = (read_spend(job_dir) or {}).get("gpu_model")
@@ -177,7 +178,7 @@ class BudgetWatcher(threading.Thread):
             try:
                 self.check()
             except Exception as e:  # noqa: BLE001 - a failed check must not end the job
-                self.say(f"budget check failed: {e}")
+                self.warn(f"budget check failed: {e}")
 
     def gpu_model_known(self) -> str | None:
         """The GPU model this watcher read (or the job's last reading had); None if neither."""
@@ -200,7 +201,7 @@ class BudgetWatcher(threading.Thread):
         why = over_budget(spend, self.max_cost_usd, self.max_duration_s, self.every_s)
         if why is None:
             return
-        from stoker.jobs.stop_request import StopFailed, stop_job
+        from stoker.jobs.stop import StopFailed, stop_job
 
         self.fired = why
         self.say(f"budget: {why}: stopping the job at a committed checkpoint")

@@ -342,7 +342,8 @@ class TrainingRun:
         train = self.config.train
         budget = BudgetWatcher(job_dir, train.max_cost_usd, train.max_duration,
                                self.config.cost.prices, self.world_size,
-                               lambda: run_gpu_model(self.client, self.run_file), self.log.info)
+                               lambda: run_gpu_model(self.client, self.run_file), self.log.info,
+                               warn=self.log.warning)
         if train.max_cost_usd or train.max_duration:  # spend against budget
             budget.start()
         if cancels is not None:  # a cancel that no worker carries out still stops the job
