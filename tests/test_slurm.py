@@ -152,12 +152,13 @@ def test_a_higher_priority_job_preempts_and_the_next_attempt_resumes(uninterrupt
 
 
 def node_launcher(node_id: str) -> psutil.Process:
-    """The ``stoker.runtime.launch`` process that srun started on node ``node_id``."""
+    """The ``stoker.runtime.launch`` process that srun started on node ``node_id`` (titled
+    ``stoker-launch job <JOB>: python -m stoker.runtime.launch ...``)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for proc in psutil.process_iter(["cmdline"]):
             try:
-                if "stoker.runtime.launch" in (proc.info["cmdline"] or []) and \
+                if " ".join(proc.info["cmdline"] or []).startswith("stoker-launch job ") and \
                         proc.environ().get("SLURM_NODEID") == node_id:
                     return proc
             except psutil.Error:

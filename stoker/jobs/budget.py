@@ -158,16 +158,22 @@ def check_at_start(job_dir: Path, max_cost_usd: float | None, max_duration_s: fl
 
 class BudgetWatcher(threading.Thread):
     """Checks the job's spend every ``every_s`` seconds while an attempt trains and stops the
-    job once a limit is one interval away; ``say`` gets the spend line each time it changes."""
+    job once a limit is one interval away; ``say`` gets the spend line each time it changes.
+
+    ``stop`` is :func:`stoker.jobs.stop.stop_job` (passed in: the stop path reads job status,
+    which reads budgets, so this module does not import it back); it raises
+    :class:`stoker.jobs.stop.StopFailed` (or any error) when the job did not stop in time."""
 
     def __init__(self, job_dir: Path, max_cost_usd: float | None,
                  max_duration_s: float | None, prices: PriceTable, devices: int,
                  gpu_model: Callable[[], str | None], say: Callable[[str], None],
-                 every_s: float = 5.0, warn: Callable[[str], None] | None = None):
+                 stop: Callable[..., object], every_s: float = 5.0,
+                 warn: Callable[[str], None] | None = None):
         super().__init__(daemon=True, name="budget-watcher")
         self.job_dir, self.prices, self.devices = Path(job_dir), prices, devices
         self.max_cost_usd, self.max_duration_s = max_cost_usd, max_duration_s
         self.gpu_model, self.say, self.every_s = gpu_model, say, every_s
+        self.stop_job = stop
         self.warn = warn or say  # a check that failed: the budget is not being enforced
         self.stopped = threading.Event()
         self.fired: str | None = None
@@ -201,13 +207,12 @@ class BudgetWatcher(threading.Thread):
         why = over_budget(spend, self.max_cost_usd, self.max_duration_s, self.every_s)
         if why is None:
             return
-        from stoker.jobs.stop import StopFailed, stop_job
-
         self.fired = why
         self.say(f"budget: {why}: stopping the job at a committed checkpoint")
         try:
-            stop_job(self.job_dir, why, timeout_s=max(60.0, 4 * self.every_s), by=BUDGET_BY)
-        except StopFailed as e:
+            self.stop_job(self.job_dir, why, timeout_s=max(60.0, 4 * self.every_s),
+                          by=BUDGET_BY)
+        except Exception as e:  # noqa: BLE001 - StopFailed: said, the attempt ends as it may
             self.say(f"budget: {e}")
 
 

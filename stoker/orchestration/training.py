@@ -26,6 +26,7 @@ from stoker.jobs.job import check_resumable, completed_training, job_store
 from stoker.jobs.lease import JobBusy, held_lease
 from stoker.jobs.mlflow_run import continue_lost_run, open_job_store
 from stoker.jobs.status import JOB_LOG
+from stoker.jobs.stop import stop_job
 from stoker.jobs.stop_request import (
     StopRequest,
     TrainingStopped,
@@ -343,7 +344,7 @@ class TrainingRun:
         budget = BudgetWatcher(job_dir, train.max_cost_usd, train.max_duration,
                                self.config.cost.prices, self.world_size,
                                lambda: run_gpu_model(self.client, self.run_file), self.log.info,
-                               warn=self.log.warning)
+                               stop=stop_job, warn=self.log.warning)
         if train.max_cost_usd or train.max_duration:  # spend against budget
             budget.start()
         if cancels is not None:  # a cancel that no worker carries out still stops the job
