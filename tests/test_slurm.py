@@ -270,6 +270,43 @@ def test_scancel_ends_stoker_run_stopped_with_exit_3_and_nothing_retried(api_env
     assert not jobs_of("cancelled")
 
 
+def test_stoker_stop_commits_a_stop_checkpoint_and_ends_the_run_with_exit_3(api_env,
+                                                                           mlflow_http,
+                                                                           tmp_path):
+    """``stoker stop`` looked for the ranks below ``stoker run`` (none: slurmd starts them)
+    and gave up after its timeout. The Slurm launcher now reads the request at its next poll
+    and sends the batch job SIGTERM: every rank commits a stop checkpoint, the attempt ends
+    stopped (not retried), ``stoker run`` exits 3 and nothing stays queued."""
+    from stoker.jobs.attempts import AttemptLog
+
+    work = tmp_path / "work"
+    job = work / "jobs" / "user-stop"
+    cmd = stoker_run(work, mlflow_http.uri, "job_id=user-stop", "train.epochs=8",
+                     "retry.max_infra_failures=2")
+    run = subprocess.Popen(cmd, env=api_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    try:
+        wait_for_step(job, 3, timeout_s=180)
+        stop = subprocess.run([sys.executable, "-m", "stoker.cli", "stop", "user-stop",
+                               "--reason", "maintenance", "--timeout", "90",
+                               "--work-dir", str(work)],
+                              capture_output=True, text=True, timeout=150)
+        out = run.communicate(timeout=180)[0]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert "stopped by user: maintenance" in stop.stdout, stop.stdout
+    assert run.returncode == 3, out[-3000:]
+    assert [a["outcome"] for a in AttemptLog(job).history()] == ["stopped"]
+    log = (job / "train.log").read_text()
+    assert "stop requested (SIGTERM: stopped by user: maintenance): checkpoint committed" \
+        in log, log[-3000:]
+    ends = [e for e in events(job) if e["event"] == "end"]
+    assert ends[-1]["outcome"] == "preempted" and ends[-1]["step"] >= 3, ends
+    assert not jobs_of("user-stop")
+
+
 def test_kill_9_of_stoker_run_leaves_no_job_training_and_a_rerun_resumes(api_env, mlflow_http,
                                                                          tmp_path):
     """The orchestrator is SIGKILLed while its Slurm job trains: the job stops by itself once

@@ -14,6 +14,10 @@ commit a stop checkpoint and exit 75. A job preempted by a higher-priority parti
 ``--no-requeue``: Slurm ends a preempted job (``PREEMPTED``), and Stoker's retry policy submits
 the next attempt, which resumes from the stop checkpoint. A job cancelled by someone else
 (``scancel``) is a stop: the launcher records a stop request, so the attempt is not retried.
+A stop request in the job folder (``stoker stop``, the cost guard) is acted on at the next poll
+the same way as a stop of the orchestrator (:func:`stop_gracefully`): SIGTERM to the job's
+steps (``scancel --signal=TERM``), ``scancel`` once the grace has passed; the attempt ends
+stopped.
 
 Ownership: the job's name is ``stoker-<job key>`` and its comment ``stoker-job=<job key>``.
 Before submitting, the launcher looks for jobs of the same key still queued or running (an
@@ -49,6 +53,11 @@ ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED",
 # How long the controller may not answer before the attempt gives up on following its job (s).
 CONTROLLER_PATIENCE_S = 120.0
 INFRASTRUCTURE_STATES = {"NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADLINE"}
+# SIGTERM to the job's steps only: each node's launcher, which stops its ranks after their stop
+# checkpoint. Not to the batch shell (``--full``/``--batch``): it passed SIGTERM on to srun,
+# which then ends the step itself ("forcing job termination", SIGKILL after KillWait), before
+# the ranks had committed.
+STOP_SIGNAL = ("--signal=TERM",)
 
 
 class SlurmError(RuntimeError):
@@ -96,7 +105,8 @@ def exit_code_for_job(state: str, exit_code: str, cancelled_by_us: bool) -> int:
         0 completed; 75 preempted (``PREEMPTED``, or the batch script exited 75: a stop
         checkpoint committed, e.g. before the time limit); 137 an infrastructure failure
         (``NODE_FAIL``, ``BOOT_FAIL``, out of memory, a ``TIMEOUT`` without a stop checkpoint,
-        a kill); else the batch script's code (a bug or bad input), 128 + N for signal N.
+        a kill, an end neither scontrol nor sacct knows: ``UNKNOWN``, retried from the last
+        checkpoint); else the batch script's code (a bug or bad input), 128 + N for signal N.
     """
     code_text, _, signal_text = exit_code.partition(":")
     code = int(code_text) if code_text.isdigit() else 1
@@ -105,7 +115,7 @@ def exit_code_for_job(state: str, exit_code: str, cancelled_by_us: bool) -> int:
         return 0
     if state == "PREEMPTED" or code == EXIT_PREEMPTED:
         return EXIT_PREEMPTED
-    if state in INFRASTRUCTURE_STATES or state == "TIMEOUT" or signum == 9:
+    if state in INFRASTRUCTURE_STATES or state in ("TIMEOUT", "UNKNOWN") or signum == 9:
         return EXIT_INFRASTRUCTURE
     if state == "CANCELLED":
         return EXIT_PREEMPTED if cancelled_by_us else (code or EXIT_INFRASTRUCTURE)
@@ -179,14 +189,58 @@ def job_record(job_id: str) -> dict[str, str] | None:
 
 def accounting_record(job_id: str) -> dict[str, str]:
     """The job's ``JobState`` and ``ExitCode`` from ``sacct`` (for a job ``scontrol`` forgot);
-    ``UNKNOWN`` where the cluster keeps no accounting."""
+    ``UNKNOWN``, with the ``Reason``, where the cluster keeps no accounting or no record yet.
+
+    ``sacct -X -n -P -o State,ExitCode`` prints one ``STATE|CODE:SIGNAL`` line per job
+    allocation, e.g. ``CANCELLED by 1000|0:15`` (sacct names who cancelled; scontrol does not).
+    """
     try:
         out = slurm("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode")
-    except SlurmError:
-        return {"JobState": "UNKNOWN", "ExitCode": "1:0"}
-    state, _, code = (out.splitlines() or ["UNKNOWN|1:0"])[0].partition("|")
-    # sacct says "CANCELLED by 0"; scontrol says CANCELLED
-    return {"JobState": state.split()[0] if state else "UNKNOWN", "ExitCode": code or "1:0"}
+    except SlurmError as e:
+        return {"JobState": "UNKNOWN", "ExitCode": "0:0", "Reason": str(e)}
+    lines = [line for line in out.splitlines() if line.strip()]
+    if not lines:
+        return {"JobState": "UNKNOWN", "ExitCode": "0:0", "Reason": "sacct: no record"}
+    state, _, code = lines[-1].partition("|")  # the last allocation (after a requeue)
+    return {"JobState": state.split()[0] if state.strip() else "UNKNOWN",
+            "ExitCode": code.strip() or "0:0", "Reason": "read with sacct"}
+
+
+def current_record(job_id: str) -> dict[str, str]:
+    """The job's record from ``scontrol``, else (Slurm forgot it: ``MinJobAge``, a controller
+    restart) from ``sacct`` (:func:`accounting_record`).
+
+    Raises:
+        SlurmError: ``scontrol`` failed for another reason than an unknown job.
+    """
+    return job_record(job_id) or accounting_record(job_id)
+
+
+def stop_gracefully(job_id: str, grace_s: float, poll_s: float = 1.0) -> str:
+    """Stop a Slurm job as a preemption would: SIGTERM to its steps (each node's launcher: the
+    ranks commit a stop checkpoint and exit 75), ``scancel`` once ``grace_s`` has passed.
+
+    Args:
+        job_id: the Slurm job.
+        grace_s: seconds the ranks get for their stop checkpoint.
+        poll_s: seconds between two looks at the job.
+
+    Returns:
+        The job's state once it left the queue (``CANCELLED`` when the grace ran out).
+
+    Raises:
+        SlurmError: ``scancel`` refused (not the job's owner, an unknown job).
+    """
+    slurm("scancel", *STOP_SIGNAL, job_id)
+    deadline = time.monotonic() + grace_s
+    while True:
+        state = current_record(job_id).get("JobState", "UNKNOWN")
+        if state not in ACTIVE_STATES:
+            return state
+        if time.monotonic() >= deadline:
+            slurm("scancel", job_id)
+            return "CANCELLED"
+        time.sleep(poll_s)
 
 
 def jobs_of(job: str) -> list[str]:
@@ -234,7 +288,7 @@ class SlurmLauncher:
         on_line(f"Slurm job(s) {' '.join(orphans)} of job {job} left by an earlier run: "
                 "stopping them (stop checkpoint) before this attempt")
         with contextlib.suppress(SlurmError):
-            slurm("scancel", "--signal=TERM", "--full", *orphans)
+            slurm("scancel", *STOP_SIGNAL, *orphans)
         deadline = time.monotonic() + self.orphan_wait_s
         while jobs_of(job) and time.monotonic() < deadline:
             time.sleep(self.poll_s)
@@ -290,7 +344,7 @@ class SlurmLauncher:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._offset = 0
         try:
-            record = self._wait_for_end(output, on_line, deadline, timeout_s)
+            record = self._wait_for_end(job_dir, output, on_line, deadline, timeout_s)
         except BaseException as e:
             interrupted(e)  # who stops the ranks is recorded before the job is cancelled
             self.cancel()
@@ -304,18 +358,21 @@ class SlurmLauncher:
             request_stop(job_dir, "user", f"Slurm job {self.job_id} cancelled (scancel)")
         return exit_code_for_job(state, code, cancelled_by_us=False)
 
-    def _wait_for_end(self, output: Path, on_line: Callable[[str], None],
+    def _wait_for_end(self, job_dir: Path, output: Path, on_line: Callable[[str], None],
                       deadline: float | None, timeout_s: float | None) -> dict[str, str]:
         """Follow the job (and stream its output) until it leaves the queue; its last record.
+        A stop request in ``job_dir`` (``stoker stop``, the cost guard) stops the job
+        (:meth:`_act_on_stop_request`).
 
         Raises:
             SlurmError: the controller did not answer for ``CONTROLLER_PATIENCE_S``.
             TimeoutError: ``deadline`` (monotonic seconds) passed.
         """
-        failures = 0
+        failures, stop_sent = 0, None
         while True:
+            stop_sent = self._act_on_stop_request(job_dir, stop_sent, on_line)
             try:
-                record = job_record(self.job_id) or accounting_record(self.job_id)
+                record = current_record(self.job_id)
                 failures = 0
             except SlurmError:  # a controller busy or restarting: look again
                 failures += 1
@@ -329,19 +386,35 @@ class SlurmLauncher:
                 raise TimeoutError(f"attempt ran over {timeout_s} s")
             time.sleep(self.poll_s)
 
+    def _act_on_stop_request(self, job_dir: Path, stop_sent: float | None,
+                             on_line: Callable[[str], None]) -> float | None:
+        """SIGTERM the job once a stop request shows up in ``job_dir``; ``scancel`` it once the
+        grace has passed.
+
+        Returns:
+            When SIGTERM was sent (monotonic seconds; -1 once ``scancel`` followed), or None.
+        """
+        if stop_sent is None:
+            request = read_stop_request(job_dir)
+            if request is None:
+                return None
+            on_line(f"{request.describe()}: Slurm job {self.job_id} gets SIGTERM (stop "
+                    f"checkpoint), scancel after {self.shutdown_grace_s + 5:g} s")
+            with contextlib.suppress(SlurmError):  # it may have ended meanwhile
+                slurm("scancel", *STOP_SIGNAL, self.job_id)
+            return time.monotonic()
+        if stop_sent >= 0 and time.monotonic() - stop_sent > self.shutdown_grace_s + 5:
+            with contextlib.suppress(SlurmError):
+                slurm("scancel", self.job_id)
+            return -1.0
+        return stop_sent
+
     def cancel(self) -> None:
         """Stop the attempt's job: SIGTERM (stop checkpoint), ``scancel`` after the grace."""
         if self.job_id is None:
             return
         with contextlib.suppress(SlurmError):
-            slurm("scancel", "--signal=TERM", "--full", self.job_id)
-            deadline = time.monotonic() + self.shutdown_grace_s + 5
-            while time.monotonic() < deadline:
-                record = job_record(self.job_id) or {}
-                if record.get("JobState") not in ACTIVE_STATES:
-                    return
-                time.sleep(self.poll_s)
-            slurm("scancel", self.job_id)
+            stop_gracefully(self.job_id, self.shutdown_grace_s + 5, self.poll_s)
 
 
 def _follow(path: Path, offset: int, on_line: Callable[[str], None]) -> int:
