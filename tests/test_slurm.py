@@ -351,3 +351,15 @@ def test_the_slurm_deployment_builds_a_slurm_config():
                              tracking={"tracking_uri": "http://127.0.0.1:5000"})
     config = form.to_config()
     assert config.launcher.kind == "slurm" and config.launcher.slurm.nodes == 2
+
+
+def test_the_controller_listens_on_loopback_only(cluster):
+    """slurmctld bound 0.0.0.0:<port>: every interface of the machine took Slurm RPCs.
+    .ci/start-slurm.sh sets CommunicationParameters=NoCtldInAddrAny, so it binds the address of
+    SlurmctldHost (127.0.0.1), as the slurmd do with NoInAddrAny."""
+    conf = dict(line.split("=", 1) for line in Path(cluster).read_text().splitlines()
+                if "=" in line and not line.startswith("#"))
+    controller = psutil.Process(int(Path(conf["SlurmctldPidFile"]).read_text()))
+    listening = {c.laddr.ip for c in controller.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN}
+    assert listening == {"127.0.0.1"}, (listening, conf.get("CommunicationParameters"))
