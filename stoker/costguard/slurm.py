@@ -3,8 +3,8 @@ actor that stops one the way ``stoker stop`` does (SIGTERM, stop checkpoint, ``s
 the grace).
 
 A Slurm job is Stoker's when its name is ``stoker-<job>`` and its comment ``stoker-job=<job>``
-(:mod:`stoker.launch.slurm`); its processes on this host are what ``scontrol listpids`` says for
-each node whose ``slurmd`` runs here, which NVML's process lists map to GPUs.
+(:mod:`stoker.launch.slurm_jobs`); its processes on this host are what ``scontrol listpids``
+says for each node whose ``slurmd`` runs here, which NVML's process lists map to GPUs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import socket
 from stoker.costguard.actions import ActionResult
 from stoker.costguard.inventory import Resource
 from stoker.costguard.signals import JobSignals
-from stoker.launch.slurm import (
+from stoker.launch.slurm_jobs import (
     COMMENT_PREFIX,
     JOB_PREFIX,
     SlurmError,
