@@ -196,30 +196,36 @@ def test_a_job_left_by_a_killed_orchestrator_is_stopped_and_resumed(uninterrupte
 
 def test_a_bad_partition_or_too_many_nodes_is_one_line_before_submitting(cluster, mlflow_http,
                                                                         tmp_path):
-    for override, expected in (
-            ("launcher.slurm.partition=nope", "launcher.slurm.partition: 'nope' is not a "
-             "partition of the cluster (it has: high, low)"),
-            ("launcher.slurm.nodes=3", "launcher.slurm.nodes: 3 nodes asked, partition low "
-             "has 2"),
-            ("launcher.slurm.gpus_per_node=1", "launcher.slurm (nodes=2, gpus_per_node=1): "
-             "Slurm refuses the job: Invalid generic resource (gres) specification")):
-        result = subprocess.run(
-            [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
-             "launcher.kind=slurm", "launcher.slurm.nodes=2",
-             f"tracking.tracking_uri={mlflow_http.uri}", override],
-            capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert result.returncode == 2, result.stderr[-2000:]
-        assert result.stderr.strip().splitlines() == [f"error: {expected}"]
-        assert not (tmp_path / "work" / "datasets").exists()  # nothing pulled or submitted
+    cases = {
+        "launcher.slurm.partition=nope": "launcher.slurm.partition: 'nope' is not a partition of "
+        "the cluster (it has: high, low)",
+        "launcher.slurm.nodes=3": "launcher.slurm.nodes: 3 nodes asked, partition low has 2",
+        "launcher.slurm.gpus_per_node=1": "launcher.slurm (nodes=2, gpus_per_node=1): Slurm "
+        "refuses the job: Invalid generic resource (gres) specification"}
+    runs = {override: subprocess.Popen(  # the three at once: each is mostly interpreter start
+        [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / f'work{i}'}",
+         "launcher.kind=slurm", "launcher.slurm.nodes=2",
+         f"tracking.tracking_uri={mlflow_http.uri}", override],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        for i, override in enumerate(cases)}
+    for override, run in runs.items():
+        try:
+            _, stderr = run.communicate(timeout=120)
+        finally:
+            run.kill()
+        assert run.returncode == 2, stderr[-2000:]
+        assert stderr.strip().splitlines() == [f"error: {cases[override]}"]
+    assert not list(tmp_path.glob("work*/datasets"))  # nothing pulled or submitted
 
 
 @pytest.fixture(scope="module")
-def api_env(cluster):
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
+def api_env(cluster, tmp_path_factory):
+    """A Prefect server for ``stoker run``, started from the migrated template database (about
+    5 s; prefect_test_harness migrated a database of its own first)."""
+    from prefect_server import PrefectServer
 
-    with prefect_test_harness(server_startup_timeout=180):
-        yield {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    with PrefectServer(tmp_path_factory.mktemp("prefect-slurm")) as server:
+        yield server.env
 
 
 def stoker_run(work: Path, tracking: str, *overrides: str) -> list[str]:
@@ -234,7 +240,7 @@ def test_stoker_run_trains_on_two_nodes_and_registers_one_run(api_env, mlflow_ht
 
     model = f"slurm-{uuid.uuid4().hex[:6]}"
     run = subprocess.run(stoker_run(tmp_path / "work", mlflow_http.uri, "job_id=two-nodes",
-                                    f"tracking.registered_model={model}"),
+                                    f"tracking.registered_model={model}", "train.epochs=1"),
                          env=api_env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     job = tmp_path / "work" / "jobs" / "two-nodes"
@@ -312,8 +318,10 @@ def test_kill_9_of_stoker_run_leaves_no_job_training_and_a_rerun_resumes(api_env
     """The orchestrator is SIGKILLed while its Slurm job trains: the job stops by itself once
     the lease expires (stop checkpoint; nothing trains unowned), and the rerun resumes it."""
     job = tmp_path / "work" / "jobs" / "orphaned"
+    # 5 epochs (110 steps, ~25 s here after step 4) outlast the lease's expiry and the ranks'
+    # lease watch (3 s + 2 s polls) several times over; 12 made the rerun train 264 steps.
     cmd = stoker_run(tmp_path / "work", mlflow_http.uri, "job_id=orphaned", "job_lease_s=3",
-                     "train.epochs=12")
+                     "train.epochs=5")
     first = subprocess.Popen(cmd, env=api_env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     try:
