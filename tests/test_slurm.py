@@ -151,6 +151,26 @@ def test_a_higher_priority_job_preempts_and_the_next_attempt_resumes(uninterrupt
     assert_same_weights(spec, uninterrupted)
 
 
+def test_sigterm_to_the_batch_shell_ends_with_a_stop_checkpoint(cluster, spec_for):
+    """The time limit's ``--signal=B:TERM@<grace>`` signals the batch shell, which passed
+    SIGTERM on to srun: srun ended the step itself ("forcing job termination"), the tasks were
+    killed after KillWait and the attempt was an infrastructure failure (137) without a stop
+    checkpoint. The shell now passes it to the step's tasks: every rank commits, exit 75."""
+    spec = spec_for("time-limit", epochs=8)
+    slurm_launcher = launcher()
+    lines: list[str] = []
+    thread, codes = in_background(lambda: slurm_launcher.run(spec, on_line=lines.append,
+                                                             timeout_s=300))
+    wait_for_step(spec.parent, 4)
+    # What Slurm sends at the time limit minus the grace (scancel --batch: the shell only).
+    slurm("scancel", "--batch", "--signal=TERM", slurm_launcher.job_id)
+    thread.join(timeout=120)
+    assert codes == [75], "\n".join(lines[-40:])
+    ends = [e for e in events(spec.parent) if e["event"] == "end"]
+    assert ends[-1]["outcome"] == "preempted" and ends[-1]["step"] >= 4, ends
+    assert not jobs_of(spec.parent.name)
+
+
 def node_launcher(node_id: str) -> psutil.Process:
     """The ``stoker.runtime.launch`` process that srun started on node ``node_id``, found by its
     title (``stoker-launch job <JOB>: python -m stoker.runtime.launch ... --node-rank=<N> ...``;

@@ -8,8 +8,9 @@ needed; ``MinJobAge`` keeps a finished job visible); its end maps to Stoker's ex
 (:func:`exit_code_for_job`).
 
 Stops and preemption: ``--signal=B:TERM@<grace>`` asks the batch shell to stop ``grace`` seconds
-before the time limit; it passes SIGTERM to ``srun``, which passes it to the launchers; the ranks
-commit a stop checkpoint and exit 75. A job preempted by a higher-priority partition
+before the time limit; it passes SIGTERM to the job's steps (``scancel --signal=TERM``: each
+node's launcher, not ``srun``, which would kill them after ``KillWait``); the ranks commit a
+stop checkpoint and exit 75. A job preempted by a higher-priority partition
 (``PreemptMode=REQUEUE`` with ``GraceTime``) gets SIGTERM the same way. Jobs are submitted
 ``--no-requeue``: Slurm ends a preempted job (``PREEMPTED``), and Stoker's retry policy submits
 the next attempt, which resumes from the stop checkpoint. A job cancelled by someone else
@@ -66,8 +67,10 @@ CONTROLLER_PATIENCE_S = 120.0
 def batch_script(python: str, spec_path: Path, nnodes: int, rdzv_port: int,
                  shutdown_grace_s: float) -> str:
     """The batch script of one attempt: ``srun`` runs Stoker's launcher once per node, with a
-    static rendezvous on the first node of the allocation; SIGTERM to the script is passed on
-    to ``srun`` (and from there to every node's launcher)."""
+    static rendezvous on the first node of the allocation. SIGTERM to the script (the time
+    limit's ``--signal=B:TERM``) is passed on to the step's tasks, every node's launcher
+    (``scancel --signal=TERM``), not to ``srun``: srun takes it as "end the step" and kills the
+    tasks after ``KillWait``, before the ranks have committed their stop checkpoint."""
     launch = [python, "-u", "-m", "stoker.runtime.launch", f"--nnodes={nnodes}",
               "--nproc-per-node=$STOKER_NPROC", "--rdzv-backend=static",
               '--master-addr="$addr"', f"--master-port={rdzv_port}",
@@ -82,7 +85,7 @@ export addr=$(scontrol -o show node "$head" | tr ' ' '\\n' | sed -n 's/^NodeAddr
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 --export=ALL \\
   bash -c {shlex.quote("exec " + node_command)} &
 step=$!
-trap 'kill -TERM $step 2>/dev/null' TERM INT
+trap 'scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || kill -TERM $step' TERM INT
 while :; do  # a trapped signal ends `wait` early: wait again until srun is gone
   wait $step; code=$?
   kill -0 $step 2>/dev/null || break
