@@ -76,8 +76,9 @@ SelectType=select/linear
 SchedulerType=sched/backfill
 SchedulerParameters=sched_interval=2
 MpiDefault=none
-# Bind to the nodes' and the controller's addresses (127.0.0.1 here), not to every interface.
-CommunicationParameters=NoInAddrAny
+# Bind to the nodes' and the controller's addresses (127.0.0.1 here), not to every interface:
+# NoInAddrAny for slurmd and the clients, NoCtldInAddrAny for slurmctld (SlurmctldHost's address).
+CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
 ReturnToService=2
 SlurmdTimeout=30
 InactiveLimit=0

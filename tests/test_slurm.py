@@ -151,6 +151,26 @@ def test_a_higher_priority_job_preempts_and_the_next_attempt_resumes(uninterrupt
     assert_same_weights(spec, uninterrupted)
 
 
+def test_sigterm_to_the_batch_shell_ends_with_a_stop_checkpoint(cluster, spec_for):
+    """The time limit's ``--signal=B:TERM@<grace>`` signals the batch shell, which passed
+    SIGTERM on to srun: srun ended the step itself ("forcing job termination"), the tasks were
+    killed after KillWait and the attempt was an infrastructure failure (137) without a stop
+    checkpoint. The shell now passes it to the step's tasks: every rank commits, exit 75."""
+    spec = spec_for("time-limit", epochs=8)
+    slurm_launcher = launcher()
+    lines: list[str] = []
+    thread, codes = in_background(lambda: slurm_launcher.run(spec, on_line=lines.append,
+                                                             timeout_s=300))
+    wait_for_step(spec.parent, 4)
+    # What Slurm sends at the time limit minus the grace (scancel --batch: the shell only).
+    slurm("scancel", "--batch", "--signal=TERM", slurm_launcher.job_id)
+    thread.join(timeout=120)
+    assert codes == [75], "\n".join(lines[-40:])
+    ends = [e for e in events(spec.parent) if e["event"] == "end"]
+    assert ends[-1]["outcome"] == "preempted" and ends[-1]["step"] >= 4, ends
+    assert not jobs_of(spec.parent.name)
+
+
 def node_launcher(node_id: str) -> psutil.Process:
     """The ``stoker.runtime.launch`` process that srun started on node ``node_id``, found by its
     title (``stoker-launch job <JOB>: python -m stoker.runtime.launch ... --node-rank=<N> ...``;
@@ -196,30 +216,36 @@ def test_a_job_left_by_a_killed_orchestrator_is_stopped_and_resumed(uninterrupte
 
 def test_a_bad_partition_or_too_many_nodes_is_one_line_before_submitting(cluster, mlflow_http,
                                                                         tmp_path):
-    for override, expected in (
-            ("launcher.slurm.partition=nope", "launcher.slurm.partition: 'nope' is not a "
-             "partition of the cluster (it has: high, low)"),
-            ("launcher.slurm.nodes=3", "launcher.slurm.nodes: 3 nodes asked, partition low "
-             "has 2"),
-            ("launcher.slurm.gpus_per_node=1", "launcher.slurm (nodes=2, gpus_per_node=1): "
-             "Slurm refuses the job: Invalid generic resource (gres) specification")):
-        result = subprocess.run(
-            [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / 'work'}",
-             "launcher.kind=slurm", "launcher.slurm.nodes=2",
-             f"tracking.tracking_uri={mlflow_http.uri}", override],
-            capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert result.returncode == 2, result.stderr[-2000:]
-        assert result.stderr.strip().splitlines() == [f"error: {expected}"]
-        assert not (tmp_path / "work" / "datasets").exists()  # nothing pulled or submitted
+    cases = {
+        "launcher.slurm.partition=nope": "launcher.slurm.partition: 'nope' is not a partition of "
+        "the cluster (it has: high, low)",
+        "launcher.slurm.nodes=3": "launcher.slurm.nodes: 3 nodes asked, partition low has 2",
+        "launcher.slurm.gpus_per_node=1": "launcher.slurm (nodes=2, gpus_per_node=1): Slurm "
+        "refuses the job: Invalid generic resource (gres) specification"}
+    runs = {override: subprocess.Popen(  # the three at once: each is mostly interpreter start
+        [sys.executable, "-m", "stoker.cli", "run", f"work_dir={tmp_path / f'work{i}'}",
+         "launcher.kind=slurm", "launcher.slurm.nodes=2",
+         f"tracking.tracking_uri={mlflow_http.uri}", override],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        for i, override in enumerate(cases)}
+    for override, run in runs.items():
+        try:
+            _, stderr = run.communicate(timeout=120)
+        finally:
+            run.kill()
+        assert run.returncode == 2, stderr[-2000:]
+        assert stderr.strip().splitlines() == [f"error: {cases[override]}"]
+    assert not list(tmp_path.glob("work*/datasets"))  # nothing pulled or submitted
 
 
 @pytest.fixture(scope="module")
-def api_env(cluster):
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
+def api_env(cluster, tmp_path_factory):
+    """A Prefect server for ``stoker run``, started from the migrated template database (about
+    5 s; prefect_test_harness migrated a database of its own first)."""
+    from prefect_server import PrefectServer
 
-    with prefect_test_harness(server_startup_timeout=180):
-        yield {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    with PrefectServer(tmp_path_factory.mktemp("prefect-slurm")) as server:
+        yield server.env
 
 
 def stoker_run(work: Path, tracking: str, *overrides: str) -> list[str]:
@@ -234,7 +260,7 @@ def test_stoker_run_trains_on_two_nodes_and_registers_one_run(api_env, mlflow_ht
 
     model = f"slurm-{uuid.uuid4().hex[:6]}"
     run = subprocess.run(stoker_run(tmp_path / "work", mlflow_http.uri, "job_id=two-nodes",
-                                    f"tracking.registered_model={model}"),
+                                    f"tracking.registered_model={model}", "train.epochs=1"),
                          env=api_env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     job = tmp_path / "work" / "jobs" / "two-nodes"
@@ -270,13 +296,52 @@ def test_scancel_ends_stoker_run_stopped_with_exit_3_and_nothing_retried(api_env
     assert not jobs_of("cancelled")
 
 
+def test_stoker_stop_commits_a_stop_checkpoint_and_ends_the_run_with_exit_3(api_env,
+                                                                           mlflow_http,
+                                                                           tmp_path):
+    """``stoker stop`` looked for the ranks below ``stoker run`` (none: slurmd starts them)
+    and gave up after its timeout. The Slurm launcher now reads the request at its next poll
+    and sends the batch job SIGTERM: every rank commits a stop checkpoint, the attempt ends
+    stopped (not retried), ``stoker run`` exits 3 and nothing stays queued."""
+    from stoker.jobs.attempts import AttemptLog
+
+    work = tmp_path / "work"
+    job = work / "jobs" / "user-stop"
+    cmd = stoker_run(work, mlflow_http.uri, "job_id=user-stop", "train.epochs=8",
+                     "retry.max_infra_failures=2")
+    run = subprocess.Popen(cmd, env=api_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)
+    try:
+        wait_for_step(job, 3, timeout_s=180)
+        stop = subprocess.run([sys.executable, "-m", "stoker.cli", "stop", "user-stop",
+                               "--reason", "maintenance", "--timeout", "90",
+                               "--work-dir", str(work)],
+                              capture_output=True, text=True, timeout=150)
+        out = run.communicate(timeout=180)[0]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert "stopped by user: maintenance" in stop.stdout, stop.stdout
+    assert run.returncode == 3, out[-3000:]
+    assert [a["outcome"] for a in AttemptLog(job).history()] == ["stopped"]
+    log = (job / "train.log").read_text()
+    assert "stop requested (SIGTERM: stopped by user: maintenance): checkpoint committed" \
+        in log, log[-3000:]
+    ends = [e for e in events(job) if e["event"] == "end"]
+    assert ends[-1]["outcome"] == "preempted" and ends[-1]["step"] >= 3, ends
+    assert not jobs_of("user-stop")
+
+
 def test_kill_9_of_stoker_run_leaves_no_job_training_and_a_rerun_resumes(api_env, mlflow_http,
                                                                          tmp_path):
     """The orchestrator is SIGKILLed while its Slurm job trains: the job stops by itself once
     the lease expires (stop checkpoint; nothing trains unowned), and the rerun resumes it."""
     job = tmp_path / "work" / "jobs" / "orphaned"
+    # 5 epochs (110 steps, ~25 s here after step 4) outlast the lease's expiry and the ranks'
+    # lease watch (3 s + 2 s polls) several times over; 12 made the rerun train 264 steps.
     cmd = stoker_run(tmp_path / "work", mlflow_http.uri, "job_id=orphaned", "job_lease_s=3",
-                     "train.epochs=12")
+                     "train.epochs=5")
     first = subprocess.Popen(cmd, env=api_env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -314,3 +379,15 @@ def test_the_slurm_deployment_builds_a_slurm_config():
                              tracking={"tracking_uri": "http://127.0.0.1:5000"})
     config = form.to_config()
     assert config.launcher.kind == "slurm" and config.launcher.slurm.nodes == 2
+
+
+def test_the_controller_listens_on_loopback_only(cluster):
+    """slurmctld bound 0.0.0.0:<port>: every interface of the machine took Slurm RPCs.
+    .ci/start-slurm.sh sets CommunicationParameters=NoCtldInAddrAny, so it binds the address of
+    SlurmctldHost (127.0.0.1), as the slurmd do with NoInAddrAny."""
+    conf = dict(line.split("=", 1) for line in Path(cluster).read_text().splitlines()
+                if "=" in line and not line.startswith("#"))
+    controller = psutil.Process(int(Path(conf["SlurmctldPidFile"]).read_text()))
+    listening = {c.laddr.ip for c in controller.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN}
+    assert listening == {"127.0.0.1"}, (listening, conf.get("CommunicationParameters"))

@@ -88,6 +88,18 @@ class PrefectTarget(_Frozen):
     enabled: bool = Field(True, description="Cancel the flow runs of idle or stalled local jobs.")
 
 
+class SlurmTarget(_Frozen):
+    """Stoker's Slurm jobs (named ``stoker-<job>``, comment ``stoker-job=<job>``) running on
+    this host's Slurm nodes."""
+
+    enabled: bool = Field(
+        False, description="Judge and stop Stoker's Slurm jobs with processes on this host "
+        "(needs Slurm's client commands and SLURM_CONF, and a user that may scancel them).")
+    stop_timeout_s: float = Field(
+        60.0, ge=0, description="Seconds between SIGTERM (stop checkpoint) and scancel; leave "
+        "room for a checkpoint (more than train.preemption_grace_s).")
+
+
 class Ec2Target(_Frozen):
     """The EC2 instance (tagged ``stoker:owned=true``) whose GPUs this guard watches."""
 
@@ -117,6 +129,7 @@ class CostGuardConfig(_Frozen):
     policy: Policy = Policy()
     docker: DockerTarget = DockerTarget()
     prefect: PrefectTarget = PrefectTarget()
+    slurm: SlurmTarget = SlurmTarget()
     ec2: Ec2Target = Ec2Target()
     prices: PriceTable = PriceTable()
     capacity_type: CapacityType = Field(

@@ -20,7 +20,7 @@ from stoker.ownership import DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
 
 log = logging.getLogger(__name__)
 
-ResourceKind = Literal["container", "job", "instance"]
+ResourceKind = Literal["container", "job", "instance", "slurm"]
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ from stoker.tracking.pricing import CapacityType, PriceTable
 log = logging.getLogger(__name__)
 
 Discover = Callable[[], tuple[list[Resource], list[str]]]
-_VERB = {"container": "stop container", "job": "cancel flow run", "instance": "stop instance"}
+_VERB = {"container": "stop container", "job": "cancel flow run", "instance": "stop instance",
+         "slurm": "stop Slurm job"}
 _RELEASED = {"stopped", "cancelled"}
 
 
@@ -287,7 +288,7 @@ def run_sweep(config: CostGuardConfig, reader: NvmlReader, discover: Discover,
     judgement = judge(snapshots, resources, config.policy, clock(), state, config.prices,
                       config.capacity_type)
     # Jobs and containers first: stopping the instance ends them anyway, but less gracefully.
-    order = {"job": 0, "container": 1, "instance": 2}
+    order = {"job": 0, "container": 1, "slurm": 1, "instance": 2}
     rows = []
     released: set[int] = set()  # PIDs of what this sweep stopped: gone on purpose
     for key in sorted(judgement.rows, key=lambda k: (order.get(judgement.rows[k].kind, 3), k)):
@@ -350,8 +351,9 @@ def _act(config: CostGuardConfig, row: Row, resource: Resource, snapshots: list[
 
 
 def discover_all(config: CostGuardConfig, docker_client: Any | None) -> Discover:
-    """Discovery over this host: Stoker containers (if a client is given), local jobs and the
-    configured instance. Containers that cannot be listed become a note, not a failure."""
+    """Discovery over this host: Stoker containers (if a client is given), Stoker's Slurm jobs
+    (if enabled), local jobs and the configured instance. Containers or Slurm jobs that cannot
+    be listed become a note, not a failure."""
 
     def discover() -> tuple[list[Resource], list[str]]:
         policy = config.policy
@@ -369,6 +371,11 @@ def discover_all(config: CostGuardConfig, docker_client: Any | None) -> Discover
                                                  jobs_by_name(jobs))
             except (docker.errors.DockerException, requests.RequestException) as e:
                 notes.append(f"Docker containers not listed: {e}")
+        if config.slurm.enabled:  # a Slurm job's processes are judged as that job
+            from stoker.costguard.slurm import discover_slurm_jobs
+
+            slurm_jobs, slurm_notes = discover_slurm_jobs(jobs_by_name(jobs))
+            resources, notes = resources + slurm_jobs, notes + slurm_notes
         resources += discover_jobs(jobs, claimed_jobs(resources))
         if config.ec2.instance_id:
             resources.append(host_instance(config.ec2.instance_id, jobs))
@@ -394,10 +401,15 @@ def connect_docker(config: CostGuardConfig) -> tuple[Any | None, str | None]:
 
 
 def standard_actors(config: CostGuardConfig, docker_client: Any | None) -> dict[str, Actor]:
-    """The Docker actor (if a client is given) and the EC2 actor (if an instance is set)."""
+    """The Docker actor (if a client is given), the Slurm actor (if enabled) and the EC2 actor
+    (if an instance is set)."""
     actors: dict[str, Actor] = {}
     if docker_client is not None:
         actors["container"] = DockerActor(docker_client, config.docker.stop_timeout_s)
+    if config.slurm.enabled:
+        from stoker.costguard.slurm import SlurmActor
+
+        actors["slurm"] = SlurmActor(config.slurm.stop_timeout_s)
     if config.ec2.instance_id:
         actors["instance"] = Ec2Actor.connect(config.ec2.region, config.ec2.endpoint_url)
     return actors

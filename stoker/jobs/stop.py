@@ -69,8 +69,10 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
     job's containers (their entrypoint passes it to the ranks). On Kubernetes (the attempt's
     started record names the launcher) nothing is signalled from here: the launcher reads the
     request at its next status poll and deletes the job, whose pods get SIGTERM and their
-    grace. The ranks commit a stop checkpoint, the attempt ends **stopped** (not retried), the
-    flow run ends Cancelled and ``stoker run`` exits 3; the same command resumes the job.
+    grace; on Slurm the launcher sends the job's steps SIGTERM (``scancel --signal=TERM``)
+    and cancels the job after the grace. The ranks commit a stop checkpoint, the attempt ends
+    **stopped** (not retried), the flow run ends Cancelled and ``stoker run`` exits 3; the
+    same command resumes the job.
 
     Args:
         job_dir: the job's folder.
@@ -110,9 +112,10 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
         return None  # it ended meanwhile
     request_stop(job_dir, by, reason)
     deadline = time.monotonic() + timeout_s
-    # On Kubernetes nothing of the job runs here: its launcher reads the request at its next
-    # status poll and deletes the job (the pods get SIGTERM and their grace to commit).
-    remote = _launcher_kind(job_dir) == "kubernetes"
+    # On Kubernetes and Slurm nothing of the job runs below the holder: its launcher reads the
+    # request at its next poll and deletes the job (the pods get SIGTERM and their grace to
+    # commit) or sends the Slurm job SIGTERM (scancel --signal=TERM, scancel after the grace).
+    remote = _launcher_kind(job_dir) in ("kubernetes", "slurm")
     client = None if remote else docker_client()  # one for the whole wait
     try:
         return _stop_and_wait(job_dir, holder, pid, remote, client, deadline, timeout_s, poll_s)

@@ -8,12 +8,17 @@ needed; ``MinJobAge`` keeps a finished job visible); its end maps to Stoker's ex
 (:func:`exit_code_for_job`).
 
 Stops and preemption: ``--signal=B:TERM@<grace>`` asks the batch shell to stop ``grace`` seconds
-before the time limit; it passes SIGTERM to ``srun``, which passes it to the launchers; the ranks
-commit a stop checkpoint and exit 75. A job preempted by a higher-priority partition
+before the time limit; it passes SIGTERM to the job's steps (``scancel --signal=TERM``: each
+node's launcher, not ``srun``, which would kill them after ``KillWait``); the ranks commit a
+stop checkpoint and exit 75. A job preempted by a higher-priority partition
 (``PreemptMode=REQUEUE`` with ``GraceTime``) gets SIGTERM the same way. Jobs are submitted
 ``--no-requeue``: Slurm ends a preempted job (``PREEMPTED``), and Stoker's retry policy submits
 the next attempt, which resumes from the stop checkpoint. A job cancelled by someone else
 (``scancel``) is a stop: the launcher records a stop request, so the attempt is not retried.
+A stop request in the job folder (``stoker stop``, the cost guard) is acted on at the next poll
+the same way as a stop of the orchestrator (:func:`stop_gracefully`): SIGTERM to the job's
+steps (``scancel --signal=TERM``), ``scancel`` once the grace has passed; the attempt ends
+stopped.
 
 Ownership: the job's name is ``stoker-<job key>`` and its comment ``stoker-job=<job key>``.
 Before submitting, the launcher looks for jobs of the same key still queued or running (an
@@ -36,87 +41,36 @@ from pathlib import Path
 
 from stoker.config import SlurmLauncherConfig
 from stoker.jobs.stop_request import read_stop_request, request_stop
-from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED
+from stoker.launch.slurm_jobs import (  # noqa: F401 - re-exported: the launcher's names
+    ACTIVE_STATES,
+    COMMENT_PREFIX,
+    INFRASTRUCTURE_STATES,
+    JOB_PREFIX,
+    STOP_SIGNAL,
+    SlurmError,
+    accounting_record,
+    current_record,
+    exit_code_for_job,
+    job_record,
+    jobs_of,
+    parse_fields,
+    slurm,
+    stop_gracefully,
+)
 from stoker.runtime.spec import RunSpec
 from stoker.stopping import interrupted
 
-JOB_PREFIX = "stoker-"
-COMMENT_PREFIX = "stoker-job="
-# States in which a job still holds (or waits for) nodes.
-ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
-                 "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT",
-                 "STOPPED", "PREEMPTED_PENDING"}
 # How long the controller may not answer before the attempt gives up on following its job (s).
 CONTROLLER_PATIENCE_S = 120.0
-INFRASTRUCTURE_STATES = {"NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADLINE"}
-
-
-class SlurmError(RuntimeError):
-    """A Slurm command failed (the command and its message are named)."""
-
-
-def slurm(*args: str, timeout_s: float = 30.0) -> str:
-    """Run a Slurm client command and return its stdout.
-
-    Raises:
-        SlurmError: the command is missing, timed out or exited non-zero (its stderr quoted).
-    """
-    try:
-        done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout_s)
-    except FileNotFoundError:
-        raise SlurmError(f"{args[0]}: not found (Slurm's client commands must be on PATH)"
-                         ) from None
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"{' '.join(args[:2])}: no answer in {timeout_s:g} s") from None
-    if done.returncode != 0:
-        message = " ".join((done.stderr or done.stdout).split())
-        raise SlurmError(f"{' '.join(args[:2])}: {message}")
-    return done.stdout
-
-
-def parse_fields(line: str) -> dict[str, str]:
-    """``Key=Value`` pairs of one ``scontrol -o`` line (values never hold spaces we read)."""
-    fields = {}
-    for token in line.split():
-        key, sep, value = token.partition("=")
-        if sep:
-            fields.setdefault(key, value)
-    return fields
-
-
-def exit_code_for_job(state: str, exit_code: str, cancelled_by_us: bool) -> int:
-    """The attempt's exit code (Stoker's contract) from how the Slurm job ended.
-
-    Args:
-        state: the job's ``JobState`` (``COMPLETED``, ``FAILED``, ``PREEMPTED``, ...).
-        exit_code: the job's ``ExitCode``, ``"<code>:<signal>"`` of its batch script.
-        cancelled_by_us: this launcher cancelled the job (the orchestrator was stopped).
-
-    Returns:
-        0 completed; 75 preempted (``PREEMPTED``, or the batch script exited 75: a stop
-        checkpoint committed, e.g. before the time limit); 137 an infrastructure failure
-        (``NODE_FAIL``, ``BOOT_FAIL``, out of memory, a ``TIMEOUT`` without a stop checkpoint,
-        a kill); else the batch script's code (a bug or bad input), 128 + N for signal N.
-    """
-    code_text, _, signal_text = exit_code.partition(":")
-    code = int(code_text) if code_text.isdigit() else 1
-    signum = int(signal_text) if signal_text.isdigit() else 0
-    if state == "COMPLETED" and code == 0:
-        return 0
-    if state == "PREEMPTED" or code == EXIT_PREEMPTED:
-        return EXIT_PREEMPTED
-    if state in INFRASTRUCTURE_STATES or state == "TIMEOUT" or signum == 9:
-        return EXIT_INFRASTRUCTURE
-    if state == "CANCELLED":
-        return EXIT_PREEMPTED if cancelled_by_us else (code or EXIT_INFRASTRUCTURE)
-    return code if code else (128 + signum if signum else 1)
 
 
 def batch_script(python: str, spec_path: Path, nnodes: int, rdzv_port: int,
                  shutdown_grace_s: float) -> str:
     """The batch script of one attempt: ``srun`` runs Stoker's launcher once per node, with a
-    static rendezvous on the first node of the allocation; SIGTERM to the script is passed on
-    to ``srun`` (and from there to every node's launcher)."""
+    static rendezvous on the first node of the allocation. SIGTERM to the script (the time
+    limit's ``--signal=B:TERM``) is passed on to the step's tasks, every node's launcher
+    (``scancel --signal=TERM``), not to ``srun``: srun takes it as "end the step" and kills the
+    tasks after ``KillWait``, before the ranks have committed their stop checkpoint."""
     launch = [python, "-u", "-m", "stoker.runtime.launch", f"--nnodes={nnodes}",
               "--nproc-per-node=$STOKER_NPROC", "--rdzv-backend=static",
               '--master-addr="$addr"', f"--master-port={rdzv_port}",
@@ -131,7 +85,7 @@ export addr=$(scontrol -o show node "$head" | tr ' ' '\\n' | sed -n 's/^NodeAddr
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 --export=ALL \\
   bash -c {shlex.quote("exec " + node_command)} &
 step=$!
-trap 'kill -TERM $step 2>/dev/null' TERM INT
+trap 'scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || kill -TERM $step' TERM INT
 while :; do  # a trapped signal ends `wait` early: wait again until srun is gone
   wait $step; code=$?
   kill -0 $step 2>/dev/null || break
@@ -164,41 +118,6 @@ def sbatch_args(config: SlurmLauncherConfig, job: str, job_dir: Path,
             f"--chdir={job_dir}", f"--output={job_dir}/slurm-%j.out",
             f"--signal=B:TERM@{int(shutdown_grace_s) + 5}",
             "--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())])]
-
-
-def job_record(job_id: str) -> dict[str, str] | None:
-    """The job's ``scontrol -o show job`` fields; None once Slurm forgot it (``MinJobAge``)."""
-    try:
-        out = slurm("scontrol", "-o", "show", "job", job_id)
-    except SlurmError as e:
-        if "Invalid job id" in str(e):
-            return None
-        raise
-    return parse_fields(out.splitlines()[0]) if out.strip() else None
-
-
-def accounting_record(job_id: str) -> dict[str, str]:
-    """The job's ``JobState`` and ``ExitCode`` from ``sacct`` (for a job ``scontrol`` forgot);
-    ``UNKNOWN`` where the cluster keeps no accounting."""
-    try:
-        out = slurm("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode")
-    except SlurmError:
-        return {"JobState": "UNKNOWN", "ExitCode": "1:0"}
-    state, _, code = (out.splitlines() or ["UNKNOWN|1:0"])[0].partition("|")
-    # sacct says "CANCELLED by 0"; scontrol says CANCELLED
-    return {"JobState": state.split()[0] if state else "UNKNOWN", "ExitCode": code or "1:0"}
-
-
-def jobs_of(job: str) -> list[str]:
-    """Ids of the queued or running Slurm jobs carrying ``job``'s key (any run's)."""
-    out = slurm("squeue", "-h", f"--name={JOB_PREFIX}{job}", "-o", "%i|%k|%T")
-    ids = []
-    for line in out.splitlines():
-        job_id, _, rest = line.partition("|")
-        comment, _, state = rest.partition("|")
-        if comment == f"{COMMENT_PREFIX}{job}" and state in ACTIVE_STATES:
-            ids.append(job_id)
-    return ids
 
 
 @dataclass
@@ -234,7 +153,7 @@ class SlurmLauncher:
         on_line(f"Slurm job(s) {' '.join(orphans)} of job {job} left by an earlier run: "
                 "stopping them (stop checkpoint) before this attempt")
         with contextlib.suppress(SlurmError):
-            slurm("scancel", "--signal=TERM", "--full", *orphans)
+            slurm("scancel", *STOP_SIGNAL, *orphans)
         deadline = time.monotonic() + self.orphan_wait_s
         while jobs_of(job) and time.monotonic() < deadline:
             time.sleep(self.poll_s)
@@ -290,7 +209,7 @@ class SlurmLauncher:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._offset = 0
         try:
-            record = self._wait_for_end(output, on_line, deadline, timeout_s)
+            record = self._wait_for_end(job_dir, output, on_line, deadline, timeout_s)
         except BaseException as e:
             interrupted(e)  # who stops the ranks is recorded before the job is cancelled
             self.cancel()
@@ -304,18 +223,21 @@ class SlurmLauncher:
             request_stop(job_dir, "user", f"Slurm job {self.job_id} cancelled (scancel)")
         return exit_code_for_job(state, code, cancelled_by_us=False)
 
-    def _wait_for_end(self, output: Path, on_line: Callable[[str], None],
+    def _wait_for_end(self, job_dir: Path, output: Path, on_line: Callable[[str], None],
                       deadline: float | None, timeout_s: float | None) -> dict[str, str]:
         """Follow the job (and stream its output) until it leaves the queue; its last record.
+        A stop request in ``job_dir`` (``stoker stop``, the cost guard) stops the job
+        (:meth:`_act_on_stop_request`).
 
         Raises:
             SlurmError: the controller did not answer for ``CONTROLLER_PATIENCE_S``.
             TimeoutError: ``deadline`` (monotonic seconds) passed.
         """
-        failures = 0
+        failures, stop_sent = 0, None
         while True:
+            stop_sent = self._act_on_stop_request(job_dir, stop_sent, on_line)
             try:
-                record = job_record(self.job_id) or accounting_record(self.job_id)
+                record = current_record(self.job_id)
                 failures = 0
             except SlurmError:  # a controller busy or restarting: look again
                 failures += 1
@@ -329,19 +251,35 @@ class SlurmLauncher:
                 raise TimeoutError(f"attempt ran over {timeout_s} s")
             time.sleep(self.poll_s)
 
+    def _act_on_stop_request(self, job_dir: Path, stop_sent: float | None,
+                             on_line: Callable[[str], None]) -> float | None:
+        """SIGTERM the job once a stop request shows up in ``job_dir``; ``scancel`` it once the
+        grace has passed.
+
+        Returns:
+            When SIGTERM was sent (monotonic seconds; -1 once ``scancel`` followed), or None.
+        """
+        if stop_sent is None:
+            request = read_stop_request(job_dir)
+            if request is None:
+                return None
+            on_line(f"{request.describe()}: Slurm job {self.job_id} gets SIGTERM (stop "
+                    f"checkpoint), scancel after {self.shutdown_grace_s + 5:g} s")
+            with contextlib.suppress(SlurmError):  # it may have ended meanwhile
+                slurm("scancel", *STOP_SIGNAL, self.job_id)
+            return time.monotonic()
+        if stop_sent >= 0 and time.monotonic() - stop_sent > self.shutdown_grace_s + 5:
+            with contextlib.suppress(SlurmError):
+                slurm("scancel", self.job_id)
+            return -1.0
+        return stop_sent
+
     def cancel(self) -> None:
         """Stop the attempt's job: SIGTERM (stop checkpoint), ``scancel`` after the grace."""
         if self.job_id is None:
             return
         with contextlib.suppress(SlurmError):
-            slurm("scancel", "--signal=TERM", "--full", self.job_id)
-            deadline = time.monotonic() + self.shutdown_grace_s + 5
-            while time.monotonic() < deadline:
-                record = job_record(self.job_id) or {}
-                if record.get("JobState") not in ACTIVE_STATES:
-                    return
-                time.sleep(self.poll_s)
-            slurm("scancel", self.job_id)
+            stop_gracefully(self.job_id, self.shutdown_grace_s + 5, self.poll_s)
 
 
 def _follow(path: Path, offset: int, on_line: Callable[[str], None]) -> int:
