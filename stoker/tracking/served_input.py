@@ -53,7 +53,8 @@ def encoded_images(model_input) -> list | None:
 
 
 def decode_base64(values: list) -> list[bytes]:
-    """Base64 values (``str`` or ``bytes``; already raw ``bytes`` of an image pass) -> file bytes.
+    """Base64 values (``str`` or ``bytes``; raw ``bytes`` of an image file that are not base64
+    pass as they are) -> file bytes.
 
     Args:
         values: one value per image.
@@ -66,13 +67,13 @@ def decode_base64(values: list) -> list[bytes]:
     """
     files = []
     for row, value in enumerate(values):
-        if isinstance(value, (bytes, bytearray)) and _looks_like_image(bytes(value)):
-            data = bytes(value)
-        elif isinstance(value, (str, bytes, bytearray)):
+        if isinstance(value, (str, bytes, bytearray)):
             try:
                 data = base64.b64decode(value, validate=True)
             except (binascii.Error, ValueError) as e:
-                raise BadImageInput(f"image row {row}: not base64 ({e})") from e
+                if not (isinstance(value, (bytes, bytearray)) and _looks_like_image(value)):
+                    raise BadImageInput(f"image row {row}: not base64 ({e})") from e
+                data = bytes(value)  # the file's own bytes (in process, not over JSON)
         else:
             raise BadImageInput(f"image row {row}: a {type(value).__name__}, expected base64 "
                                 "text of an image file")
