@@ -73,6 +73,8 @@ MEASURES = (
      "median <= 2 s; <= 5 s"),
     ("bench_cost_guard", "Cost guard: one sweep's own overhead, in process and from the CLI",
      "<= 3 s each"),
+    ("bench_end_of_run", "End of stoker run: last training step -> process exit, by part",
+     "median <= 5 s"),
 )
 
 

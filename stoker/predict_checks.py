@@ -36,6 +36,27 @@ def answered_by(model_uri: str) -> str:
     return f"model: {name} version {version.version}{named}, run {version.run_id} ({model_uri})"
 
 
+def channel_mismatch(mode: str, channels: int, model: str) -> str | None:
+    """Why an image of Pillow mode ``mode`` does not fit a model of ``channels``, or None.
+
+    Args:
+        mode: the image's mode as opened (``L``, ``I;16``, ``RGB``, ``P``, ...).
+        channels: the model's input channels (1 or 3).
+        model: the model, for the message.
+
+    Returns:
+        ``a colour (3 channels) image, but <model> takes 1 channel (gray)`` or the converse.
+    """
+    from stoker.runtime.listing import GRAY_MODES
+
+    colour = mode not in GRAY_MODES
+    if colour == (channels == 3):
+        return None
+    has = "colour (3 channels)" if colour else "gray (1 channel)"
+    wants = "3 channels" if channels == 3 else "1 channel (gray)"
+    return f"a {has} image, but {model} takes {wants}"
+
+
 def mismatch(images: list[Path], folders: list[Path], meta: dict, model_uri: str) -> str | None:
     """Why these images do not fit the model (one line naming the first that does not), or None.
 
@@ -51,20 +72,16 @@ def mismatch(images: list[Path], folders: list[Path], meta: dict, model_uri: str
     """
     from PIL import Image, UnidentifiedImageError
 
-    from stoker.runtime.listing import GRAY_MODES
-
     channels = int(meta["preprocessing"]["channels"])
     hint = "; choose a model trained on such images with --model-uri"
     for path in images:
         try:
             with Image.open(path) as image:
-                colour = image.mode not in GRAY_MODES
+                wrong = channel_mismatch(image.mode, channels, model_uri)
         except (UnidentifiedImageError, OSError) as e:
             return f"{path}: not a readable image ({e})"
-        if colour != (channels == 3):
-            has = "colour (3 channels)" if colour else "gray (1 channel)"
-            wants = "3 channels" if channels == 3 else "1 channel (gray)"
-            return f"{path}: a {has} image, but {model_uri} takes {wants}{hint}"
+        if wrong:
+            return f"{path}: {wrong}{hint}"
     classes = set(meta.get("classes") or [])
     for folder in folders:
         subfolders = sorted(p.name for p in folder.iterdir()  # those holding files: classes

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 # Only light imports before the handler is installed: a SIGTERM that arrives while torch is
@@ -146,7 +147,12 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     finally:
         if trainer is not None:
             trainer.close(outcome)
+        torn = time.monotonic()
         teardown()
+        if trainer is not None and trainer.env.is_main:  # where the last step's seconds go
+            log.info("end: %s", ", ".join(f"{name} {seconds:.2f} s" for name, seconds in (
+                *getattr(trainer, "end_s", {}).items(),
+                ("process group", time.monotonic() - torn))))
 
 
 PEER_LOST_WAIT_S = 2.0  # at most, before a rank whose peer is gone exits (torchrun's turn)

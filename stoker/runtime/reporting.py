@@ -154,14 +154,31 @@ class ReportingMixin:
                                                  if isinstance(v, int | float)})
 
     def close(self, outcome: str) -> None:
-        """Flush tracking and progress; mark the run FINISHED, KILLED (preempted) or FAILED."""
+        """Flush tracking and progress; mark the run FINISHED, KILLED (preempted) or FAILED.
+
+        Seconds per part of the end go to ``self.end_s`` (checkpoint, data, mlflow), which
+        :func:`stoker.runtime.__main__.main` logs in one line with the process-group teardown.
+        """
+        marks = [time.monotonic()]
         with contextlib.suppress(CheckpointError):
             self.ckpt.wait()
+        marks.append(time.monotonic())
         self.close_data()
+        marks.append(time.monotonic())
         status = {"completed": "FINISHED", "preempted": "KILLED"}.get(outcome, "FAILED")
         if self.progress is not None:  # on record first: closing MLflow can take seconds
             self.progress.event("end", self.step, outcome=outcome)
             self.progress.heartbeat(self.step, outcome=outcome, force=True)
+        try:
+            self._close_tracking(outcome, status)
+        finally:
+            marks.append(time.monotonic())
+            self.end_s = dict(zip(("checkpoint", "data", "mlflow"),
+                                  (b - a for a, b in zip(marks, marks[1:], strict=False)),
+                                  strict=False))
+
+    def _close_tracking(self, outcome: str, status: str) -> None:
+        """End the MLflow run with ``status``, close the progress log, raise a tracking error."""
         if self.tracker is not None:
             try:
                 self.tracker.set_tags({"stoker.last_outcome": outcome})

@@ -6,7 +6,9 @@ serve`` and ``mlflow.pyfunc.load_model`` all answer ``four``, not ``0``.
 
 Input: float32 [N, C, H, W], scaled to [0, 1] then normalised with the training mean/std
 (``preprocess_images`` makes it from image files exactly as validation does in training: the whole
-image resized to the training size, no augmentation).
+image resized to the training size, no augmentation); or an ``image`` column of base64-encoded
+image files, which the model decodes and preprocesses itself by the same function
+(:mod:`stoker.tracking.served_input`).
 Output: a DataFrame with ``class`` (name), ``probability`` (of that class) and ``p_<class>`` per
 class; with ``params={"logits": True}`` also ``logit_<class>`` per class.
 """
@@ -36,11 +38,22 @@ def model_meta(result: dict) -> dict:
             "mean": list(result.get("image_mean") or [0.0] * channels),
             "std": list(result.get("image_std") or [1.0] * channels),
         },
+        # What the served model takes (stoker.tracking.served_input): a float32 [N, C, H, W]
+        # tensor, or an "image" column of base64-encoded image files.
+        "inputs": {"tensor": "float32 [N, C, H, W], preprocessed",
+                   "image": "base64 of an image file (PNG, JPEG, ...)"},
     }
 
 
-def preprocess_images(paths: list[Path], preprocessing: dict) -> np.ndarray:
+def preprocess_images(paths: list, preprocessing: dict) -> np.ndarray:
     """Image files -> float32 [N, C, H, W] as in training (mode, size, scale, normalisation).
+
+    Args:
+        paths: image file paths, or binary file objects of encoded images.
+        preprocessing: the model's ``preprocessing`` metadata (:func:`model_meta`).
+
+    Returns:
+        float32 [N, C, H, W].
 
     Raises:
         OSError, PIL.UnidentifiedImageError: a file is not a readable image.
@@ -74,6 +87,7 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
 
         meta = json.loads(Path(context.artifacts["meta"]).read_text())
         self.classes = list(meta["classes"])
+        self.preprocessing = meta["preprocessing"]
         channels = meta["preprocessing"]["channels"]
         self.model = build_model(meta["model"], len(self.classes), channels)
         state = torch.load(context.artifacts["weights"], map_location="cpu", weights_only=True)
@@ -87,10 +101,30 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         with torch.no_grad():
             return self.model(torch.as_tensor(np.asarray(batch, dtype=np.float32))).numpy()
 
+    def batch(self, model_input) -> np.ndarray:
+        """The model's float32 [N, C, H, W] from a tensor or an ``image`` column of base64 files.
+
+        Raises:
+            mlflow.exceptions.MlflowException: an image value is unusable (HTTP 400 when
+                served; the message names its row).
+        """
+        from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
+
+        from stoker.tracking import served_input
+
+        values = served_input.encoded_images(model_input)
+        if values is None:
+            return np.asarray(model_input, dtype=np.float32)
+        try:
+            return served_input.images_to_batch(served_input.decode_base64(values),
+                                                self.preprocessing, preprocess_images)
+        except served_input.BadImageInput as e:
+            raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
+
     def predict(self, context, model_input: np.ndarray, params=None):
         import pandas as pd
 
-        logits = self.logits(model_input)
+        logits = self.logits(self.batch(model_input))
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs = shifted / shifted.sum(axis=1, keepdims=True)
         best = probs.argmax(axis=1)

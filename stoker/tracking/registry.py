@@ -237,6 +237,7 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example,
     from stoker.runtime.tracking import quiet_mlflow
     from stoker.tracking import pyfunc
     from stoker.tracking.pyfunc import ImageClassifier, model_meta
+    from stoker.tracking.served_input import served_signature
 
     meta = model_meta(result)
     classifier = ImageClassifier()
@@ -250,7 +251,8 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example,
             info = mlflow.pyfunc.log_model(
                 name="model", python_model=str(Path(pyfunc.__file__).with_name("pyfunc_code.py")),
                 artifacts={"weights": result["model_path"], "meta": str(meta_path)},
-                signature=infer_signature(example, output, params={"logits": False}),
+                signature=served_signature(infer_signature(example, output,
+                                                           params={"logits": False})),
                 input_example=example, pip_requirements=pip_requirements(),
                 code_paths=[str(Path(stoker.__file__).parent)], metadata={"stoker": meta},
             )
