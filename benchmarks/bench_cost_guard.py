@@ -138,8 +138,9 @@ def sweep_in_process(client, image: str, root: Path, index: int) -> float:
     """Overhead (s) of one ``run_sweep`` on a fresh host stand-in."""
     from fake_nvml import FakeNvml
 
+    from stoker.costguard.host import discover_all, standard_actors
     from stoker.costguard.nvml import NvmlReader
-    from stoker.costguard.sweep import discover_all, run_sweep, standard_actors
+    from stoker.costguard.sweep import run_sweep
 
     work, label = root / f"sweep-{index}", f"bench-{uuid.uuid4().hex[:8]}"
     make_jobs(work)

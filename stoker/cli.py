@@ -327,14 +327,14 @@ def cost_guard(
         raise typer.Exit(2) from None
     quiet_telemetry(config.work_dir)
     if plain:
+        from stoker.costguard.host import sweep_host
         from stoker.costguard.report import render_markdown
-        from stoker.costguard.sweep import sweep_host
 
         typer.echo(render_markdown(sweep_host(config)), nl=False)
         return
     if not config.prefect.enabled:  # no flow run to record nor to cancel: no server either
+        from stoker.costguard.host import sweep_host
         from stoker.costguard.summary import summary
-        from stoker.costguard.sweep import sweep_host
 
         typer.echo(json.dumps(summary(sweep_host(config)), indent=2, default=str))
         return

@@ -21,6 +21,7 @@ from prefect.states import Cancelling
 
 from stoker.costguard.actions import ActionResult
 from stoker.costguard.config import CostGuardConfig
+from stoker.costguard.host import sweep_host
 from stoker.costguard.inventory import Resource
 from stoker.costguard.report import (
     event_payload,
@@ -30,7 +31,7 @@ from stoker.costguard.report import (
     render_failure,
     render_markdown,
 )
-from stoker.costguard.sweep import SweepReport, sweep_host
+from stoker.costguard.sweep import SweepReport
 from stoker.ownership import PREFECT_OWNER_TAG
 
 ARTIFACT_KEY = "stoker-cost-guard"

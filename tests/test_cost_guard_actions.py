@@ -21,9 +21,10 @@ from fake_nvml import FakeNvml, Gpu
 from stoker.costguard.actions import DockerActor, Ec2Actor
 from stoker.costguard.config import CostGuardConfig
 from stoker.costguard.decide import Verdict
+from stoker.costguard.host import discover_all, standard_actors
 from stoker.costguard.inventory import Resource
 from stoker.costguard.nvml import NvmlReader
-from stoker.costguard.sweep import discover_all, run_sweep, standard_actors
+from stoker.costguard.sweep import run_sweep
 from stoker.ownership import CLOUD_OWNER_TAG, DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
 
 pytestmark = pytest.mark.integration

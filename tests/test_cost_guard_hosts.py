@@ -27,8 +27,9 @@ from test_cost_guard_actions import (  # noqa: F401 - fixtures
 from stoker.config import TrainConfig
 from stoker.costguard.config import CostGuardConfig
 from stoker.costguard.decide import Verdict
+from stoker.costguard.host import discover_all, standard_actors
 from stoker.costguard.nvml import NvmlReader
-from stoker.costguard.sweep import discover_all, run_sweep, standard_actors
+from stoker.costguard.sweep import run_sweep
 from stoker.ownership import CLOUD_OWNER_TAG, DOCKER_JOB_LABEL, DOCKER_OWNER_LABEL
 from stoker.runtime.spec import RunSpec
 

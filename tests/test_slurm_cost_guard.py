@@ -25,10 +25,11 @@ from test_slurm import (  # noqa: F401 - fixtures
 from stoker.config import RetryConfig, TrainConfig
 from stoker.costguard.config import CostGuardConfig
 from stoker.costguard.decide import Verdict
+from stoker.costguard.host import discover_all, standard_actors
 from stoker.costguard.inventory import Resource
 from stoker.costguard.nvml import NvmlReader
 from stoker.costguard.slurm import SlurmActor
-from stoker.costguard.sweep import discover_all, run_sweep, standard_actors
+from stoker.costguard.sweep import run_sweep
 from stoker.jobs.stop_request import read_stop_request
 from stoker.launch.retry import Outcome, run_with_retries
 from stoker.launch.slurm import jobs_of, slurm
