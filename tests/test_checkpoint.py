@@ -164,16 +164,17 @@ def test_a_digest_record_the_disk_has_no_room_for_leaves_no_temporary_file(tmp_p
     temporary file too."""
     import errno
 
+    from stoker.runtime import checkpoint_files
     from stoker.runtime.checkpoint import DIGEST_SUFFIX
 
-    real_sync = Checkpointer._sync
+    real_sync = checkpoint_files.sync
 
     def sync(f):
         if DIGEST_SUFFIX + ".tmp-" in str(getattr(f, "path", "")):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_sync(f)
 
-    monkeypatch.setattr(Checkpointer, "_sync", staticmethod(sync))
+    monkeypatch.setattr(checkpoint_files, "sync", sync)
     ckpt = Checkpointer(str(tmp_path), 1, 2)
     ckpt.save(5, None, {"rng": 0})
     with pytest.raises(CheckpointError, match="No space left on device"):

@@ -29,9 +29,6 @@ moved aside to ``corrupt-step-<step>-<unix time>/`` (with a ``REASON`` file), ne
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
-import io
 import json
 import logging
 import os
@@ -39,15 +36,21 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-import torch
 from tenacity import Retrying, stop_after_attempt, wait_exponential
 
 # Defined there: the orchestrator names them without importing torch.
 from stoker.runtime import CheckpointError, CheckpointWriteError
+from stoker.runtime.checkpoint_files import (
+    Written,
+    discard,
+    seal,
+    serialize,
+    unwritable,
+    write_bytes,
+)
 from stoker.runtime.checkpoint_read import (  # noqa: F401 - re-exported
     MARKER,
     UNFINISHED,
@@ -55,22 +58,12 @@ from stoker.runtime.checkpoint_read import (  # noqa: F401 - re-exported
     Loaded,
 )
 from stoker.runtime.lease import LeaseLost
-from stoker.runtime.staging import HashingWriter, HostStaging
+from stoker.runtime.staging import HostStaging
 
 log = logging.getLogger(__name__)
 
 DIGEST_SUFFIX = ".sha256"  # rank-00001.pt.sha256: that rank's own digest of its file, for rank 0
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
-
-
-@dataclass(frozen=True)
-class _Written:
-    """A serialized file still open under its temporary name (see ``Checkpointer._seal``)."""
-
-    file: Any
-    tmp: str
-    path: str
-    sha256: str
 
 
 class Checkpointer(CheckpointReader):
@@ -149,100 +142,11 @@ class Checkpointer(CheckpointReader):
         """Committed steps, ascending."""
         return [step for step, committed in self._steps() if committed]
 
-    # -- writing ------------------------------------------------------------------------------
-    @staticmethod
-    def _sync(f: Any) -> None:
-        """Flush ``f`` and fsync it when it is a local file (an object store commits on close).
-
-        Raises:
-            OSError: the fsync failed (a full disk, an I/O error).
-        """
-        f.flush()
-        if not hasattr(f, "fileno"):
-            return
-        try:
-            fd = f.fileno()
-        except (OSError, io.UnsupportedOperation):  # no OS file behind it (an in-memory one)
-            return
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            # A file that cannot be synced (EINVAL: a special file; some FUSE mounts) is as
-            # durable as it gets; any other failure (ENOSPC, EIO) means the bytes may not be
-            # on the disk: the step must not be committed.
-            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
-
-    def _write(self, path: str, payload: bytes) -> str:
-        """Write bytes under a temporary name, flush + fsync, rename; return their sha256. A
-        write that fails (a full disk) deletes its temporary file before it raises."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with self.fs.open(tmp, "wb") as f:
-                f.write(payload)
-                self._sync(f)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.fs.rm(tmp)
-            raise
-        self.fs.mv(tmp, path)
-        return hashlib.sha256(payload).hexdigest()
-
-    def _write_state(self, path: str, obj: Any) -> str:
-        """``torch.save`` ``obj`` straight into a temporary file, hashing the bytes as they go
-        out (no in-memory copy of the serialized state, no second read); flush + fsync, rename.
-        Returns the file's sha256."""
-        return self._seal(self._serialize(path, obj))
-
-    def _serialize(self, path: str, obj: Any) -> _Written:
-        """The first half of ``_write_state``: ``torch.save`` into the open temporary file
-        (the bytes leave ``obj``: it may change afterwards). Not yet durable nor renamed."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        f = self.fs.open(tmp, "wb")
-        try:
-            writer = HashingWriter(f)
-            torch.save(obj, writer)
-        except BaseException:
-            self._discard([_Written(f, tmp, path, "")])
-            raise
-        return _Written(f, tmp, path, writer.sha256)
-
-    def _discard(self, written: list[_Written]) -> None:
-        """Close and delete files a failed save left under their temporary names (a full disk
-        must not keep up to a whole checkpoint of them)."""
-        for w in written:
-            with contextlib.suppress(Exception):
-                w.file.close()
-            with contextlib.suppress(Exception):
-                self.fs.rm(w.tmp)
-
+    # -- writing (file primitives: stoker.runtime.checkpoint_files) ---------------------------
     def unwritable(self, step: int, error: BaseException) -> CheckpointWriteError | None:
-        """The one-line error for a save of ``step`` that the file system refused (an
-        ``OSError`` anywhere in ``error``'s chain: a full disk, a read-only folder), naming
-        the folder and what to do; None for any other error. (torch's zip writer raises its
-        own ``RuntimeError`` with the ``OSError`` as its context.)"""
-        seen: set[int] = set()
-        cause: BaseException | None = error
-        while cause is not None and id(cause) not in seen and not isinstance(cause, OSError):
-            if isinstance(cause, LeaseLost):  # fencing, not the file system
-                return None
-            seen.add(id(cause))
-            cause = cause.__cause__ or cause.__context__
-        if not isinstance(cause, OSError):
-            return None
-        why = cause.strerror or str(cause) or type(cause).__name__
-        hint = ("free space there, lower train.keep_latest_k, or point checkpoint_dir at a "
-                "larger disk" if cause.errno == errno.ENOSPC
-                else "check that checkpoint_dir is a folder this user can write")
-        return CheckpointWriteError(f"checkpoint {self.step_dir(step)}: rank {self.rank} could "
-                                    f"not write it ({why}): {hint}; the step stays uncommitted")
-
-    def _seal(self, written: _Written) -> str:
-        """The second half: flush + fsync, close, rename. Returns the file's sha256."""
-        with written.file as f:
-            self._sync(f)
-        self.fs.mv(written.tmp, written.path)
-        return written.sha256
+        """The one-line error for a save of ``step`` that the file system refused (see
+        :func:`stoker.runtime.checkpoint_files.unwritable`); None for any other error."""
+        return unwritable(self.step_dir(step), self.rank, error)
 
     def save(self, step: int, shared: dict[str, Any] | None, rank_state: dict[str, Any],
              metrics: dict[str, float] | None = None, *, defer_copy: bool = False) -> None:
@@ -284,7 +188,7 @@ class Checkpointer(CheckpointReader):
                     raise refused from e
                 raise
             self._in_background(step, lambda: self._commit_step(step, written, metrics),
-                                undo=lambda: self._discard(written))
+                                undo=lambda: discard(self.fs, written))
         else:
             ready = self.staging.begin()
             if not defer_copy:
@@ -357,17 +261,17 @@ class Checkpointer(CheckpointReader):
         self._commit_step(step, self._serialize_step(step, shared, rank_state), metrics)
 
     def _serialize_step(self, step: int, shared: dict | None,
-                        rank_state: dict) -> list[_Written]:
+                        rank_state: dict) -> list[Written]:
         """This rank's files of ``step`` serialized (rank 0: its rank file, then ``shared.pt``),
         not yet durable: :meth:`_commit_step` finishes them."""
         folder = self.step_dir(step)
         self.fs.makedirs(folder, exist_ok=True)
-        written = [self._serialize(f"{folder}/rank-{self.rank:05d}.pt", rank_state)]
+        written = [serialize(self.fs, f"{folder}/rank-{self.rank:05d}.pt", rank_state)]
         if self.rank == 0:
             try:
-                written.append(self._serialize(f"{folder}/shared.pt", shared))
+                written.append(serialize(self.fs, f"{folder}/shared.pt", shared))
             except BaseException:
-                self._discard(written)
+                discard(self.fs, written)
                 raise
         return written
 
@@ -389,7 +293,7 @@ class Checkpointer(CheckpointReader):
                 with contextlib.suppress(Exception):
                     self.fs.rm(entry)
 
-    def _commit_step(self, step: int, written: list[_Written],
+    def _commit_step(self, step: int, written: list[Written],
                      metrics: dict | None = None) -> None:
         """Make this rank's files durable; rank > 0 publishes its digest, rank 0 commits from
         every rank's digest and purges. First it deletes what an earlier process of this rank
@@ -400,14 +304,15 @@ class Checkpointer(CheckpointReader):
         digests: list[str] = []
         try:
             for w in written:
-                digests.append(self._seal(w))
+                digests.append(seal(self.fs, w))
         except BaseException:
-            self._discard(written[len(digests):])
+            discard(self.fs, written[len(digests):])
             raise
         if self.rank != 0:
             # Rank 0 commits from this record: it never reads this rank's file.
             record = {"file": rank_file, "sha256": digests[0], "step": step}
-            self._write(f"{folder}/{rank_file}{DIGEST_SUFFIX}", json.dumps(record).encode())
+            write_bytes(self.fs, f"{folder}/{rank_file}{DIGEST_SUFFIX}",
+                        json.dumps(record).encode())
             return
         hashes = {"shared.pt": digests[1], rank_file: digests[0],
                   **self._rank_digests(folder, step)}
@@ -418,7 +323,7 @@ class Checkpointer(CheckpointReader):
                 self.fence()
             except LeaseLost as e:  # not an outage: never retried
                 raise CheckpointError(f"{folder}: left uncommitted: {e}") from e
-        self._write(f"{folder}/{MARKER}", json.dumps(marker, indent=1).encode())
+        write_bytes(self.fs, f"{folder}/{MARKER}", json.dumps(marker, indent=1).encode())
         self._verified.add(step)
         self._purge(step)
 
