@@ -39,6 +39,8 @@ class StragglerConfig(_Frozen):
                              "time is at least this many times the ranks' (lower) median.")
     window_steps: int = Field(50, gt=0, description="Steps per window: the per-rank times are "
                               "means over a window, logged and checked when it closes.")
+    windows: int = Field(2, gt=0, description="Consecutive windows a rank must be over the "
+                         "threshold before it is reported (one noisy window is not enough).")
 
 
 class TrainConfig(_Frozen):

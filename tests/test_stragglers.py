@@ -78,7 +78,7 @@ def test_a_window_closes_after_its_steps_and_a_rank_is_reported_when_it_becomes_
     """Sums arrive per agreement (here 4 steps); a window of 8 steps closes at the second; a
     rank already slow in the last window is not reported again; one that recovered and slows
     again is."""
-    windows = StragglerWindows(world_size=3, window_steps=8, threshold=1.5)
+    windows = StragglerWindows(world_size=3, window_steps=8, threshold=1.5, windows=1)
     fast, slow = [0.08, 0.0, 0.08, 0.0, 0.08, 0.0], [0.04, 0.0, 0.12, 0.08, 0.04, 0.0]
     assert windows.add(slow, 4, 4) is None
     report = windows.add(slow, 4, 8)
@@ -95,10 +95,33 @@ def test_a_window_closes_after_its_steps_and_a_rank_is_reported_when_it_becomes_
     assert again.new_stragglers == [1] and again.individual[1] == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("bad", [{"threshold": 1.0}, {"threshold": -2}, {"window_steps": 0}])
-def test_straggler_settings_are_validated(bad):
-    with pytest.raises((ConfigError, ValueError), match=next(iter(bad))):
-        TrainConfig(straggler=bad)
+def test_one_noisy_window_is_not_a_straggler():
+    """windows=2: a rank over the threshold in one window, then not, is never reported; in two
+    windows in a row it is, at the second."""
+    windows = StragglerWindows(world_size=2, window_steps=4, threshold=1.5, windows=2)
+    even, spike = [0.04, 0.0, 0.04, 0.0], [0.04, 0.0, 0.1, 0.0]
+    assert windows.add(spike, 4, 4).new_stragglers == []
+    assert windows.add(even, 4, 8).new_stragglers == []
+    assert windows.add(spike, 4, 12).new_stragglers == []
+    assert windows.add(spike, 4, 16).new_stragglers == [1]
+
+
+@pytest.mark.parametrize("override", ["train.straggler.threshold=1", "train.straggler.threshold=-2",
+                                      "train.straggler.window_steps=0",
+                                      "train.straggler.windows=0",
+                                      "train.straggler.windows=two"])
+def test_a_bad_straggler_setting_exits_2_in_one_line_naming_it(override):
+    from typer.testing import CliRunner
+
+    from stoker.cli import app
+
+    field = override.split("=")[0]
+    with pytest.raises((ConfigError, ValueError), match=field.split(".")[-1]):
+        TrainConfig(straggler={field.split(".")[-1]: override.split("=")[1]})
+    result = CliRunner().invoke(app, ["show-config", override])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [result.output.strip()]
+    assert result.output.startswith(f"error: {field}: ")
 
 
 def test_the_flow_forwards_new_straggler_events_once(tmp_path):

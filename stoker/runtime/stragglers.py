@@ -11,7 +11,8 @@ windows of ``train.straggler.window_steps`` steps (:class:`StragglerWindows`).
 Scores, per window: **relative** = a rank's own step time / the lower median over the ranks
 (``statistics.median_low``: 1.0 for the typical rank, 2.0 for a rank twice as slow; with two
 ranks it is the faster one's time); **individual** = a rank's own step time / its best window
-so far. A rank whose relative score reaches ``train.straggler.threshold`` is a straggler.
+so far. A rank whose relative score reaches ``train.straggler.threshold`` in
+``train.straggler.windows`` consecutive windows is a straggler.
 
 No Prefect, no collectives here: the trainer calls it.
 """
@@ -122,11 +123,13 @@ class StragglerWindows:
     world_size: int
     window_steps: int
     threshold: float
+    windows: int = 1
     _sums: list[float] = field(default_factory=list)
     _steps: int = 0
     _first: int | None = None
     _best: list[float] = field(default_factory=list)
     _slow: set[int] = field(default_factory=set)
+    _streak: list[int] = field(default_factory=list)  # consecutive windows over, per rank
 
     def add(self, sums: list[float], steps: int, last_step: int) -> StragglerReport | None:
         """Add the summed figures of ``steps`` steps ending at ``last_step``.
@@ -151,7 +154,10 @@ class StragglerWindows:
         self._best = [min(b, s) for b, s in zip(self._best or step_s, step_s, strict=True)]
         relative = relative_scores(step_s)
         individual = [s / b if b > 0 else 1.0 for s, b in zip(step_s, self._best, strict=True)]
-        slow = {r for r, score in enumerate(relative) if score >= self.threshold}
+        self._streak = [n + 1 if score >= self.threshold else 0
+                        for n, score in zip(self._streak or [0] * len(relative), relative,
+                                            strict=True)]
+        slow = {r for r, n in enumerate(self._streak) if n >= self.windows}
         report = StragglerReport(self._first, last_step, step_s, data_s, relative, individual,
                                  sorted(slow - self._slow))
         self._slow, self._first, self._steps = slow, None, 0
@@ -175,7 +181,7 @@ class StragglerMixin:
         self._clock = StepClock(self.module)
         if self.env.is_main:
             self._stragglers = StragglerWindows(self.env.world_size, settings.window_steps,
-                                                settings.threshold)
+                                                settings.threshold, settings.windows)
 
     def _count_own_time(self, began: float, data_s: float) -> None:
         """Add the step that began at ``began`` (``perf_counter``, s) less its waits for other

@@ -334,11 +334,12 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin
                 self.scaler.scale(loss).backward()
             total += loss.detach()
         t1 = time.perf_counter()
-        if self._clock is not None:  # the waits for other ranks are not this rank's own time
-            self._step_wait_s = self._clock.waited_s(t0, t1)
         # The last checkpoint's host copy may still be reading the weights (it overlapped the
         # forward/backward above): they must not change under it.
-        self.timings["checkpoint"] += self.ckpt.wait_staged()
+        staged_s = self.ckpt.wait_staged()
+        self.timings["checkpoint"] += staged_s
+        if self._clock is not None:  # waits for other ranks and checkpoints: not step work
+            self._step_wait_s = self._clock.waited_s(t0, t1) + staged_s
         t1 = time.perf_counter()
         self.scaler.step(self.optimizer)
         self.scaler.update()
