@@ -37,7 +37,12 @@ from stoker.config_runs import (  # noqa: F401 - re-exported
     RetryConfig,
     SlurmLauncherConfig,
 )
-from stoker.config_train import HangConfig, TrainConfig, check_batch  # noqa: F401
+from stoker.config_train import (  # noqa: F401
+    HangConfig,
+    StragglerConfig,
+    TrainConfig,
+    check_batch,
+)
 from stoker.runtime.listing import control_characters
 
 _SCP_LIKE = re.compile(r"^[\w.-]+@[\w.-]+:")  # git@github.com:owner/repo.git

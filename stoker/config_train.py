@@ -1,5 +1,5 @@
 """The pipeline config's ``train`` section: the model, data shape, optimisation, precision,
-checkpoint cadence, hang detection and budgets. Part of :mod:`stoker.config`, which
+checkpoint cadence, hang and straggler detection and budgets. Part of :mod:`stoker.config`, which
 re-exports every model here; the training runtime reads it inside the image."""
 
 from __future__ import annotations
@@ -28,6 +28,19 @@ class HangConfig(_Frozen):
     checkpoint_s: float = Field(600.0, gt=0, description="Time allowed for one checkpoint "
                                 "save, s.")
     warmup_steps: int = Field(3, gt=0, description="Steps seen before step times count.")
+
+
+class StragglerConfig(_Frozen):
+    """How rank 0 finds a slow rank (see docs/explanation/hangs.md#slow-ranks-stragglers)."""
+
+    enabled: bool = Field(True, description="Measure each rank's own step time and data wait, "
+                          "log them to MLflow and warn about a slow rank (world size > 1).")
+    threshold: float = Field(1.5, gt=1, description="A rank is a straggler when its own step "
+                             "time is at least this many times the ranks' (lower) median.")
+    window_steps: int = Field(50, gt=0, description="Steps per window: the per-rank times are "
+                              "means over a window, logged and checked when it closes.")
+    windows: int = Field(2, gt=0, description="Consecutive windows a rank must be over the "
+                         "threshold before it is reported (one noisy window is not enough).")
 
 
 class TrainConfig(_Frozen):
@@ -130,6 +143,8 @@ class TrainConfig(_Frozen):
     )
     hang: HangConfig = Field(default_factory=HangConfig, description="Hang detection: "
                              "per-section timeouts of the launcher's watchdog.")
+    straggler: StragglerConfig = Field(default_factory=StragglerConfig, description="Slow "
+                                       "ranks: per-rank step times and the straggler warning.")
     preemption_notice_url: str | None = Field(
         None, description="Cloud preemption-notice endpoint to poll (AWS spot instance-action)."
     )

@@ -249,3 +249,32 @@ def test_a_job_trains_in_one_process_at_a_time(harness, tmp_path):
         pipeline(config)
     assert not (job / "attempts.jsonl").exists()  # nothing was launched
     assert not (job / "spec.yaml").exists()  # nothing in the job folder was written
+
+
+def test_a_slow_rank_warns_in_the_flow_log_and_emits_an_event(harness, tmp_path, monkeypatch):
+    """Rank 1 twice as slow (test hook) in the real flow: a WARNING naming rank 1 in the flow
+    run's Prefect log and a ``stoker.training.straggler`` event read back from the server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
+
+    from flows.pipeline import pipeline
+
+    monkeypatch.setenv("STOKER_TEST_SLOW", "1:2")
+    config = load_pipeline_config(None, [f"work_dir={tmp_path}", "train.epochs=2",
+                                         "train.nproc_per_node=2",
+                                         "train.straggler.window_steps=10"])
+    result = pipeline(config)
+    run = MlflowClient(config.tracking_uri()).get_run(result["run_id"])
+    assert run.data.metrics["rank_1_relative_score"] >= 1.5
+    flow_run_id = run.data.tags["prefect.flow_run_id"]
+    events = [e for e in stoker_events(flow_run_id, {"stoker.training.straggler"})
+              if e["event"] == "stoker.training.straggler"]
+    assert events and {e["payload"]["rank"] for e in events} == {1}, events
+    job = run.data.tags["stoker.job"]
+    assert events[0]["resource"]["prefect.resource.id"] == f"stoker.job.{job}"
+    assert float(events[0]["payload"]["relative_score"]) >= 1.5
+    with get_client(sync_client=True) as prefect:
+        logs = prefect.read_logs(log_filter=LogFilter(
+            flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]), level=LogFilterLevel(ge_=30)))
+    assert any(log.message.startswith("straggler: rank 1 is") for log in logs), \
+        [log.message for log in logs]

@@ -170,18 +170,23 @@ def capacity_for(config: PipelineConfig, preemptions_so_far: int) -> str:
     return config.cost.capacity_type
 
 
+FORWARDED = ("straggler",)  # the ranks' events ProgressWatcher hands to on_event
+
+
 class ProgressWatcher(threading.Thread):
     """Reports the runtime's progress events every ``every_s`` seconds.
 
     ``on_progress(percent, message)`` gets the share of steps done (0-100) and a line with step,
     throughput and ETA (:func:`stoker.jobs.status.job_progress`), only when the line changed;
     the ``train`` task turns it into a Prefect progress artifact and a log line.
+    ``on_event(record)`` gets each new event of a kind in :data:`FORWARDED` (a straggler).
     """
 
     def __init__(self, job_dir: Path, on_progress: Callable[[float, str], None],
-                 every_s: float = 5.0):
+                 every_s: float = 5.0, on_event: Callable[[dict], None] | None = None):
         super().__init__(daemon=True, name="progress-watcher")
         self.job_dir, self.on_progress, self.every_s = job_dir, on_progress, every_s
+        self.on_event = on_event
         self.stopped = threading.Event()
         self._lock = threading.Lock()  # a poll of the thread and report_now never interleave
         self._last: str | None = None
@@ -226,6 +231,8 @@ class ProgressWatcher(threading.Thread):
             self._starts_before = 0
         for event in records:
             self._add(event)
+            if self.on_event is not None and event.get("event") in FORWARDED:
+                self.on_event(event)
         if self._starts() == self._starts_before:
             return  # this run's first attempt has not started yet
         # The attempt records number the attempts (one that died before its ranks' start event

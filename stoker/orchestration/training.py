@@ -74,7 +74,7 @@ from stoker.stopping import (
     stop_reason,
 )
 from stoker.tracking.cost import cost_report, steps_lost
-from stoker.tracking.events import training_event
+from stoker.tracking.events import straggler_notice, training_event
 from stoker.tracking.spend import log_cost_records, log_stopped_cost
 
 
@@ -318,6 +318,20 @@ class TrainingRun:
         Prefect cancel; None for anything else (a timeout, a bug)."""
         return stop_reason() if stop_reason() is not None else self.hooks.stopped_by(error)
 
+    def _rank_event(self, record: dict) -> None:
+        """A ranks' straggler event: a WARNING in the flow run's log and a
+        ``stoker.training.straggler`` Prefect event."""
+        notice = straggler_notice(self.job_dir.name, self.run_id, record)
+        if notice is None:
+            return
+        line, event = notice
+        self.log.warning(line)
+        if self.hooks.flow_run_id:  # emitted from the watcher's thread: no run context there
+            event["related"].append({"prefect.resource.id":
+                                     f"prefect.flow-run.{self.hooks.flow_run_id}",
+                                     "prefect.resource.role": "flow-run"})
+        self.hooks.emit(**event)
+
     def _record_sender(self, error: BaseException) -> None:
         """The orchestrator's word on who stops it (a Prefect cancel), for the ranks' stop
         line (``stop requested (SIGTERM: a Prefect cancel of flow run 'brave-fox')``)."""
@@ -338,7 +352,7 @@ class TrainingRun:
         """
         self.prepare()
         job_dir, cancels = self.job_dir, self.hooks.cancels
-        self.watcher = ProgressWatcher(job_dir, progress())
+        self.watcher = ProgressWatcher(job_dir, progress(), on_event=self._rank_event)
         self.watcher.start()
         train = self.config.train
         budget = BudgetWatcher(job_dir, train.max_cost_usd, train.max_duration,

@@ -43,6 +43,7 @@ from stoker.runtime.progress import ProgressWriter
 from stoker.runtime.reporting import ReportingMixin
 from stoker.runtime.resume import resume_point
 from stoker.runtime.spec import RunSpec
+from stoker.runtime.stragglers import StragglerMixin
 from stoker.runtime.training_state import TrainingStateMixin
 
 log = logging.getLogger("stoker.runtime")
@@ -80,7 +81,8 @@ class _Step:
 @dataclass
 class _Agreement:
     """One collective in flight for ``steps``: ``flags`` = [summed loss of each step ...,
-    stop votes, time-due, the steps until the next agreement (rank 0's proposal)]."""
+    stop votes, time-due, the steps until the next agreement (rank 0's proposal), then each
+    rank's own time and data wait in its slots (:mod:`stoker.runtime.stragglers`)]."""
 
     steps: list[_Step]
     flags: torch.Tensor
@@ -91,7 +93,7 @@ class _Agreement:
         return self.steps[-1].step
 
 
-class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin):
+class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin):
     """Owns the model, optimizer, data order, checkpointer and (rank 0) tracking of one job."""
 
     def __init__(self, spec: RunSpec, env: DistEnv, stop: StopFlag):
@@ -144,6 +146,7 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin):
         self.resume = resume_point(self.ckpt, env, self.cfg.on_no_usable_checkpoint, env.device)
         self._restore(self.resume.loaded)
         self.model = self._wrap()  # load the snapshot before wrapping in DDP
+        self._open_straggler_watch()
         # Its workers fork now, before tracking and checkpoint threads exist (see _open_data).
         self._batches = self._open_data()
         self._watchdog = DataWatchdog(self.cfg.data_timeout_s if self.cfg.num_workers else 0)
@@ -253,10 +256,12 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin):
             epoch, first = divmod(self.step, self.steps_per_epoch)
             epoch_started = time.perf_counter()
             for _ in range(first, self.steps_per_epoch):
+                began = time.perf_counter()  # the rank's own time counts from here (stragglers)
                 hang.mark("step", self.step)
                 t0 = time.perf_counter()
                 micro = [self._next_batch() for _ in range(self.cfg.grad_accum_steps)]
-                self.timings["data"] += time.perf_counter() - t0
+                data_s = time.perf_counter() - t0
+                self.timings["data"] += data_s
                 lr = self.scheduler.get_last_lr()[0]
                 loss = self.train_step(micro)
                 self.step += 1
@@ -265,6 +270,7 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin):
                                        "(train.fail_at_step)")
                 step_s = time.perf_counter() - t0
                 self.train_time_s += step_s
+                self._count_own_time(began, data_s)
                 unagreed.append(_Step(self.step, epoch, lr, loss.detach(), step_s, time.time()))
                 if profiler is not None:
                     profiler = self._profiler_step(profiler)
@@ -330,7 +336,10 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin):
         t1 = time.perf_counter()
         # The last checkpoint's host copy may still be reading the weights (it overlapped the
         # forward/backward above): they must not change under it.
-        self.timings["checkpoint"] += self.ckpt.wait_staged()
+        staged_s = self.ckpt.wait_staged()
+        self.timings["checkpoint"] += staged_s
+        if self._clock is not None:  # waits for other ranks and checkpoints: not step work
+            self._step_wait_s = self._clock.waited_s(t0, t1) + staged_s
         t1 = time.perf_counter()
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -366,8 +375,8 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin):
         # On the losses' device, without a host sync (read in _settle).
         flags = torch.cat([torch.stack([s.loss for s in steps]).to(torch.float64),
                            torch.tensor([float(self.stop.requested), float(time_due),
-                                         float(interval)], dtype=torch.float64,
-                                        device=self.env.device)])
+                                         float(interval), *self._own_time_slots()],
+                                        dtype=torch.float64, device=self.env.device)])
         work = None
         if self.env.distributed:  # (one process has nothing to wait for: settled at once)
             work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
@@ -393,7 +402,8 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin):
                     f"train loss is {mean_loss} at step {s.step}: training diverged (check "
                     f"train.lr={self.cfg.lr}, train.precision={self.cfg.precision})")
             self._log_step(s.step, s.epoch, mean_loss, s.lr, s.step_s, s.ended)
-        stop, due, interval = flags[n:]
+        stop, due, interval = flags[n:n + 3]
+        self._report_stragglers(flags[n + 3:], n, agreed.step)
         return stop > 0, due > 0, agreed.step + max(1, int(interval))
 
     def _epoch_line_due(self, epoch: int) -> bool:

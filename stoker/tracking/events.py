@@ -9,6 +9,8 @@ as related resources by Prefect):
   flow run of an unfinished job);
 - ``stoker.training.preempted``: an attempt was preempted (its stop checkpoint committed);
 - ``stoker.training.completed`` / ``stoker.training.failed``: the job's training ended;
+- ``stoker.training.straggler``: rank 0 found a rank slower than ``train.straggler.threshold``
+  times the median (:func:`straggler_notice`, from the ranks' ``straggler`` progress event);
 - ``stoker.model.registered``: a new model version; ``stoker.model.promoted``: it became
   ``champion``.
 """
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from stoker.runtime.records import integer, real_number
+
 TRAINING = "stoker.training"
 MODEL = "stoker.model"
-TRAINING_KINDS = ("started", "resumed", "preempted", "completed", "failed")
+TRAINING_KINDS = ("started", "resumed", "preempted", "completed", "failed", "straggler")
 MODEL_KINDS = ("registered", "promoted")
 
 
@@ -65,3 +69,33 @@ def model_event(kind: str, name: str, version: str, job: str, run_id: str,
     related = [{**_job(job), "prefect.resource.role": "stoker-job"}, *_run(run_id)]
     return {"event": f"{MODEL}.{kind}", "resource": resource, "related": related,
             "payload": {k: v for k, v in payload.items() if v is not None}}
+
+
+def straggler_notice(job: str, run_id: str | None,
+                     record: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The flow's warning line and ``emit_event`` arguments for a ranks' ``straggler`` progress
+    event (:mod:`stoker.runtime.stragglers`).
+
+    Args:
+        job: the job's folder name.
+        run_id: the MLflow run, when known.
+        record: one line of ``progress.jsonl``: ``rank``, ``relative_score``, ``step_s`` and
+            ``median_step_s`` (s per step), ``data_wait_s``, ``first_step``, ``step``.
+
+    Returns:
+        (line, event arguments), or None when the record is not a whole straggler event (a
+        field missing or of the wrong type).
+    """
+    rank, score = integer(record.get("rank")), real_number(record.get("relative_score"))
+    step_s, median_s = real_number(record.get("step_s")), real_number(record.get("median_step_s"))
+    first, last = integer(record.get("first_step")), integer(record.get("step"))
+    if None in (rank, score, step_s, median_s, first, last):
+        return None
+    data_s = real_number(record.get("data_wait_s"))
+    line = (f"straggler: rank {rank} is {score:.1f}x slower than the median rank "
+            f"({1000 * step_s:.0f} ms vs {1000 * median_s:.0f} ms of its own time per step) over "
+            f"steps {first}-{last}")
+    event = training_event("straggler", job, run_id, rank=rank, relative_score=score,
+                           step_s=step_s, median_step_s=median_s, data_wait_s=data_s,
+                           first_step=first, step=last)
+    return line, event
