@@ -252,15 +252,15 @@ def test_a_job_trains_in_one_process_at_a_time(harness, tmp_path):
 
 
 def test_a_slow_rank_warns_in_the_flow_log_and_emits_an_event(harness, tmp_path, monkeypatch):
-    """Rank 1 twice as slow (test hook) in the real flow: a WARNING naming rank 1 in the flow
+    """Rank 1 three times as slow (test hook) in the real flow: a WARNING naming rank 1 in the flow
     run's Prefect log and a ``stoker.training.straggler`` event read back from the server."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
 
     from flows.pipeline import pipeline
 
-    monkeypatch.setenv("STOKER_TEST_SLOW", "1:2")
-    config = load_pipeline_config(None, [f"work_dir={tmp_path}", "train.epochs=2",
+    monkeypatch.setenv("STOKER_TEST_SLOW", "1:3")
+    config = load_pipeline_config(None, [f"work_dir={tmp_path}", "train.epochs=3",
                                          "train.nproc_per_node=2",
                                          "train.straggler.window_steps=10"])
     result = pipeline(config)
