@@ -11,11 +11,9 @@ import logging
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, RunTag
 
 from stoker.config import ConfigError, PipelineConfig
 from stoker.data.pull import DatasetRef
@@ -28,7 +26,6 @@ from stoker.jobs.mlflow_run import continue_lost_run, open_job_store
 from stoker.jobs.status import JOB_LOG
 from stoker.jobs.stop import stop_job
 from stoker.jobs.stop_request import (
-    StopRequest,
     TrainingStopped,
     clear_stop_request,
     read_stop_request,
@@ -60,6 +57,11 @@ from stoker.launch.supervisor import (
     tag_outcome,
     write_spec,
 )
+from stoker.orchestration.hooks import (  # noqa: F401 - re-exported: the task's names
+    AttemptEnd,
+    FlowRunHooks,
+    lease_lost_line,
+)
 from stoker.runtime import CheckpointWriteError
 from stoker.runtime.preemption import SENDER_PREFIX, mark_stopped_at_once, record_stop_sender
 from stoker.runtime.progress import read_events
@@ -73,52 +75,9 @@ from stoker.stopping import (
     outcome_probe,
     stop_reason,
 )
-from stoker.tracking.cost import cost_report, steps_lost
+from stoker.tracking.cost import steps_lost
 from stoker.tracking.events import straggler_notice, training_event
-from stoker.tracking.spend import log_cost_records, log_stopped_cost
-
-
-@dataclass(frozen=True)
-class AttemptEnd:
-    """How one attempt ended, for its task run's state: the exit code, the stop request that
-    made it a stop (or None), the rank whose own exit 137 ended it, and whether another attempt
-    follows."""
-
-    code: int
-    request: StopRequest | None
-    ended_by_rank: int | None
-    retried: bool
-
-
-@dataclass
-class FlowRunHooks:
-    """What the orchestrator (Prefect) gives a training run.
-
-    ``emit(**event)`` sends a Prefect event (:func:`stoker.tracking.events.training_event`).
-    ``run_attempt(number, capacity_type, body)`` runs ``body(logger)`` (which launches the
-    attempt, logging to the attempt's own logger, and returns its :class:`AttemptEnd`) as the
-    attempt's own task run and returns its exit code, or raises what ``body`` raised.
-    ``stopped_by(error)``: who stopped the flow when ``error`` interrupted it (a Prefect
-    cancel), else None. ``crash_orphan(flow_run_id)`` marks the flow run of the job's dead
-    owner Crashed. ``cancels``: a thread that stops the job for a cancel no worker carries out
-    (``start``/``stop``/``cancelled_by``), or None."""
-
-    logger: logging.Logger | logging.LoggerAdapter
-    flow_run_id: str | None
-    flow_run_url: str | None
-    emit: Callable[..., None]
-    run_attempt: Callable[[int, str, Callable[..., AttemptEnd]], int]
-    stopped_by: Callable[[BaseException], str | None]
-    crash_orphan: Callable[[str | None], None]
-    cancels: object | None = None
-
-
-def lease_lost_line(job_dir: Path, why: str | None, number: int) -> str:
-    """``stoker run``'s error when its attempt ``number`` ended after another run took the job
-    over (this one was stopped past its lease, e.g. ``kill -STOP``): the other run closed that
-    attempt and trains the job now, so this one records nothing more."""
-    return (f"job {job_dir.name}: lease lost ({why}) while attempt {number} ran; that run "
-            "closed the attempt and trains the job now: this run records nothing more")
+from stoker.tracking.spend import log_completed_cost, log_stopped_cost
 
 
 def _said_of(job_dir: Path, what: str | None) -> str | None:
@@ -433,17 +392,8 @@ class TrainingRun:
         if not isinstance(result, dict) or "run_id" not in result:
             raise TrainingFailed(f"job {job_dir.name}: {job_dir / 'result.json'} missing or "
                                  "unreadable after a completed attempt")
-        report = cost_report(history, read_events(job_dir), result["train_time_s"],
-                             self.world_size, result["gpu_model"], self.config.cost.prices)
-        now_ms = int(time.time() * 1000)
-        self.client.log_batch(
-            result["run_id"],
-            metrics=[Metric(k, v, now_ms, result["step"]) for k, v in report.metrics().items()],
-            tags=[RunTag("stoker.capacity_types", ",".join(report.capacity_types)),
-                  RunTag("stoker.attempts", str(report.attempts)),
-                  RunTag("stoker.preemptions", str(report.preemptions))])
-        log_cost_records(self.client, result["run_id"], history, self.world_size,
-                         result["gpu_model"], prices, result["step"])  # for `stoker cost`
+        report = log_completed_cost(self.client, result, history, read_events(job_dir),
+                                    self.world_size, prices)
         self.log.info("cost: %.4f device-hours on %s, $%.4f, goodput %.2f, %d preemption(s), "
                       "%d step(s) lost", report.gpu_hours, report.gpu_model, report.cost_usd,
                       report.goodput, report.preemptions, report.steps_lost)

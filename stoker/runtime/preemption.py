@@ -1,7 +1,7 @@
 """Preemption notices: a signal handler and an optional cloud notice poller that set one flag.
 
 Neither acts: the training loop reads the flag at a step boundary, all ranks agree on it with
-one collective (one for about 0.1 s of steps, read a step late; see Trainer._agree), save
+one collective (one for about 0.1 s of steps, read a step late; see stoker.runtime.agreement), save
 together and exit with EXIT_PREEMPTED.
 """
 

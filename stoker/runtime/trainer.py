@@ -9,21 +9,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from stoker.config import ConfigError
 from stoker.runtime import EXIT_PREEMPTED, hang
+from stoker.runtime.agreement import (  # noqa: F401 - re-exported: the agreement's figures
+    AGREE_EVERY_S,
+    MAX_AGREE_STEPS,
+    Agreement,
+    AgreementMixin,
+    Step,
+    agreement_interval,
+)
 from stoker.runtime.checkpoint import Checkpointer
 from stoker.runtime.data import (
     AttemptBatches,
@@ -47,53 +51,12 @@ from stoker.runtime.stragglers import StragglerMixin
 from stoker.runtime.training_state import TrainingStateMixin
 
 log = logging.getLogger("stoker.runtime")
-
-
-
-# The per-step agreement (loss, stop, time-due) is one collective for the steps of about this
-# long: at 12 ms steps a collective per step cost 7-10 % of the wall time on 2 CPU cores (its
-# gloo thread competes with the ranks' compute), while a stop still lands within ~0.1 s.
-AGREE_EVERY_S = 0.1
 EPOCH_LINE_EVERY_S = 10.0  # at most one epoch line per this many seconds (first and last: always)
-MAX_AGREE_STEPS = 16
 
 
-def agreement_interval(mean_step_s: float) -> int:
-    """Steps until the next agreement for steps of ``mean_step_s`` seconds: about
-    ``AGREE_EVERY_S`` of them, at least 1 (slow steps: one each), at most ``MAX_AGREE_STEPS``."""
-    if not math.isfinite(mean_step_s) or mean_step_s <= 0:
-        return 1
-    return min(MAX_AGREE_STEPS, max(1, int(AGREE_EVERY_S / mean_step_s)))
 
-
-@dataclass
-class _Step:
-    """A trained step not yet agreed on: its local loss (0-d tensor), when it ended."""
-
-    step: int
-    epoch: int
-    lr: float
-    loss: torch.Tensor
-    step_s: float
-    ended: float  # Unix seconds
-
-
-@dataclass
-class _Agreement:
-    """One collective in flight for ``steps``: ``flags`` = [summed loss of each step ...,
-    stop votes, time-due, the steps until the next agreement (rank 0's proposal), then each
-    rank's own time and data wait in its slots (:mod:`stoker.runtime.stragglers`)]."""
-
-    steps: list[_Step]
-    flags: torch.Tensor
-    work: Any  # torch.distributed Work, None on one process
-
-    @property
-    def step(self) -> int:
-        return self.steps[-1].step
-
-
-class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin):
+class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin,
+              AgreementMixin):
     """Owns the model, optimizer, data order, checkpointer and (rank 0) tracking of one job."""
 
     def __init__(self, spec: RunSpec, env: DistEnv, stop: StopFlag):
@@ -249,8 +212,8 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin
         self._tracking_cpu_started = self.tracker.cpu_s() if self.tracker is not None else 0.0
         start_step = self.step
         profiler = self._profiler()
-        pending: _Agreement | None = None  # in flight, read after the next step
-        unagreed: list[_Step] = []
+        pending: Agreement | None = None  # in flight, read after the next step
+        unagreed: list[Step] = []
         next_agreement = start_step + 1
         while self.step < self.total_steps:
             epoch, first = divmod(self.step, self.steps_per_epoch)
@@ -271,7 +234,7 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin
                 step_s = time.perf_counter() - t0
                 self.train_time_s += step_s
                 self._count_own_time(began, data_s)
-                unagreed.append(_Step(self.step, epoch, lr, loss.detach(), step_s, time.time()))
+                unagreed.append(Step(self.step, epoch, lr, loss.detach(), step_s, time.time()))
                 if profiler is not None:
                     profiler = self._profiler_step(profiler)
                 if self._step_flops is None and self.env.is_main:
@@ -359,52 +322,6 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.cfg.precision == "bf16" else torch.float16
         return torch.autocast(self.env.device.type, dtype=dtype)
-
-    def _agree(self, steps: list[_Step]) -> _Agreement:
-        """Start the collective for ``steps`` (the steps trained since the last one), in the
-        background: each step's summed loss, whether any rank wants to stop, whether rank 0's
-        time-based checkpoint is due, and rank 0's proposal for the steps until the next one
-        (about ``AGREE_EVERY_S`` of its steps, 1 to ``MAX_AGREE_STEPS``). Read it with
-        :meth:`_settle` (every rank starts and settles every agreement at the same steps)."""
-        time_due = (self.env.is_main and self.cfg.checkpoint_every_s is not None
-                    and time.monotonic() - self._last_save >= self.cfg.checkpoint_every_s)
-        interval = 0
-        if self.env.is_main:
-            interval = agreement_interval(sum(s.step_s for s in steps) / len(steps))
-        self.agreements += 1
-        # On the losses' device, without a host sync (read in _settle).
-        flags = torch.cat([torch.stack([s.loss for s in steps]).to(torch.float64),
-                           torch.tensor([float(self.stop.requested), float(time_due),
-                                         float(interval), *self._own_time_slots()],
-                                        dtype=torch.float64, device=self.env.device)])
-        work = None
-        if self.env.distributed:  # (one process has nothing to wait for: settled at once)
-            work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
-        return _Agreement(steps, flags, work)
-
-    def _settle(self, agreed: _Agreement) -> tuple[bool, bool, int]:
-        """Wait for ``agreed``, check its losses, report its steps; returns (stop, time-due,
-        the step at which the next agreement starts).
-
-        Raises:
-            FloatingPointError: a step's mean loss over the ranks is not finite (diverged).
-        """
-        t0 = time.perf_counter()
-        if agreed.work is not None:
-            agreed.work.wait()
-        self.timings["sync"] += time.perf_counter() - t0
-        flags = agreed.flags.tolist()
-        n = len(agreed.steps)
-        for s, summed in zip(agreed.steps, flags[:n], strict=True):
-            mean_loss = summed / self.env.world_size
-            if not math.isfinite(mean_loss):
-                raise FloatingPointError(
-                    f"train loss is {mean_loss} at step {s.step}: training diverged (check "
-                    f"train.lr={self.cfg.lr}, train.precision={self.cfg.precision})")
-            self._log_step(s.step, s.epoch, mean_loss, s.lr, s.step_s, s.ended)
-        stop, due, interval = flags[n:n + 3]
-        self._report_stragglers(flags[n + 3:], n, agreed.step)
-        return stop > 0, due > 0, agreed.step + max(1, int(interval))
 
     def _epoch_line_due(self, epoch: int) -> bool:
         """Whether rank 0 logs epoch ``epoch``'s line (0-based): the first and last epoch of

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from stoker.tracking.cost import CostReport, cost_report
 from stoker.tracking.pricing import PriceTable
 
 CAPACITY_TYPES = ("on_demand", "spot", "reserved")
@@ -60,6 +61,31 @@ def log_cost_records(client, run_id: str, history: list[dict], devices: int, gpu
                 "capacity_type": a.get("capacity_type"), "outcome": a.get("outcome"),
                 "devices": devices} for a in history]
     client.log_dict(run_id, {"gpu_model": gpu_model, "attempts": windows}, ATTEMPTS_ARTIFACT)
+
+
+def log_completed_cost(client, result: dict, history: list[dict], events: list[dict],
+                       devices: int, prices: PriceTable) -> CostReport:
+    """Price a completed job on its MLflow run (``result``: the job's ``result.json``, with
+    ``run_id``, ``step``, ``train_time_s`` and ``gpu_model``): the cost metrics at the last
+    step, the ``stoker.capacity_types``, ``stoker.attempts`` and ``stoker.preemptions`` tags
+    and :func:`log_cost_records`. Returns the report (:func:`stoker.tracking.cost.cost_report`
+    over ``history``, every attempt, and ``events``, the job's progress events)."""
+    import time
+
+    from mlflow.entities import Metric, RunTag
+
+    report = cost_report(history, events, result["train_time_s"], devices, result["gpu_model"],
+                         prices)
+    now_ms = int(time.time() * 1000)
+    client.log_batch(
+        result["run_id"],
+        metrics=[Metric(k, v, now_ms, result["step"]) for k, v in report.metrics().items()],
+        tags=[RunTag("stoker.capacity_types", ",".join(report.capacity_types)),
+              RunTag("stoker.attempts", str(report.attempts)),
+              RunTag("stoker.preemptions", str(report.preemptions))])
+    log_cost_records(client, result["run_id"], history, devices, result["gpu_model"], prices,
+                     result["step"])  # for `stoker cost`
+    return report
 
 
 def log_stopped_cost(client, run_id: str | None, history: list[dict], devices: int,
