@@ -83,6 +83,8 @@ def test_a_job_whose_tracking_store_was_lost_resumes_in_a_linked_run(api_env, s3
                                filter_string=f"tags.`stoker.job` = '{name}'")
     assert run.info.status == "FINISHED" and run.info.run_id != lost_run
     assert run.data.tags["stoker.lost_run_id"] == lost_run
+    # The description says so after the ranks reopened the run (they kept their own before).
+    assert f"Continues MLflow run {lost_run}" in run.data.tags["mlflow.note.content"]
     assert run.data.tags["stoker.attempts"] == "2"  # node A's attempt counts
     assert (job / "mlflow_run_id").read_text().strip() == run.info.run_id
     assert store_record(s3_env, name) == run.info.run_id  # the bucket names the new run too

@@ -86,6 +86,45 @@ def test_the_runtime_writes_the_mlflow_run_id_through(s3_env):
         lease.release()
 
 
+def test_a_new_job_s_run_id_reaches_the_bucket_when_the_run_is_created(s3_env, tmp_path):
+    """A new job's MLflow run is created in rank 0's background after ``attach``: its id
+    reaches the bucket then, not at the orchestrator's next sync (3 s), so a node lost in the
+    first seconds still leaves the link to its run; one created before ``attach`` is written
+    by ``attach``."""
+    from types import SimpleNamespace
+
+    from stoker.jobs.bucket_lease import BucketLease
+    from stoker.jobs.store import JobStore
+    from stoker.runtime.bucket import attach
+    from stoker.runtime.reporting import ReportingMixin
+    from stoker.runtime.tracking import RunTracker
+
+    store = JobStore(f"s3://{BUCKET}/newrun")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for name, created_first in (("k-6", False), ("k-7", True)):
+        job = tmp_path / "jobs" / name
+        job.mkdir(parents=True)
+        location = f"{store.url}/{name}/checkpoints"
+        lease = BucketLease(store, name, ttl_s=30).acquire()
+        try:
+            spec = SimpleNamespace(checkpoint_dir=location, lease_token=lease.token,
+                                   job_dir=str(job))
+            trainer = SimpleNamespace(ckpt=Checkpointer(location, 0, 1), run_id=None, spec=spec)
+
+            def open_run(trainer=trainer) -> RunTracker:  # as ReportingMixin._open_tracker
+                return RunTracker(uri, "new-runs", on_created=lambda run_id: (
+                    ReportingMixin._run_created(trainer, run_id)))
+
+            tracker = open_run() if created_first else None
+            attach(trainer, spec, lambda reason: None)
+            tracker = tracker or open_run()
+            assert (job / "mlflow_run_id").read_text() == tracker.run_id
+            stored = store.fs.cat_file(f"{BUCKET}/newrun/{name}/mlflow_run_id").decode()
+            assert stored == tracker.run_id, name
+        finally:
+            lease.release()
+
+
 def test_a_node_that_lost_its_lease_commits_nothing_in_the_bucket(s3_env, tmp_path):
     """Node A stops renewing (a network partition), its lease expires and node B (another
     work_dir) takes the job over. Before A notices at a renewal, its runtime tries to commit a

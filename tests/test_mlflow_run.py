@@ -59,6 +59,12 @@ def test_a_run_the_store_lost_continues_in_a_linked_run_with_the_job_s_record(tm
     assert run.data.tags["stoker.attempts"] == "2" and run.data.tags["stoker.preemptions"] == "1"
     assert run.data.tags["stoker.job"] == "digits-1"
     assert lost in run.data.tags["mlflow.note.content"]
+    # The ranks reopen it with the spec's tags: the description that names the lost run stays.
+    from stoker.runtime.tracking import RunTracker
+
+    RunTracker(uri, "lost", run_id=continued.run_id, tags=spec.tags)
+    run = MlflowClient(uri).get_run(continued.run_id)
+    assert run.data.tags["mlflow.note.content"].startswith(f"Continues MLflow run {lost}")
     assert run.data.metrics == {"billed_s": 120.0, "gpu_hours": pytest.approx(2 * 120 / 3600),
                                 "steps_lost": 7.0}
     assert [m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id, "billed_s")] \

@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import fsspec
 
 from stoker.runtime.lease import LeaseLost, lease_lost
-from stoker.runtime.records import real_number
+from stoker.runtime.records import read_text, real_number
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,23 @@ def attach(trainer, spec, stop_request: Callable[[str], None]) -> BucketFence | 
             raise
         except Exception as e:  # the store down: the orchestrator's sync catches up
             log.warning("mlflow_run_id not written to %s (%s)", fence.job_url, type(e).__name__)
+        return fence
+    # A new job: its run is created in the background; its id goes to the bucket when it is.
+    trainer.run_id_sink = lambda run_id: _write_run_id(fence, run_id)
+    created = read_text(Path(spec.job_dir) / "mlflow_run_id")  # created before the sink was set
+    if created:
+        _write_run_id(fence, created)
     return fence
+
+
+def _write_run_id(fence: BucketFence, run_id: str) -> None:
+    """Write ``run_id`` through to the job's bucket (never raises: a lost lease stops the
+    ranks through the fence's ``on_lost``; a store that is down is caught up by the
+    orchestrator's sync)."""
+    try:
+        fence.write("mlflow_run_id", run_id.encode())
+    except Exception as e:  # noqa: BLE001 - see above
+        log.warning("mlflow_run_id not written to %s (%s)", fence.job_url, type(e).__name__)
 
 
 def _given_up(trainer, step: int, reason: str) -> None:

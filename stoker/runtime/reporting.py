@@ -51,13 +51,22 @@ class ReportingMixin:
                 spec.tracking_uri, spec.experiment, run_id=run_id, run_name=spec.run_name,
                 tags=spec.tags, params=params, artifact_location=spec.artifact_location,
                 system_metrics_interval_s=spec.system_metrics_interval_s,
-                on_created=run_file.write_text)
+                on_created=self._run_created)
             tracker.set_tags(tags)
             if run_id is None:
                 tracker.log_dataset(spec.tags or {})  # once per run: the Datasets panel
             return tracker
 
         return BackgroundTracker(open_run)
+
+    def _run_created(self, run_id: str) -> None:
+        """Record a new MLflow run's id in ``<job_dir>/mlflow_run_id`` and hand it to
+        ``run_id_sink`` (set by :func:`stoker.runtime.bucket.attach`: the job's bucket gets it
+        at once, so a node lost seconds later leaves the link for the next one)."""
+        (Path(self.spec.job_dir) / "mlflow_run_id").write_text(run_id)
+        sink = getattr(self, "run_id_sink", None)
+        if sink is not None:
+            sink(run_id)
 
     def _run_id(self) -> str | None:
         """The MLflow run id: the open run's, else the one this job already had (or None)."""

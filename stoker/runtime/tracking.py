@@ -21,6 +21,7 @@ SECRET_KEY = re.compile(r"(token|password|passwd|secret|api_?key|access_?key|cre
 
 
 # On a run that continues a job whose recorded run the store does not hold: that run's id.
+DESCRIPTION_TAG = "mlflow.note.content"  # the run's description in the MLflow UI
 LOST_RUN_TAG = "stoker.lost_run_id"
 
 # Experiment tag the MLflow UI reads to choose its layout (model training, not GenAI).
@@ -120,6 +121,9 @@ class RunTracker:
         else:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
+            # The description stays as it is: set when the run was created, then perhaps
+            # edited in the MLflow UI or written by the run that continues a lost one.
+            tags = {k: v for k, v in (tags or {}).items() if k != DESCRIPTION_TAG}
             if tags:
                 self.set_tags(tags)
         self._last_step: dict[str, int] = {}
