@@ -146,6 +146,18 @@ def left_by_a_killed_run(jobs: Path, name: str, reached: int, stop_checkpoint: b
     return job
 
 
+def test_status_resumes_at_the_last_committed_marker_not_the_last_checkpoint_event(tmp_path):
+    """New-user trial (issue 49): on a node that has only the bucket, `stoker status` took the
+    resume step from the progress events, which reach the bucket every few seconds, while the
+    COMMITTED markers are written through: it showed an older step than a resume starts at."""
+    job = left_by_a_killed_run(tmp_path / "jobs", "jjjj0000-lagging", 6372, False)
+    marker = job / "checkpoints" / "step-000006370"  # committed; its event not synced yet
+    marker.mkdir()
+    (marker / "COMMITTED").touch()
+    shown = CliRunner().invoke(app, ["status", "jjjj", "--work-dir", str(tmp_path)]).output
+    assert "reached step 6372/8000, resumes at step 6370" in shown, shown
+
+
 def test_a_job_stopped_at_once_counts_its_lost_steps_and_is_not_said_to_have_died(tmp_path):
     """New-user trial, a double Ctrl-C: `stoker status` said `steps lost 0` beside `reached
     step 705/1449, resumes at step 700` (the open attempt's steps counted only once the next

@@ -8,6 +8,7 @@ torn last line); times are Unix seconds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -188,11 +189,26 @@ class JobSummary:
     stalled: bool = False
 
 
+def checkpoint_location(job_dir: Path) -> str:
+    """Where the job's checkpoints are: its run spec's ``checkpoint_dir`` (a bucket's
+    ``<store>/<job>/checkpoints``), else ``<job_dir>/checkpoints`` (no spec, or one that
+    cannot be read)."""
+    import yaml
+
+    try:
+        spec = yaml.safe_load((Path(job_dir) / "spec.yaml").read_text())
+        location = spec.get("checkpoint_dir") if isinstance(spec, dict) else None
+    except (OSError, yaml.YAMLError):
+        location = None
+    return location if isinstance(location, str) and location else str(
+        Path(job_dir) / "checkpoints")
+
+
 def job_summary(job_dir: Path, now: float | None = None,
                 bucket_lease: dict | None = None) -> JobSummary:
     """Summarise one job folder from its records (never raises on a torn or missing record);
     ``bucket_lease``: the job's lease object in the bucket, when it lives in one."""
-    from stoker.jobs.attempts import AttemptLog, closed, is_closed
+    from stoker.jobs.attempts import AttemptLog, closed, committed_step, is_closed
     from stoker.jobs.job import done_summary
     from stoker.jobs.lease import holder_alive
     from stoker.jobs.stop_request import read_stop_request
@@ -239,6 +255,10 @@ def job_summary(job_dir: Path, now: float | None = None,
     if progress is not None and state in ("stopped", "unfinished") and progress.state in (
             "starting", "training", "restarting"):  # nothing trains it: no ETA, no "restarting"
         committed = [e["step"] for e in events if e.get("event") == "checkpoint"]
+        # The markers decide where a resume starts: a bucket's COMMITTED is written through,
+        # its progress events only every few seconds.
+        with contextlib.suppress(Exception):  # a store that does not answer: the events
+            committed.append(committed_step(checkpoint_location(job_dir)))
         progress = dataclasses.replace(progress, state="idle", eta_s=None, samples_per_s=None,
                                        resume_step=max(committed, default=0))
     cost = (done or {}).get("cost", {}).get("cost_usd") if isinstance(done, dict) else None
