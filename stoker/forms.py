@@ -67,8 +67,12 @@ Data = _pick("Data", DataConfig, ["repo_url", "rev", "path", "remote"],
              "The dataset: a git repository with DVC-tracked data, pinned to a revision.")
 Train = _pick("Train", TrainConfig,
               ["model", "epochs", "global_batch_size", "lr", "precision", "nproc_per_node",
-               "image_size", "checkpoint_every_steps", "seed"],
-              "How to train (batch sizes are global: summed over all processes).")
+               "image_size", "checkpoint_every_steps", "seed", "max_cost_usd"],
+              "How to train (batch sizes are global: summed over all processes), and the job's "
+              "budget.",
+              # seconds, or text with a unit (90m, 12h, 2d): TrainConfig reads both
+              max_duration=(float | str | None, Field(
+                  None, description=TrainConfig.model_fields["max_duration"].description)))
 TrainOnly = Train
 Tracking = _pick("Tracking", TrackingConfig,
                  ["tracking_uri", "experiment", "registered_model", "promote_metric",

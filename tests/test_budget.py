@@ -129,3 +129,28 @@ def test_stoker_status_shows_spend_against_budget(tmp_path):
     assert result.exit_code == 0, result.output
     [line] = [x for x in result.stdout.splitlines() if x.startswith("budget")]
     assert line.startswith("budget     spent $0.4200 of $1 (42%); billed 310 s of 3600 s (9%)")
+
+
+@pytest.mark.parametrize("entrypoint", ["flows/pipeline.py:pipeline_local",
+                                        "flows/train.py:train_local",
+                                        "flows/pipeline.py:pipeline_slurm"])
+def test_the_deployment_forms_take_the_budget_and_name_a_bad_one(entrypoint):
+    """The Prefect forms had no budget fields (issue 48): `train.max_cost_usd` and
+    `train.max_duration` (seconds or 90m / 12h / 2d) reach the config the flow runs with, and a
+    bad value fails the parameters' validation naming the field, before the run starts."""
+    from pathlib import Path
+
+    from prefect.exceptions import ParameterTypeError
+    from prefect.flows import load_flow_from_entrypoint
+
+    flow = load_flow_from_entrypoint(str(Path(__file__).resolve().parents[1] / entrypoint))
+    extra = {"tracking": {"tracking_uri": "http://127.0.0.1:5000"}} if "slurm" in entrypoint \
+        else {}
+    form = flow.validate_parameters({"config": {
+        **extra, "train": {"max_cost_usd": 2.5, "max_duration": "90m"}}})["config"]
+    config = form.to_config()
+    assert config.train.max_cost_usd == 2.5 and config.train.max_duration == 5400.0
+    with pytest.raises(ParameterTypeError, match="max_cost_usd"):
+        flow.validate_parameters({"config": {**extra, "train": {"max_cost_usd": -1}}})
+    with pytest.raises(ParameterTypeError, match="train.max_duration: expected seconds"):
+        flow.validate_parameters({"config": {**extra, "train": {"max_duration": "soon"}}})
