@@ -4,8 +4,12 @@ higher budget resumes the job from that checkpoint (the pipeline flow on a Prefe
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import yaml
+from local_servers import embedded_env
 from mlflow import MlflowClient
 
 from stoker.config import load_pipeline_config
@@ -35,10 +39,13 @@ def harness():
 def _config(tmp_path, max_cost_usd: float):
     config_file = tmp_path / "budget.yaml"
     config_file.write_text(yaml.safe_dump({"cost": {"prices": PRICES}}))
-    return load_pipeline_config(config_file, [
-        f"work_dir={tmp_path / 'work'}", "job_id=budgeted", "train.epochs=1000",
-        "train.nproc_per_node=2", "train.checkpoint_every_steps=1000000",
-        f"train.max_cost_usd={max_cost_usd}", "tracking.system_metrics_interval_s=null"])
+    return load_pipeline_config(config_file, overrides(tmp_path, max_cost_usd))
+
+
+def overrides(tmp_path, max_cost_usd: float) -> list[str]:
+    return [f"work_dir={tmp_path / 'work'}", "job_id=budgeted", "train.epochs=1000",
+            "train.nproc_per_node=2", "train.checkpoint_every_steps=1000000",
+            f"train.max_cost_usd={max_cost_usd}", "tracking.system_metrics_interval_s=null"]
 
 
 def _spent(job_dir) -> float:
@@ -79,13 +86,19 @@ def test_a_job_stops_at_its_budget_with_a_checkpoint_and_resumes_with_a_higher_o
     assert tasks["attempt-1"].name == "StoppedByBudget"
     assert flow_run.state.type.value == "CANCELLED" and "budget" in flow_run.state.message
 
-    # A budget spent already: one line before anything is pulled or launched.
+    # A budget spent already: one line before anything is pulled or launched, and the real
+    # `stoker run` exits 5 with it.
     with pytest.raises(TrainingStopped) as refused:
         check_job_early(_config(tmp_path, 0.3))
     assert stopped_exit_code(refused.value) == 5
     assert "nothing launched" in str(refused.value) and "\n" not in str(refused.value)
-    with pytest.raises(TrainingStopped):
-        pipeline(_config(tmp_path, 0.3))
+    command = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "run", "-c", str(tmp_path / "budget.yaml"),
+         *overrides(tmp_path, 0.3)], capture_output=True, text=True, timeout=300,
+        env=embedded_env(tmp_path / "work"))
+    assert command.returncode == 5, command.stdout[-2000:] + command.stderr[-2000:]
+    last = command.stderr.strip().splitlines()[-1]
+    assert "max_cost_usd $0.3 reached" in last and "nothing launched" in last, last
     assert len(AttemptLog(job).records()) == 1  # nothing launched
 
     # A higher budget resumes the job from its stop checkpoint, and stops it at the new one.
