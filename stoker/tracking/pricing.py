@@ -2,10 +2,12 @@
 
 Prices are USD per GPU-hour. The defaults are illustrative list prices (late 2026, one GPU of an
 8-GPU instance); set your own with ``PriceTable(usd_per_gpu_hour={...})`` or a YAML mapping of the
-same shape. Reserved is 60 % below on-demand: a 1- or 3-year commitment (AWS EC2 Instance
-Savings Plans and Reserved Instances: "up to 72 %" off on-demand, aws.amazon.com/savingsplans;
-typical GPU commitments land at 50-65 %), the rate the purchase-mix advice
-(:mod:`stoker.tracking.purchase_mix`) prices a reserved GPU-hour at. A GPU model matches the
+same shape. Reserved is 60 % below on-demand, the rate the purchase-mix advice
+(:mod:`stoker.tracking.purchase_mix`) prices a reserved GPU-hour at. That 60 % is an assumption,
+not a quoted price: the only published figure behind it is AWS's ceiling for a 1- or 3-year
+commitment (EC2 Instance Savings Plans and Reserved Instances: "up to 72 %" off on-demand,
+aws.amazon.com/savingsplans); what a GPU commitment costs depends on the provider, term and
+negotiation, so set the ``reserved`` prices you were quoted. A GPU model matches the
 first table key contained in its NVML name (``"NVIDIA H200"`` matches ``"H200"``); anything else
 uses ``"default"``.
 """
