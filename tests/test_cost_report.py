@@ -114,7 +114,7 @@ def test_ages_and_dates_read_as_unix_seconds():
     assert parse_when("2026-01-01", 0, "--since") == 1767225600.0
 
 
-def test_a_guard_stop_is_counted_with_the_money_per_hour_it_released(tmp_path):
+def test_a_guard_stop_is_counted_with_the_money_it_saved_over_the_period(tmp_path):
     from stoker.tracking.spend import job_rows, totals
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -129,6 +129,12 @@ def test_a_guard_stop_is_counted_with_the_money_per_hour_it_released(tmp_path):
     assert rows["idle-job"].guard_stopped and rows["idle-job"].guard_saved_usd_per_hour == 72.0
     assert not rows["user-job"].guard_stopped and rows["user-job"].guard_saved_usd_per_hour == 0
     assert totals(rows.values())["cost_usd"] == 3.0
+    # The money saved over the period (issue 48: only a rate was given): $72/h for the hour
+    # from the stop to the period's end, not the 2 h to "now" past it; nothing for a user stop.
+    end_ms = client.get_run(rows["idle-job"].run_id).info.end_time
+    rows = {r.job: r for r in job_rows(client, 0, end_ms + 3_600_000, now_ms=end_ms + 7_200_000)}
+    assert rows["idle-job"].guard_saved_usd == 72.0 and rows["user-job"].guard_saved_usd == 0
+    assert totals(rows.values())["guard_saved_usd"] == 72.0
 
 
 def test_a_price_table_that_cannot_be_read_is_one_line_and_exit_2(tmp_path):

@@ -143,12 +143,13 @@ class JobRow:
     steps_lost_cost_usd: float
     guard_stopped: bool
     guard_saved_usd_per_hour: float
+    guard_saved_usd: float = 0.0
 
 
 COLUMNS = tuple(f.name for f in fields(JobRow))
 TOTALLED = ("gpu_hours", "gpu_hours_on_demand", "gpu_hours_spot", "gpu_hours_reserved",
             "cost_usd", "preemptions", "steps_lost", "steps_lost_cost_usd",
-            "guard_saved_usd_per_hour")
+            "guard_saved_usd_per_hour", "guard_saved_usd")
 
 
 def _iso(ms: int | None) -> str:
@@ -159,8 +160,13 @@ def _iso(ms: int | None) -> str:
     return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _row(client, run, models: dict[str, str]) -> JobRow:
-    """A :class:`JobRow` from an MLflow run (``models``: run id -> registered model name)."""
+def _row(client, run, models: dict[str, str], held_until_ms: int) -> JobRow:
+    """A :class:`JobRow` from an MLflow run (``models``: run id -> registered model name).
+
+    A guard stop saved ``usd_per_hour`` for every hour from the stop (the run's end) to
+    ``held_until_ms``: the end of the period, or now if earlier. That is what the GPUs would
+    have cost had they stayed held through the period; an upper bound, since someone might
+    have noticed the idle job sooner."""
     m, tags = run.data.metrics, run.data.tags
     history = client.get_metric_history(run.info.run_id, "cost_usd")
     final_step = max((x.step for x in history), default=0)
@@ -179,16 +185,21 @@ def _row(client, run, models: dict[str, str]) -> JobRow:
         steps_lost=lost, steps_lost_cost_usd=round(
             cost * lost / (final_step + lost), 6) if final_step + lost else 0.0,
         guard_stopped=(guard := tags.get("stoker.stopped_by", "").startswith("cost-guard")),
-        guard_saved_usd_per_hour=float(m.get("usd_per_hour", 0.0)) if guard else 0.0)
+        guard_saved_usd_per_hour=(per_hour := float(m.get("usd_per_hour", 0.0)) if guard
+                                  else 0.0),
+        guard_saved_usd=round(per_hour * max(0, held_until_ms - (run.info.end_time or 0))
+                              / 3_600_000, 6) if guard and run.info.end_time else 0.0)
 
 
-def job_rows(client, since_ms: int, until_ms: int) -> list[JobRow]:
+def job_rows(client, since_ms: int, until_ms: int, now_ms: int | None = None) -> list[JobRow]:
     """Every Stoker job run (tag ``stoker.job``) that ended in ``[since_ms, until_ms)``.
 
     Args:
         client: an ``MlflowClient`` of the store.
         since_ms: start of the period, Unix milliseconds.
         until_ms: end of the period (excluded), Unix milliseconds.
+        now_ms: the time now (Unix milliseconds; None: the clock's), which caps the hours a
+            guard stop saved.
 
     Returns:
         One row per run, oldest end first.
@@ -210,7 +221,10 @@ def job_rows(client, since_ms: int, until_ms: int) -> list[JobRow]:
             if not page_token:
                 break
     models = {v.run_id: v.name for v in client.search_model_versions()}
-    rows = [_row(client, run, models) for run in runs]
+    import time
+
+    held_until = min(until_ms, int(time.time() * 1000) if now_ms is None else now_ms)
+    rows = [_row(client, run, models, held_until) for run in runs]
     return sorted(rows, key=lambda r: (r.ended, r.job))
 
 

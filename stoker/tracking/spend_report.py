@@ -92,7 +92,7 @@ def render_json(summary: CostSummary) -> str:
 
 
 _SHOWN = ("job", "model", "ended", "gpu_hours_on_demand", "gpu_hours_spot", "cost_usd",
-          "goodput", "steps_lost", "steps_lost_cost_usd", "guard_stopped")
+          "goodput", "steps_lost", "steps_lost_cost_usd", "guard_stopped", "guard_saved_usd")
 
 
 def render_markdown(summary: CostSummary) -> str:
@@ -106,7 +106,9 @@ def render_markdown(summary: CostSummary) -> str:
               f"({total['gpu_hours_on_demand']:.3f} on-demand, {total['gpu_hours_spot']:.3f} "
               f"spot, {total['gpu_hours_reserved']:.3f} reserved); {total['steps_lost']:g} "
               f"step(s) lost to preemption (${total['steps_lost_cost_usd']:.2f}); "
-              f"{summary.guard_stops} job(s) stopped by the cost guard.", "", "## By model", ""]
+              f"{summary.guard_stops} job(s) stopped by the cost guard, saving up to "
+              f"${total['guard_saved_usd']:.2f} (each stopped job's $/h from its stop to the "
+              "end of the period).", "", "## By model", ""]
     for name, sums in by_model(summary.rows).items():
         lines.append(f"- {name or '(not registered)'}: ${sums['cost_usd']:.2f}, "
                      f"{sums['gpu_hours']:.3f} GPU-hours")
