@@ -210,6 +210,8 @@ def test_a_run_stalled_past_its_lease_writes_nothing_once_another_took_the_job_o
         wait_for(lambda: any(e.get("event") == "step" and e.get("attempt") == 2
                              for e in read_events(job)), process=second)
         client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+        # rank 0 opens the run in the background: under load its id may follow the first steps
+        wait_for(lambda: (job / "mlflow_run_id").exists(), process=second)
         run_id = (job / "mlflow_run_id").read_text()
         # KILLED by the first run's ranks as they stopped, RUNNING again once the second's open
         wait_for(lambda: client.get_run(run_id).info.status == "RUNNING", process=second)
