@@ -96,11 +96,16 @@ def test_forked_and_execd_ranks_train_the_same_weights(make_spec):
         assert sorted(seen) == [0, 1], seen
         for rank, info in seen.items():
             assert info["name"] == f"stoker-rank{rank}" and info["ppid"] == info["agent"]
-            runs_runtime = info["cmdline"][-3:-1] == ["-m", "stoker.runtime"]
-            if start == "fork":  # the launcher's own command line, inherited
-                assert "stoker.runtime.launch" in info["cmdline"], info
+            # Seen before the rank titles itself: a forked rank shows the launcher's command line
+            # (inherited), an exec'd one `python -u -m stoker.runtime SPEC`. Seen after: both show
+            # the title `stoker-rank<N> job <JOB>: python -m stoker.runtime SPEC`.
+            cmdline = info["cmdline"]
+            titled = cmdline[:2] == [f"stoker-rank{rank}", "job"]
+            if start == "fork":
+                assert titled or "stoker.runtime.launch" in cmdline, info
             else:
-                assert runs_runtime and "stoker.runtime.launch" not in info["cmdline"], info
+                assert "stoker.runtime.launch" not in cmdline, info
+                assert titled or cmdline[-3:-1] == ["-m", "stoker.runtime"], info
         assert any(line.startswith("[rank0] ") for line in lines), lines[-20:]
         weights[start] = torch.load(spec.parent / "final" / "model.pt")
     assert weights["fork"].keys() == weights["exec"].keys()
