@@ -210,8 +210,10 @@ class BudgetWatcher(threading.Thread):
         self.fired = why
         self.say(f"budget: {why}: stopping the job at a committed checkpoint")
         try:
+            # Not waiting for the job to stop: this flow's lease makes it look trained until
+            # the flow ends, so stop() would wait out its join timeout (10 s) on every stop.
             self.stop_job(self.job_dir, why, timeout_s=max(60.0, 4 * self.every_s),
-                          by=BUDGET_BY)
+                          by=BUDGET_BY, wait=False)
         except Exception as e:  # noqa: BLE001 - StopFailed: said, the attempt ends as it may
             self.say(f"budget: {e}")
 

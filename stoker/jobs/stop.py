@@ -62,7 +62,7 @@ def _launcher_kind(job_dir: Path) -> str | None:
 
 
 def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
-             poll_s: float = 0.2, by: str = "user") -> str | None:
+             poll_s: float = 0.2, by: str = "user", wait: bool = True) -> str | None:
     """Stop a job this host trains, on purpose: record a user stop request, then SIGTERM the
     attempt's launcher (as ``docker stop`` or a spot reclaim would): the local launcher below
     the lease holder, or, when the ranks run in containers (the Docker launcher), each of the
@@ -82,10 +82,12 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
         poll_s: how often to look, in seconds.
         by: who asks, as the request records it (``user``; the flow's own
             ``a Prefect cancel of flow run 'name'``).
+        wait: wait for the job to stop training; False: return once signalled (the budget
+            watcher, inside the flow that trains the job: it stops training only after).
 
     Returns:
         None when the job was not training (nothing done), else the job's state afterwards
-        (``stopped``).
+        (``stopped``; ``stopping`` without ``wait``).
 
     Raises:
         TrainedElsewhere: another host trains it (nothing is recorded).
@@ -118,7 +120,8 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
     remote = _launcher_kind(job_dir) in ("kubernetes", "slurm")
     client = None if remote else docker_client()  # one for the whole wait
     try:
-        return _stop_and_wait(job_dir, holder, pid, remote, client, deadline, timeout_s, poll_s)
+        return _stop_and_wait(job_dir, holder, pid, remote, client, deadline, timeout_s, poll_s,
+                              wait)
     finally:
         if client is not None:
             client.close()
@@ -126,7 +129,7 @@ def stop_job(job_dir: Path, reason: str, timeout_s: float = 120.0,
 
 def _stop_and_wait(job_dir: Path, holder: psutil.Process, pid: int, remote: bool,
                    client: Any | None, deadline: float, timeout_s: float,
-                   poll_s: float) -> str:
+                   poll_s: float, wait: bool = True) -> str:
     from stoker.jobs.status import job_summary
 
     launcher, containers = None, []
@@ -146,6 +149,8 @@ def _stop_and_wait(job_dir: Path, holder: psutil.Process, pid: int, remote: bool
     for container in containers:  # `docker kill -s SIGTERM`: the entrypoint stops the ranks
         with contextlib.suppress(Exception):
             container.kill(signal="SIGTERM")
+    if not wait:
+        return "stopping"
     while (state := job_summary(job_dir).state) == "training":
         if time.monotonic() > deadline:
             raise StopFailed(f"job {job_dir.name} still trains {timeout_s:g} s after the stop "
