@@ -13,10 +13,13 @@ from stoker.tracking.pricing import PriceTable
 
 
 class RetryConfig(_Frozen):
-    """Separate retry budgets per way an attempt can end."""
+    """Separate retry budgets per way an attempt can end, counted within one run of the job
+    (one ``stoker run``, one flow run): running the same command again starts them afresh."""
 
-    max_preemptions: int = Field(20, ge=0, description="Preempted attempts resumed (exit 75).")
-    max_infra_failures: int = Field(2, ge=0, description="Attempts killed (SIGKILL/137) resumed.")
+    max_preemptions: int = Field(20, ge=0, description="Preempted attempts resumed (exit 75), "
+                              "per run of the job.")
+    max_infra_failures: int = Field(2, ge=0, description="Attempts killed (SIGKILL/137) or hung "
+                                 "resumed, per run of the job.")
     max_user_errors: int = Field(0, ge=0, description="Attempts failing in user code retried.")
     backoff_s: float = Field(1.0, ge=0, description="First backoff; doubles per attempt.")
     backoff_max_s: float = Field(60.0, ge=0, description="Longest backoff.")

@@ -41,6 +41,9 @@ class StragglerConfig(_Frozen):
                               "means over a window, logged and checked when it closes.")
     windows: int = Field(2, gt=0, description="Consecutive windows a rank must be over the "
                          "threshold before it is reported (one noisy window is not enough).")
+    min_window_s: float = Field(30.0, ge=0, description="A window also lasts at least this many "
+                                "seconds: on fast steps, 50 steps are a second or two, where "
+                                "another process's burst reads as a slow rank.")
 
 
 class TrainConfig(_Frozen):

@@ -131,7 +131,7 @@ def status(job: Annotated[str | None, typer.Argument(
         code = a.get("exit_code")  # none (-1) when the attempt's process was lost
         typer.echo(f"attempt {a.get('number')}: {a.get('outcome')}"
                    + (f" (stopped by {a['stopped_by']})" if a.get("stopped_by") else "")
-                   + (f" (exit {describe_exit(code, a.get('ended_by_rank'))})"
+                   + (f" (exit {describe_exit(code, a.get('ended_by_rank'), a.get('hang'))})"
                       if isinstance(code, int) and code >= 0
                       else "") + " "
                    f"after {float(a.get('duration_s') or 0):.1f} s on "

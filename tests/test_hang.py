@@ -16,8 +16,10 @@ from conftest import events, rank_processes
 
 from stoker.config import ConfigError, RetryConfig, TrainConfig
 from stoker.launch.local import LocalLauncher
-from stoker.launch.retry import Outcome, run_with_retries
-from stoker.runtime.hang import Beat, HangPolicy, HangWatch
+from stoker.launch.rank_lines import LineLog
+from stoker.launch.retry import Outcome, describe_exit, run_with_retries
+from stoker.runtime.__main__ import collective_timeout_reason
+from stoker.runtime.hang import Beat, Hang, HangPolicy, HangWatch, suspects
 from stoker.runtime.spec import RunSpec
 
 # Short figures so that a test finds a hang in seconds; a 3 s pause stays under step_floor_s.
@@ -95,7 +97,14 @@ def test_a_stopped_rank_is_found_and_the_attempt_resumed(reference, make_spec):
     assert [a.outcome for a in attempts] == [Outcome.INFRASTRUCTURE, Outcome.COMPLETED], output
     assert ended[0] - stopped[0] < 60, output
     assert HANG_LINE in output and "section step" in output
+    # The line names the frozen rank (trial: "rank 0 at step 549, rank 1 at step 549" only),
+    # and each stack comes under its rank's name (forked ranks share thread ids).
+    assert "; rank 1 is stopped (SIGSTOP: state T)); every rank's stack is above" in output
     assert output.count("most recent call first") >= 2, output  # both ranks' stacks
+    for rank in (0, 1):
+        assert f"stoker.runtime.launch: hang: rank {rank}'s stack (pid " in output, output
+    # The continued rank does not blame "a peer rank" for the peers the watchdog ended.
+    assert "a peer rank is gone" not in output, output
     assert_bitwise_equal(final_weights(spec), final_weights(reference))
 
 
@@ -140,3 +149,65 @@ def test_the_watchdog_waits_k_step_times_then_the_floor():
 def test_hang_settings_are_validated():
     with pytest.raises((ConfigError, ValueError), match="step_factor"):
         TrainConfig(hang={"step_factor": 0.5})
+
+
+def test_a_rank_in_a_checkpoint_gets_the_checkpoint_timeout_not_its_waiting_peers():
+    """Both ranks at step 7, rank 1 saving (checkpoint_s=8) and rank 0 waiting for it in a
+    step's collective (floor 120 s): hung after 8 s (trial: the longest of the two applied,
+    so a 60 s save under checkpoint_s=8 was never found)."""
+    watch = HangWatch(HangPolicy(checkpoint_s=8, step_floor_s=120, warmup_steps=1))
+    beats = {0: Beat(7, 7, "step", 1, 100), 1: Beat(8, 7, "checkpoint", 2, 100)}
+    assert watch.observe(beats, 0.0) is None
+    assert watch.observe(beats, 7.5) is None
+    hang = watch.observe(beats, 8.5)
+    assert hang is not None and (hang.section, hang.timeout_s) == ("checkpoint", 8)
+
+
+def test_the_rank_that_stands_out_is_named():
+    """A stopped process first; else the ranks behind; else one in another section; else
+    none, and the line says so."""
+    same = {0: Beat(5, 9, "step", 1), 1: Beat(5, 9, "step", 2)}
+    assert suspects(same, {0: "running", 1: "stopped"}) == ("rank 1 is stopped (SIGSTOP: "
+                                                             "state T)",)
+    assert suspects(same, {0: "gone", 1: "running"}) == ("rank 0 has no process any more",)
+    behind = {0: Beat(5, 10, "step", 1), 1: Beat(5, 9, "step", 2), 2: Beat(5, 10, "step", 3)}
+    assert suspects(behind, {}) == ("rank 1 is behind (step 9; the others reached 10)",)
+    saving = {0: Beat(5, 9, "step", 1), 1: Beat(6, 9, "eval", 2)}
+    assert suspects(saving, {}) == ("rank 1 is in section eval (the others wait for it)",)
+    assert suspects(same, {0: "running", 1: "running"}) == ()
+    hang = Hang("step", 6.2, 6.0, {0: 9, 1: 9})
+    assert hang.summary().endswith("rank 1 at step 9; no rank stands out: compare their stacks)")
+
+
+def test_the_hang_is_kept_with_the_attempt_and_said_in_its_exit(tmp_path):
+    """The launcher's hang line is noted (the attempt's record keeps it: ``stoker status``)
+    and logged at WARNING; the exit reads as a hang, not a bare SIGKILL."""
+    forwarded: list[tuple[int, str]] = []
+
+    class Logger:
+        def log(self, level, line):
+            forwarded.append((level, line))
+
+    from stoker.launch.rank_lines import at_rank_level
+
+    lines = LineLog(tmp_path / "train.log", at_rank_level(Logger()))
+    hang = Hang("step", 6.2, 6.0, {0: 9, 1: 9}, ("rank 1 is stopped (SIGSTOP: state T)",))
+    lines(hang.line())
+    lines.close()
+    assert lines.hang == hang.summary()
+    assert forwarded == [(30, hang.line())]  # logging.WARNING
+    assert describe_exit(137, None, lines.hang) == f"137: hang: {hang.summary()}"
+    assert describe_exit(137, None, {"not": "a string"}) == "137 (SIGKILL)"
+    assert "\x1b" not in describe_exit(137, None, "no rank\x1b[2J progressed")
+
+
+def test_a_collective_timeout_is_an_infrastructure_failure_not_a_bug():
+    """gloo's and NCCL's words for a collective that waited out the process group's timeout
+    (train.hang.enabled=false: trial, classed user_error and not retried)."""
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed "
+                        "out waiting 35000ms for recv operation to complete")
+    pair = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+                        "[127.0.0.1]:40321: Application timeout caused pair closure")
+    assert collective_timeout_reason(gloo) == "Timed out waiting"
+    assert collective_timeout_reason(pair) == "Application timeout caused pair closure"
+    assert collective_timeout_reason(ValueError("bad value")) is None

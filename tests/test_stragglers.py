@@ -42,7 +42,7 @@ def test_a_rank_three_times_as_slow_is_named_and_its_step_times_are_in_mlflow(ma
     under load, its waits partly in rank 0's time): one warning naming rank 1 and
     how much slower, one straggler event, and per-rank step times read back from MLflow with
     rank 1's well above rank 0's (rank 0 waits for it, but its waits are not its own time)."""
-    spec = make_spec("slow", epochs=3, straggler={"window_steps": 10})
+    spec = make_spec("slow", epochs=3, straggler={"window_steps": 10, "min_window_s": 0})
     attempts, output = launch(spec, env={"STOKER_TEST_SLOW": "1:3"})
     assert [a.outcome for a in attempts] == [Outcome.COMPLETED], output
     # (once per crossing: a score that dips under the threshold and back may say it again)
@@ -155,3 +155,26 @@ def test_the_flow_forwards_new_straggler_events_once(tmp_path):
     assert event["payload"]["rank"] == 1 and event["payload"]["step"] == 20
     assert straggler_notice("job-1", None, {**forwarded[0], "rank": "1; rm -rf"}) is None
     assert straggler_notice("job-1", None, {"event": "straggler", "step": 3}) is None
+
+
+def test_a_window_also_lasts_its_minimum_time():
+    """Fast steps (trial: 50 steps were ~1 s, and a burst of another process on the host made
+    rank 0 a "straggler" in 36 of 184 windows): with min_window_s=30 a window of 4 steps that
+    took 10 s stays open, and closes once 30 s have passed, over all the steps since."""
+    now = [0.0]
+    windows = StragglerWindows(world_size=2, window_steps=4, threshold=1.5, windows=1,
+                               min_window_s=30, clock=lambda: now[0])
+    burst = [0.04, 0.0, 0.01, 0.0]  # rank 0 slowed for a moment
+    even = [0.01, 0.0, 0.01, 0.0]
+    assert windows.add(burst, 4, 4) is None  # opened at 0 s
+    now[0] = 10.0
+    assert windows.add(even, 4, 8) is None  # 8 steps, but only 10 s
+    reports = {}
+    for step in range(12, 44, 4):
+        now[0] += 3.0  # 13, 16, ..., 31 s at step 36
+        reports[step] = windows.add(even, 4, step)
+    report = reports[36]
+    assert [s for s, r in reports.items() if r is not None] == [36]
+    assert (report.first_step, report.last_step) == (1, 36)
+    assert report.new_stragglers == []  # the burst is averaged over 36 steps
+    assert report.relative[0] < 1.5

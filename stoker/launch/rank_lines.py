@@ -32,16 +32,27 @@ TORCH_LEVEL = re.compile(r"^(?:\[node \d+\] )?([EWF])\d{4} \d\d:\d\d:\d\d\.\d+ +
 _TORCH_LEVELS = {"E": logging.ERROR, "W": logging.WARNING, "F": logging.CRITICAL}
 
 
+# The launcher's lines about how an attempt ended (a hang, a rank's own 137, a stop that lost
+# its checkpoint), in a container after "[node N] ": warnings.
+LAUNCHER_LINE = re.compile(r"^(?:\[node \d+\] )?stoker\.runtime\.launch: ")
+# The hang watchdog's last line: what hung and which rank stood out (stoker.runtime.hang).
+HANG = re.compile(r"stoker\.runtime\.launch: hang: (no rank progressed .*\)); every rank's "
+                  r"stack is above")
+
+
 def at_rank_level(logger: logging.Logger | logging.LoggerAdapter) -> Callable[[str], None]:
     """A ``forward`` for :class:`LineLog` that logs each line at INFO, and a rank's WARNING,
     ERROR or CRITICAL line, or torchrun's (``E``, ``W``, ``F``: a rank killed by a signal,
-    ``failed (exitcode: -9)``), at that level (so the Prefect UI's level filter finds it)."""
+    ``failed (exitcode: -9)``), at that level, and the launcher's own lines (a hang, a rank's
+    own 137) at WARNING (so the Prefect UI's level filter finds them)."""
 
     def forward(line: str) -> None:
         if level := RANK_LEVEL.match(line):
             logger.log(logging.getLevelName(level.group(1)), line)
         elif torch_level := TORCH_LEVEL.match(line):
             logger.log(_TORCH_LEVELS[torch_level.group(1)], line)
+        elif LAUNCHER_LINE.match(line):
+            logger.log(logging.WARNING, line)
         else:
             logger.log(logging.INFO, line)
 
@@ -81,8 +92,11 @@ class LineLog:
         self.first_error: str | None = None  # the first rank's ERROR message, if any
         # The rank whose own exit 137 ended the attempt (the launcher's line), not a SIGKILL.
         self.ended_by_rank: int | None = None
+        self.hang: str | None = None  # the hang watchdog's summary, when it ended the attempt
 
     def __call__(self, line: str) -> None:
+        if self.hang is None and (hung := HANG.search(line)):
+            self.hang = hung.group(1)
         if self.first_error is None and (error := self.RANK_ERROR.match(line)):
             self.first_error = error.group(1)
         if self.ended_by_rank is None and (ended := RANK_ENDED.search(line)):

@@ -42,14 +42,19 @@ def classify_exit(code: int) -> Outcome:
     return Outcome.USER_ERROR
 
 
-def describe_exit(code: int, ended_by_rank: object = None) -> str:
+def describe_exit(code: int, ended_by_rank: object = None, hang: object = None) -> str:
     """An exit code as a shell reports it, with the signal it stands for: ``"137 (SIGKILL)"``
     for 137 and for -9 (``Popen``'s form of a death by signal 9), ``"75"`` for 75.
 
     ``ended_by_rank``: the rank whose own exit 137 ended the attempt (the launcher said so: a
     stall or a lost peer that rank found), when known: ``"137 from rank 1 itself, not a kill"``;
-    anything but a rank number (a record's field, untrusted) is ignored.
+    anything but a rank number (a record's field, untrusted) is ignored. ``hang``: the hang
+    watchdog's summary when it ended the attempt (``"137: hang: no rank progressed ..."``);
+    anything but a string is ignored, control characters are dropped, 300 characters at most.
     """
+    if code == EXIT_INFRASTRUCTURE and isinstance(hang, str) and hang.strip():
+        said = "".join(c for c in hang if c.isprintable())[:300]
+        return f"{code}: hang: {said}"
     if code == EXIT_INFRASTRUCTURE and type(ended_by_rank) is int and ended_by_rank >= 0:
         return f"{code} from rank {ended_by_rank} itself, not a kill"
     if code < 0:

@@ -104,6 +104,7 @@ class TrainingRun:
         self.codes: dict[int, int] = {}
         self.rank_errors: dict[int, str | None] = {}  # attempt -> the first ERROR line of a rank
         self.ended_by: dict[int, int | None] = {}  # attempt -> the rank whose exit 137 ended it
+        self.hangs: dict[int, str | None] = {}  # attempt -> the hang watchdog's summary
         self.capacities: dict[int, str] = {}
         self.this_run: list[Attempt] = []  # this run's attempts so far, for the retry decision
 
@@ -196,6 +197,7 @@ class TrainingRun:
                 lines.close()
                 self.rank_errors[number] = lines.first_error
                 self.ended_by[number] = lines.ended_by_rank
+                self.hangs[number] = lines.hang
         except (subprocess.TimeoutExpired, TimeoutError):
             raise TimeoutError(f"train_timeout_s={self.config.train_timeout_s:g} s reached: job "
                                f"{self.job_dir.name} stopped (process tree terminated)") from None
@@ -247,6 +249,7 @@ class TrainingRun:
                  "steps_lost": lost,
                  **({"ended_by_rank": self.ended_by[number]}
                     if self.ended_by.get(number) is not None else {}),
+                 **({"hang": self.hangs[number]} if self.hangs.get(number) else {}),
                  # `stoker status`: who stopped it, as for a Ctrl-C (trial)
                  **({"stopped_by": f"{request.by}: {request.reason}"}
                     if request is not None else {})}
@@ -263,7 +266,8 @@ class TrainingRun:
         level = log.info if attempt.outcome in (Outcome.COMPLETED, Outcome.STOPPED) \
             else log.warning
         level("attempt %d ended: %s (exit %s) after %.1f s", number, attempt.outcome,
-              describe_exit(attempt.exit_code, self.ended_by.get(number)), attempt.duration_s)
+              describe_exit(attempt.exit_code, self.ended_by.get(number),
+                            self.hangs.get(number)), attempt.duration_s)
         # Its last progress line ("restarting ...", or "no retry left"), after the line above
         # and before the next attempt starts (the watcher alone could say it up to 5 s later,
         # after "attempt N+1 on").
@@ -408,9 +412,10 @@ class TrainingRun:
         job_dir = self.job_dir
         if self.run_id:
             finish_run(self.client, self.run_id, "FAILED")
-        summary = ", ".join(f"#{a['number']} {a['outcome']} "
-                            f"(exit {describe_exit(a['exit_code'], a.get('ended_by_rank'))})"
-                            for a in history[-len(attempts):])
+        summary = ", ".join(
+            f"#{a['number']} {a['outcome']} "
+            f"(exit {describe_exit(a['exit_code'], a.get('ended_by_rank'), a.get('hang'))})"
+            for a in history[-len(attempts):])
         self.hooks.emit(**training_event("failed", job_dir.name, self.run_id,
                                          attempts=len(history), outcome=str(attempts[-1].outcome),
                                          exit_code=attempts[-1].exit_code))

@@ -122,6 +122,14 @@ def run(spec_path: Path, stop: StopFlag) -> int:
             # The OOM killer's usual victim: infrastructure, as a rank killed by it would be.
             outcome = "infrastructure"
             return data_workers_lost(f"{killed} (the OOM killer? see dmesg)", trainer)
+        if hang.ended_by_watchdog():
+            # The launcher found a hang and ends the ranks: a peer gone now is its doing, and
+            # its line names the rank that stood out (trial: the frozen rank, once continued,
+            # blamed "a peer rank").
+            log.warning("the hang watchdog ended this attempt at step %s (its line names the "
+                        "rank that stood out): stopping this rank", trainer.step if trainer else 0)
+            outcome = "infrastructure"
+            return EXIT_STOP_LOST
         if stop.requested and is_peer_lost(e):
             # A coordinated stop whose peer was killed first (grace ran out), or torchrun's
             # SIGTERM to the survivors after a peer died: not a bug here either way.
@@ -141,6 +149,14 @@ def run(spec_path: Path, stop: StopFlag) -> int:
             # ends the wait. Exiting at once raced it, and this rank's 137 was named instead
             # of the killed rank (new-user trial).
             stop.wait(PEER_LOST_WAIT_S)
+            return EXIT_STOP_LOST
+        if timed_out := collective_timeout_reason(e):
+            # A collective waited out the process group's timeout: a peer hangs (with
+            # train.hang.enabled=false, or on a node whose watchdog is gone). Not a bug in the
+            # training code: an infrastructure failure, retried from the last checkpoint.
+            log.warning("a collective timed out at step %s (%s): a peer rank hangs; stopping "
+                        "this rank", trainer.step if trainer else 0, timed_out)
+            outcome = "infrastructure"
             return EXIT_STOP_LOST
         log.exception("training failed at step %s", trainer.step if trainer else 0)
         return 1
@@ -181,6 +197,17 @@ def peer_lost_reason(error: Exception) -> str | None:
     file, line and remote address of its raw message; None when ``error`` is something else."""
     text = str(error)
     return next((s for s in PEER_LOST if s in text), None)
+
+
+COLLECTIVE_TIMEOUT = ("Application timeout caused pair closure", "Timed out waiting",
+                      "Watchdog caught collective operation timeout")
+
+
+def collective_timeout_reason(error: Exception) -> str | None:
+    """The backend's words for a collective that timed out (gloo's ``"Application timeout
+    caused pair closure"``, NCCL's watchdog), None when ``error`` is something else."""
+    text = str(error)
+    return next((s for s in COLLECTIVE_TIMEOUT if s in text), None)
 
 
 def data_workers_lost(reason: str, trainer) -> int:

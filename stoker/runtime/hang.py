@@ -29,11 +29,13 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HEARTBEAT_DIR_ENV = "STOKER_HEARTBEAT_DIR"
 POLICY_FILE = "policy.json"
+STACK_FILE = "rank-{rank}.stack"  # a rank's stack dump on SIGUSR2
+ENDED_FILE = "ended-by-watchdog"  # written before the watchdog ends the ranks
 SECTIONS = ("startup", "step", "eval", "checkpoint")
 STACK_SIGNAL = signal.SIGUSR2
 TEST_PAUSE_ENV = "STOKER_TEST_PAUSE"
@@ -123,17 +125,23 @@ class RankHeartbeat:
 
 
 _heartbeat: RankHeartbeat | None = None
+_stack_file = None  # kept open: faulthandler writes to its descriptor
 
 
 def install(rank: int, policy: HangPolicy) -> None:
     """Start this rank's heartbeat (where ``STOKER_HEARTBEAT_DIR`` is set) and let ``SIGUSR2``
-    print every thread's Python stack to stderr; rank 0 also writes ``policy`` for the
-    launcher."""
-    global _heartbeat
-    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+    write every thread's Python stack: to ``rank-<RANK>.stack`` beside the heartbeat, which
+    the watchdog prints under the rank's name (forked ranks share thread ids: unlabelled dumps
+    on one stderr could not be told apart), else to stderr. Rank 0 also writes ``policy`` for
+    the launcher."""
+    global _heartbeat, _stack_file
     folder = os.environ.get(HEARTBEAT_DIR_ENV, "").strip()
     if not folder or not os.path.isdir(folder):
+        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
         return
+    _stack_file = os.fdopen(os.open(Path(folder) / STACK_FILE.format(rank=rank),
+                                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
+    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True)
     if rank == 0:
         tmp = Path(folder) / (POLICY_FILE + ".tmp")
         tmp.write_text(json.dumps(policy.__dict__))
@@ -175,13 +183,58 @@ class Hang:
     idle_s: float
     timeout_s: float
     steps: dict[int, int]
+    suspects: tuple[str, ...] = ()  # why a rank stands out (:func:`suspects`)
+
+    def summary(self) -> str:
+        """What hung and which rank stands out, e.g. ``no rank progressed for 6 s in section
+        step (timeout 6 s; rank 0 at step 9, rank 1 at step 9; rank 1 is stopped (SIGSTOP))``."""
+        where = ", ".join(f"rank {r} at step {s}" for r, s in sorted(self.steps.items()))
+        who = "; ".join(self.suspects) or "no rank stands out: compare their stacks"
+        return (f"no rank progressed for {self.idle_s:.0f} s in section {self.section} "
+                f"(timeout {self.timeout_s:.0f} s; {where}; {who})")
 
     def line(self) -> str:
-        where = ", ".join(f"rank {r} at step {s}" for r, s in sorted(self.steps.items()))
-        return (f"stoker.runtime.launch: hang: no rank progressed for {self.idle_s:.0f} s in "
-                f"section {self.section} (timeout {self.timeout_s:.0f} s; {where}); every "
-                "rank's stack is above; ending the attempt as an infrastructure failure "
-                "(exit 137), retried from the last committed checkpoint")
+        return (f"stoker.runtime.launch: hang: {self.summary()}; every rank's stack is above; "
+                "ending the attempt as an infrastructure failure (exit 137), retried from the "
+                "last committed checkpoint")
+
+
+def suspects(beats: dict[int, Beat], states: dict[int, str]) -> tuple[str, ...]:
+    """The ranks that stand out in a hang, and why: a process that is not running
+    (``states``: rank -> ``"stopped"``, ``"zombie"`` or ``"gone"``, from
+    :func:`rank_states`); else the ranks behind the others' step; else the ranks in another
+    section than ``step`` (the others wait for them in a collective). Empty: none stands out."""
+    says = {"stopped": "is stopped (SIGSTOP: state T)", "zombie": "has exited (a zombie)",
+            "gone": "has no process any more"}
+    found = tuple(f"rank {r} {says[s]}" for r, s in sorted(states.items()) if s in says)
+    if found or not beats:
+        return found
+    low, high = min(b.step for b in beats.values()), max(b.step for b in beats.values())
+    if low < high:
+        return tuple(f"rank {r} is behind (step {b.step}; the others reached {high})"
+                     for r, b in sorted(beats.items()) if b.step == low)
+    if len({b.section for b in beats.values()}) > 1:
+        return tuple(f"rank {r} is in section {b.section} (the others wait for it)"
+                     for r, b in sorted(beats.items()) if b.section != "step")
+    return ()
+
+
+def rank_states(beats: dict[int, Beat]) -> dict[int, str]:
+    """Each rank's process state (``running``, ``stopped``, ``zombie``, ``gone``), looked up
+    only among this process's own descendants (a pid in a heartbeat file is not trusted)."""
+    import psutil
+
+    mine = {p.pid: p for p in psutil.Process().children(recursive=True)}
+    states = {}
+    for rank, beat in beats.items():
+        proc = mine.get(beat.pid)
+        try:
+            status = proc.status() if proc is not None else "gone"
+        except psutil.Error:
+            status = "gone"
+        states[rank] = {psutil.STATUS_STOPPED: "stopped", psutil.STATUS_TRACING_STOP: "stopped",
+                        psutil.STATUS_ZOMBIE: "zombie", "gone": "gone"}.get(status, "running")
+    return states
 
 
 @dataclass
@@ -215,9 +268,12 @@ class HangWatch:
         if not beats or not self.policy.enabled:
             return None
         step_time = self.step_time_s()
-        # The slowest rank's section: ranks ahead of it wait for it in a collective.
+        # The slowest rank's section: ranks ahead of it wait for it in a collective. Of the
+        # ranks at that step, one in eval, checkpoint or startup is the one the others wait
+        # for (they wait in a step's collective), so its section's timeout applies.
         slowest = min(b.step for b in beats.values())
-        section = max((b.section for b in beats.values() if b.step == slowest),
+        at_slowest = [b.section for b in beats.values() if b.step == slowest]
+        section = max([s for s in at_slowest if s != "step"] or at_slowest,
                       key=lambda s: self.policy.timeout_s(s, step_time))
         timeout = self.policy.timeout_s(section, step_time)
         idle = now - self._progress_at
@@ -252,14 +308,19 @@ def _test_pause(rank: int, section: str, step: int) -> None:
         time.sleep(float(parts[3]))
 
 
-def end_hung_ranks(beats: dict[int, Beat], dump_wait_s: float = 1.0) -> None:
+def end_hung_ranks(beats: dict[int, Beat], dump_wait_s: float = 1.0,
+                   folder: str | Path | None = None) -> None:
     """Dump every rank's stack (``SIGUSR2``), wait ``dump_wait_s`` seconds for the dumps, then
-    SIGKILL the ranks. The running ranks first: a rank frozen by ``SIGSTOP`` dumps only once
-    continued (``SIGCONT``), and with its peers gone it cannot train on in that moment. Only
-    this process's own descendants are signalled (a pid in a heartbeat file is not trusted
-    further)."""
+    SIGKILL the ranks; with the heartbeat ``folder``, first mark it (:data:`ENDED_FILE`: a rank
+    that sees its peers go then says why) and print each rank's dump under its name. The
+    running ranks first: a rank frozen by ``SIGSTOP`` dumps only once continued (``SIGCONT``),
+    and with its peers gone it cannot train on in that moment. Only this process's own
+    descendants are signalled (a pid in a heartbeat file is not trusted further)."""
     import psutil
 
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            (Path(folder) / ENDED_FILE).touch()
     mine = {p.pid: p for p in psutil.Process().children(recursive=True)}
     ranks = [mine[b.pid] for b in beats.values() if b.pid in mine]
     frozen = []
@@ -278,12 +339,36 @@ def end_hung_ranks(beats: dict[int, Beat], dump_wait_s: float = 1.0) -> None:
         for proc in group:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
+    if folder is not None:
+        print_stacks(beats, folder)
+
+
+def print_stacks(beats: dict[int, Beat], folder: str | Path) -> None:
+    """Print each rank's stack dump (``rank-<RANK>.stack``) to stderr under a line naming the
+    rank and its pid."""
+    for rank, beat in sorted(beats.items()):
+        try:
+            dump = (Path(folder) / STACK_FILE.format(rank=rank)).read_text(errors="replace")
+        except OSError:
+            dump = ""
+        said = "" if dump.strip() else " none (it wrote no dump within the wait)"
+        print(f"stoker.runtime.launch: hang: rank {rank}'s stack (pid {beat.pid}):{said}",
+              file=sys.stderr, flush=True)
+        if dump.strip():
+            print(dump.rstrip("\n"), file=sys.stderr, flush=True)
+
+
+def ended_by_watchdog() -> bool:
+    """Whether this rank's launcher found a hang and is ending the ranks (its line names the
+    rank that stands out): a rank that sees its peers go then is not the one to blame them."""
+    folder = os.environ.get(HEARTBEAT_DIR_ENV, "").strip()
+    return bool(folder) and (Path(folder) / ENDED_FILE).exists()
 
 
 def watch(folder: str | Path, done, poll_s: float = 0.5) -> Hang | None:
     """Poll the heartbeats in ``folder`` until ``done`` (a ``threading.Event``) is set or the
-    attempt hangs; on a hang print its line, end the ranks (:func:`end_hung_ranks`) and
-    return it."""
+    attempt hangs; on a hang print its line (naming the ranks that stand out), end the ranks
+    (:func:`end_hung_ranks`, which prints their stacks) and return it."""
     watcher: HangWatch | None = None
     while not done.wait(poll_s):
         policy = read_policy(folder)
@@ -294,9 +379,10 @@ def watch(folder: str | Path, done, poll_s: float = 0.5) -> Hang | None:
         beats = read_beats(folder)
         found = watcher.observe(beats, time.monotonic())
         if found is not None:
+            found = replace(found, suspects=suspects(beats, rank_states(beats)))
             print(found.line().replace("every rank's stack is above", "every rank's stack "
                                        "follows"), file=sys.stderr, flush=True)
-            end_hung_ranks(beats)
+            end_hung_ranks(beats, folder=folder)
             print(found.line(), file=sys.stderr, flush=True)
             return found
     return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -124,15 +125,19 @@ class StragglerWindows:
     window_steps: int
     threshold: float
     windows: int = 1
+    min_window_s: float = 0.0  # a window also lasts at least this long (wall s, ``clock``)
+    clock: Callable[[], float] = time.monotonic
     _sums: list[float] = field(default_factory=list)
     _steps: int = 0
     _first: int | None = None
+    _opened: float = 0.0
     _best: list[float] = field(default_factory=list)
     _slow: set[int] = field(default_factory=set)
     _streak: list[int] = field(default_factory=list)  # consecutive windows over, per rank
 
     def add(self, sums: list[float], steps: int, last_step: int) -> StragglerReport | None:
-        """Add the summed figures of ``steps`` steps ending at ``last_step``.
+        """Add the summed figures of ``steps`` steps ending at ``last_step``. A window closes
+        once it holds ``window_steps`` steps and lasted ``min_window_s`` seconds.
 
         Args:
             sums: ``FIGURES`` values per rank, rank-major (own step s, data-wait s).
@@ -144,9 +149,10 @@ class StragglerWindows:
         """
         if self._first is None:
             self._first, self._sums = last_step - steps + 1, [0.0] * len(sums)
+            self._opened = self.clock()
         self._sums = [a + b for a, b in zip(self._sums, sums, strict=True)]
         self._steps += steps
-        if self._steps < self.window_steps:
+        if self._steps < self.window_steps or self.clock() - self._opened < self.min_window_s:
             return None
         n = self._steps
         step_s = [self._sums[FIGURES * r] / n for r in range(self.world_size)]
@@ -181,7 +187,8 @@ class StragglerMixin:
         self._clock = StepClock(self.module)
         if self.env.is_main:
             self._stragglers = StragglerWindows(self.env.world_size, settings.window_steps,
-                                                settings.threshold, settings.windows)
+                                                settings.threshold, settings.windows,
+                                                settings.min_window_s)
 
     def _count_own_time(self, began: float, data_s: float) -> None:
         """Add the step that began at ``began`` (``perf_counter``, s) less its waits for other
