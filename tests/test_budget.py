@@ -129,6 +129,35 @@ def test_spend_counts_closed_attempts_and_the_open_one_up_to_now():
     assert spend.usd_per_s == pytest.approx(2 * 36 / 3600)
 
 
+def test_the_budget_prices_the_job_from_the_ranks_start_before_mlflow_has_its_run(tmp_path):
+    """The tracking store has not opened the run (a new-user trial: 20-28 s on a loaded
+    machine, the spend read $0.0000 meanwhile and the job overshot $0.3 to $0.64): rank 0's
+    start event names the device, so the spend is priced and the budget stops the job; before
+    that event the line says the spend is not priced yet, not $0."""
+    import json
+    import time
+
+    from stoker.jobs.budget import BudgetWatcher, read_spend
+
+    job = tmp_path / "job"
+    job.mkdir()
+    AttemptLog(job).start(1, "on_demand")
+    said, stops = [], []
+    watcher = BudgetWatcher(job, 0.3, None, PriceTable(**PRICES), 2, gpu_model=lambda: None,
+                            say=said.append, stop=lambda *a, **k: stops.append(a))
+    records = AttemptLog(job).records()
+    records[-1]["started"] = time.time() - 20  # 20 s of 2 priced CPUs: $0.40
+    (job / "attempts.jsonl").write_text(json.dumps(records[-1]) + "\n")
+    watcher.check()
+    assert said[-1].startswith("budget: spent: not priced yet of $0.3"), said
+    assert not stops and read_spend(job)["gpu_model"] is None
+    (job / "progress.jsonl").write_text(json.dumps(
+        {"event": "start", "step": 0, "time": time.time(), "gpu_model": "cpu"}) + "\n")
+    watcher.check()
+    assert read_spend(job)["gpu_model"] == "cpu" and read_spend(job)["cost_usd"] >= 0.39
+    assert stops and "max_cost_usd $0.3 reached" in watcher.fired, said
+
+
 def test_stoker_status_shows_spend_against_budget(tmp_path):
     from typer.testing import CliRunner
 
@@ -167,3 +196,21 @@ def test_the_deployment_forms_take_the_budget_and_name_a_bad_one(entrypoint):
         flow.validate_parameters({"config": {**extra, "train": {"max_cost_usd": -1}}})
     with pytest.raises(ParameterTypeError, match="train.max_duration: expected seconds"):
         flow.validate_parameters({"config": {**extra, "train": {"max_duration": "soon"}}})
+
+
+def test_one_price_given_as_an_override_keeps_the_rest_of_the_table(tmp_path):
+    """``cost.prices.usd_per_gpu_hour.cpu.on_demand=36`` prices a CPU job (trial: "usd_per_gpu_hour
+    needs a 'default' entry": the override replaced the whole table); a new row comes before the
+    built-in ones it contains; a new row without every capacity type is one line naming it."""
+    config = load_pipeline_config(None, [f"work_dir={tmp_path}",
+                                         "cost.prices.usd_per_gpu_hour.cpu.on_demand=36"])
+    prices = config.cost.prices
+    assert prices.price("cpu", "on_demand") == 36.0 and prices.price("cpu", "spot") == 0.0
+    assert prices.price("NVIDIA H100 80GB HBM3", "spot") == 1.70
+    assert prices.price("something else", "on_demand") == 2.00  # the built-in default row
+    table = PriceTable(usd_per_gpu_hour={"H100 NVL": {"on_demand": 9, "spot": 3, "reserved": 4}})
+    assert table.price("NVIDIA H100 NVL", "on_demand") == 9
+    with pytest.raises(Exception, match=r"usd_per_gpu_hour.MI300 needs a price for spot, "
+                                        r"reserved"):
+        load_pipeline_config(None, [f"work_dir={tmp_path}",
+                                    "cost.prices.usd_per_gpu_hour.MI300.on_demand=3"])

@@ -119,22 +119,44 @@ def test_a_guard_stop_is_counted_with_the_money_it_saved_over_the_period(tmp_pat
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     experiment = client.create_experiment("guarded", artifact_location=str(tmp_path / "a"))
-    for job, stopped_by in (("idle-job", "cost-guard: idle for 900 s"), ("user-job", "user: x")):
+    for job, stopped_by, outcome in (("idle-job", "cost-guard: idle for 900 s", "stopped"),
+                                     ("user-job", "user: x", "stopped"),
+                                     # stopped by the guard, then resumed and completed (trial:
+                                     # counted as a guard stop that saved $72/h until now)
+                                     ("resumed-job", "cost-guard: idle for 900 s", "completed")):
         run = client.create_run(experiment, tags={"stoker.job": job,
-                                                  "stoker.stopped_by": stopped_by})
+                                                  "stoker.stopped_by": stopped_by,
+                                                  "stoker.last_outcome": outcome})
         for key, value in (("cost_usd", 1.5), ("gpu_hours", 0.5), ("usd_per_hour", 72.0)):
             client.log_metric(run.info.run_id, key, value, step=10)
         client.set_terminated(run.info.run_id, "KILLED")
     rows = {r.job: r for r in job_rows(client, 0, int(time.time() * 1000) + 1000)}
     assert rows["idle-job"].guard_stopped and rows["idle-job"].guard_saved_usd_per_hour == 72.0
     assert not rows["user-job"].guard_stopped and rows["user-job"].guard_saved_usd_per_hour == 0
-    assert totals(rows.values())["cost_usd"] == 3.0
+    assert not rows["resumed-job"].guard_stopped and rows["resumed-job"].guard_saved_usd == 0
+    assert totals(rows.values())["cost_usd"] == 4.5
     # The money saved over the period (issue 48: only a rate was given): $72/h for the hour
     # from the stop to the period's end, not the 2 h to "now" past it; nothing for a user stop.
     end_ms = client.get_run(rows["idle-job"].run_id).info.end_time
     rows = {r.job: r for r in job_rows(client, 0, end_ms + 3_600_000, now_ms=end_ms + 7_200_000)}
     assert rows["idle-job"].guard_saved_usd == 72.0 and rows["user-job"].guard_saved_usd == 0
     assert totals(rows.values())["guard_saved_usd"] == 72.0
+
+
+def test_a_later_attempt_that_was_not_stopped_clears_the_stop_tag(tmp_path):
+    """``stoker.stopped_by`` says who stopped the LAST attempt: a job stopped, then resumed and
+    completed, no longer carries it on its MLflow run (trial: it did)."""
+    from stoker.launch.supervisor import tag_outcome
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.create_experiment("tags", artifact_location=str(tmp_path / "a"))
+    run_id = client.create_run(experiment).info.run_id
+    tag_outcome(client, run_id, {"outcome": "stopped", "stopped_by": "cost-guard: idle"})
+    assert client.get_run(run_id).data.tags["stoker.stopped_by"] == "cost-guard: idle"
+    tag_outcome(client, run_id, {"outcome": "completed"})
+    tags = client.get_run(run_id).data.tags
+    assert tags["stoker.last_outcome"] == "completed" and "stoker.stopped_by" not in tags
+    tag_outcome(client, run_id, {"outcome": "completed"})  # no tag to clear: fine
 
 
 def test_a_price_table_that_cannot_be_read_is_one_line_and_exit_2(tmp_path):

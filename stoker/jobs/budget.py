@@ -22,6 +22,7 @@ from pathlib import Path
 
 from stoker.jobs.attempts import AttemptLog, is_closed
 from stoker.jobs.stop_request import TrainingStopped
+from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, real_number
 from stoker.tracking.pricing import PriceTable
 
@@ -87,10 +88,17 @@ def over_budget(spend: Spend, max_cost_usd: float | None, max_duration_s: float 
     return None
 
 
-def describe(spend: Spend, max_cost_usd: float | None, max_duration_s: float | None) -> str:
-    """Spend against budget in words: ``spent $0.4200 of $1 (42 %); billed 310 s of 3600 s``."""
-    parts = [f"spent ${spend.cost_usd:.4f}" + (
-        f" of ${max_cost_usd:g} ({spend.cost_usd / max_cost_usd:.0%})" if max_cost_usd else "")]
+def describe(spend: Spend, max_cost_usd: float | None, max_duration_s: float | None,
+             priced: bool = True) -> str:
+    """Spend against budget in words: ``spent $0.4200 of $1 (42 %); billed 310 s of 3600 s``;
+    ``priced=False`` (the GPU model not known yet): ``spent: not priced yet (...)``."""
+    if not priced and max_cost_usd:
+        parts = [f"spent: not priced yet of ${max_cost_usd:g} (the ranks have not said their "
+                 "device yet; the billed time so far is priced once they do)"]
+    else:
+        parts = [f"spent ${spend.cost_usd:.4f}" + (
+            f" of ${max_cost_usd:g} ({spend.cost_usd / max_cost_usd:.0%})"
+            if max_cost_usd else "")]
     parts.append(f"billed {spend.billed_s:.0f} s" + (
         f" of {max_duration_s:g} s ({spend.billed_s / max_duration_s:.0%})"
         if max_duration_s else ""))
@@ -199,11 +207,16 @@ class BudgetWatcher(threading.Thread):
         records = AttemptLog(self.job_dir).records()
         if self.fired or not any(not is_closed(r) for r in records):
             return
-        self._model = self._model or self.gpu_model()  # known once rank 0's run is open
+        # Known once rank 0 starts training (its start event), or from its MLflow run (a
+        # slow tracking store took 20-28 s to open it: the spend read $0 until then, and the
+        # job overshot its budget twice over in a new-user trial).
+        self._model = self._model or started_gpu_model(self.job_dir) or self.gpu_model()
         spend = job_spend(records, time.time(), self.devices, self._model, self.prices)
         write_spend(self.job_dir, spend, self._model, self.devices, self.max_cost_usd,
                     self.max_duration_s)
-        self.say(f"budget: {describe(spend, self.max_cost_usd, self.max_duration_s)}")
+        said = describe(spend, self.max_cost_usd, self.max_duration_s,
+                        priced=self._model is not None)
+        self.say(f"budget: {said}")
         why = over_budget(spend, self.max_cost_usd, self.max_duration_s, self.every_s)
         if why is None:
             return
@@ -216,6 +229,17 @@ class BudgetWatcher(threading.Thread):
                           by=BUDGET_BY, wait=False)
         except Exception as e:  # noqa: BLE001 - StopFailed: said, the attempt ends as it may
             self.say(f"budget: {e}")
+
+
+def started_gpu_model(job_dir: Path) -> str | None:
+    """The device rank 0 named in its last ``start`` event (``progress.jsonl``: an NVML/CUDA
+    name or ``cpu``), None before one; a value that is not a short printable string is
+    ignored (the file is the ranks', read as data)."""
+    starts = [e for e in read_events(job_dir) if e.get("event") == "start"]
+    model = starts[-1].get("gpu_model") if starts else None
+    if isinstance(model, str) and 0 < len(model) <= 100 and model.isprintable():
+        return model
+    return None
 
 
 def run_gpu_model(client, run_file: Path) -> str | None:

@@ -7,6 +7,7 @@ parts (task runs per attempt, the progress artifact, the flow run's id and URL).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import re
 import threading
@@ -327,10 +328,17 @@ def tag_outcome(client: MlflowClient, run_id: str | None, record: dict) -> None:
     from mlflow.entities import RunTag
 
     tags = [RunTag("stoker.last_outcome", record["outcome"])]
-    if isinstance(record.get("stopped_by"), str):
-        tags.append(RunTag("stoker.stopped_by", record["stopped_by"]))
+    stopped_by = record.get("stopped_by")
+    if isinstance(stopped_by, str):
+        tags.append(RunTag("stoker.stopped_by", stopped_by))
     try:
         client.log_batch(run_id, tags=tags)  # one request
+        if not isinstance(stopped_by, str):
+            # An earlier attempt's stop is not the last attempt's (trial: a job the cost guard
+            # stopped, resumed and completed still read as guard-stopped in the cost report).
+            with contextlib.suppress(Exception):  # no such tag: nothing to clear
+                if "stoker.stopped_by" in client.get_run(run_id).data.tags:
+                    client.delete_tag(run_id, "stoker.stopped_by")
     except Exception as e:  # noqa: BLE001
         log.warning("could not tag MLflow run %s with the attempt's outcome: %s", run_id, e)
 

@@ -205,6 +205,7 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin
     def train(self) -> str:
         """Run until done or preempted. Returns ``"completed"`` or ``"preempted"``."""
         self._event("start", total_steps=self.total_steps, resumed=self.step > 0,
+                    gpu_model=self.gpu_model(),  # the budget's price, before MLflow has it
                     intra_op_threads=torch.get_num_threads(),
                     restarted_from_zero=self.resume.restarted_from_zero)
         started, self._cpu_started = time.perf_counter(), time.process_time()

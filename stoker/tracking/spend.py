@@ -184,7 +184,10 @@ def _row(client, run, models: dict[str, str], held_until_ms: int) -> JobRow:
         goodput=float(m.get("goodput", 0.0)), preemptions=int(m.get("preemptions", 0)),
         steps_lost=lost, steps_lost_cost_usd=round(
             cost * lost / (final_step + lost), 6) if final_step + lost else 0.0,
-        guard_stopped=(guard := tags.get("stoker.stopped_by", "").startswith("cost-guard")),
+        # The last attempt's stop (a run resumed after a guard stop and completed is not one;
+        # runs tagged before the tag was cleared on a later attempt keep it: the outcome says)
+        guard_stopped=(guard := tags.get("stoker.stopped_by", "").startswith("cost-guard")
+                       and tags.get("stoker.last_outcome") == "stopped"),
         guard_saved_usd_per_hour=(per_hour := float(m.get("usd_per_hour", 0.0)) if guard
                                   else 0.0),
         guard_saved_usd=round(per_hour * max(0, held_until_ms - (run.info.end_time or 0))
