@@ -82,3 +82,13 @@ def test_an_hour_puts_the_fallback_on_reserved_gpus_first():
     assert hour_cost(5, 2, 2, rates) == pytest.approx(2 * 2.0 + 3 * 1.0)
     assert hour_cost(5, 2, 0, rates) == pytest.approx(2 * 4.0 + 3 * 1.0)
     assert hour_cost(1, 0, 3, rates) == pytest.approx(3 * 2.0)  # idle reserved GPUs are paid
+
+
+def test_an_unpriced_device_says_so_in_the_assumptions():
+    """The built-in `cpu` row is $0: the advice says every mix costs $0 and how to price it
+    (trial: "$0.00 vs $0.00" beside a job that cost $1.62, with no word why)."""
+    demand, fallback = synthetic_history()
+    unpriced = advise(demand, fallback, Rates(0.0, 0.0, 0.0))
+    assert any("stoker cost --prices FILE" in line for line in unpriced.assumptions)
+    priced = advise(demand, fallback, Rates(4.0, 1.7, 1.6))
+    assert not any("--prices" in line for line in priced.assumptions)

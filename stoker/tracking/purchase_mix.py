@@ -140,4 +140,7 @@ def advise(demand: Sequence[float], fallback: Sequence[float], rates: Rates) -> 
             "free to cover them",
             "the future repeats the period's demand; one GPU type (the price table entry of "
             "the jobs' GPU model)",
+            *(("the price table gives this device no price ($0/GPU-hour: the built-in `cpu` "
+               "row), so every mix costs $0: pass the table your jobs were billed at "
+               "(stoker cost --prices FILE)",) if not rates.on_demand else ()),
         ))

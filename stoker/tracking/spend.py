@@ -137,7 +137,7 @@ class JobRow:
     gpu_hours_spot: float
     gpu_hours_reserved: float
     cost_usd: float
-    goodput: float
+    goodput: float | None  # None: not logged (a stopped job logs its cost, not goodput)
     preemptions: int
     steps_lost: int
     steps_lost_cost_usd: float
@@ -181,7 +181,8 @@ def _row(client, run, models: dict[str, str], held_until_ms: int) -> JobRow:
         gpu_model=tags.get("stoker.gpu_model", ""), gpu_hours=float(m.get("gpu_hours", 0.0)),
         gpu_hours_on_demand=hours["on_demand"], gpu_hours_spot=hours["spot"],
         gpu_hours_reserved=hours["reserved"], cost_usd=cost,
-        goodput=float(m.get("goodput", 0.0)), preemptions=int(m.get("preemptions", 0)),
+        goodput=float(m["goodput"]) if "goodput" in m else None,
+        preemptions=int(m.get("preemptions", 0)),
         steps_lost=lost, steps_lost_cost_usd=round(
             cost * lost / (final_step + lost), 6) if final_step + lost else 0.0,
         # The last attempt's stop (a run resumed after a guard stop and completed is not one;

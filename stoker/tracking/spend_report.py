@@ -91,8 +91,9 @@ def render_json(summary: CostSummary) -> str:
     return json.dumps(summary.to_json(), indent=2)
 
 
-_SHOWN = ("job", "model", "ended", "gpu_hours_on_demand", "gpu_hours_spot", "cost_usd",
-          "goodput", "steps_lost", "steps_lost_cost_usd", "guard_stopped", "guard_saved_usd")
+_SHOWN = ("job", "model", "ended", "gpu_hours", "gpu_hours_on_demand", "gpu_hours_spot",
+          "cost_usd", "goodput", "preemptions", "steps_lost", "steps_lost_cost_usd",
+          "guard_stopped", "guard_saved_usd")
 
 
 def render_markdown(summary: CostSummary) -> str:
@@ -134,6 +135,8 @@ def advice_lines(advice: Advice | None) -> list[str]:
 
 
 def _cell(value) -> str:
+    if value is None:  # not logged: blank, not 0
+        return ""
     if isinstance(value, float):
         return f"{value:.4f}".rstrip("0").rstrip(".") or "0"
     return str(value).replace("|", "\\|")
