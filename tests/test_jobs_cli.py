@@ -409,3 +409,14 @@ def test_an_attempt_ended_by_a_lost_data_worker_is_not_called_a_failure():
     assert describe_interrupted(record) == (
         "its ranks ended at step 30 without a stop checkpoint (a data worker or a peer rank was "
         "lost), last checkpoint at step 30, 0 step(s) lost")
+
+
+def test_a_checkpoint_newer_than_the_last_progress_record_is_not_a_contradiction():
+    """A bucket's copy of progress.jsonl lags its checkpoints (synced every few seconds): the
+    next node read "reached step 200, last checkpoint at step 222" after a kill -9 (trial)."""
+    from stoker.jobs.attempts import describe_interrupted
+
+    record = {"interrupted": True, "reached_step": 200, "committed_step": 222, "steps_lost": 0}
+    assert describe_interrupted(record) == (
+        "its ranks recorded no end: their last progress record says step 200, and a "
+        "checkpoint of step 222 committed after it (the last one), no step lost")

@@ -287,6 +287,12 @@ def _ranks_did(record: dict[str, Any]) -> str:
     if reached is None:
         return "its ranks recorded no step and no end"
     committed = record.get("committed_step") or 0
+    if isinstance(committed, int) and isinstance(reached, int) and committed > reached:
+        # The progress a bucket carries lags the checkpoints (its copy is synced every few
+        # seconds): a trial read "reached step 200, last checkpoint at step 222".
+        return (f"its ranks recorded no end: their last progress record says step {reached}, "
+                f"and a checkpoint of step {committed} committed after it (the last one), "
+                "no step lost")
     last = f"last checkpoint at step {committed}" if committed else "no checkpoint committed"
     return (f"its ranks recorded no end: reached step {reached}, {last}, "
             f"{record.get('steps_lost', 0)} step(s) lost")
