@@ -416,7 +416,8 @@ def test_a_checkpoint_newer_than_the_last_progress_record_is_not_a_contradiction
     next node read "reached step 200, last checkpoint at step 222" after a kill -9 (trial)."""
     from stoker.jobs.attempts import describe_interrupted
 
-    record = {"interrupted": True, "reached_step": 200, "committed_step": 222, "steps_lost": 0}
+    record = {"interrupted": True, "runtime_outcome": None, "runtime_end_step": None,
+              "reached_step": 200, "committed_step": 222, "steps_lost": 0}
     assert describe_interrupted(record) == (
         "its ranks recorded no end: their last progress record says step 200, and a "
         "checkpoint of step 222 committed after it (the last one), no step lost")
