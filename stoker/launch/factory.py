@@ -128,7 +128,6 @@ def check_before_pull(config: PipelineConfig) -> None:
     from stoker.data.demo import DEMO_PATH
     from stoker.launch.supervisor import nproc
     from stoker.runtime.vision import vision_problem
-    from stoker.server_auth import check_mlflow_server
     from stoker.tracking.server import check_tracking_server
 
     repo = config.data.repo_url
@@ -170,7 +169,6 @@ def check_before_pull(config: PipelineConfig) -> None:
     if problem:  # containers: the training image must hold torchvision (not checkable here)
         raise ConfigError(problem)
     check_tracking_server(config.tracking_uri())
-    check_mlflow_server(config.tracking_uri())  # a missing or wrong credential: one line
     if config.checkpoint_dir:  # wrong credentials or no bucket: named before anything runs
         from stoker.jobs.store import JobStore
 
