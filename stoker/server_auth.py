@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import os
+import tomllib
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -57,18 +59,32 @@ def _ask(method: str, url: str, headers: dict[str, str], timeout_s: float,
 def prefect_credential() -> tuple[str | None, dict[str, str]]:
     """The variable that holds this client's Prefect credential and its header, as Prefect's
     client sends it (the auth string wins over the API key); ``(None, {})`` without one.
-    Read from Prefect's settings: the environment, or the active profile."""
-    from prefect.settings import get_current_settings
 
-    api = get_current_settings().api
-    auth = api.auth_string.get_secret_value() if api.auth_string else ""
-    if auth:
-        token = base64.b64encode(auth.encode()).decode()
-        return "PREFECT_API_AUTH_STRING", {"Authorization": f"Basic {token}"}
-    key = api.key.get_secret_value() if api.key else ""
-    if key:
-        return "PREFECT_API_KEY", {"Authorization": f"Bearer {key}"}
+    Read from the environment, else from the active profile of Prefect's profiles file, without
+    importing Prefect: its settings, once imported, would miss the PREFECT_HOME that ``stoker
+    run`` sets afterwards."""
+    values = {**_prefect_profile(), **os.environ}
+    for name, scheme in (("PREFECT_API_AUTH_STRING", "Basic"), ("PREFECT_API_KEY", "Bearer")):
+        if value := str(values.get(name) or ""):
+            if scheme == "Basic":
+                value = base64.b64encode(value.encode()).decode()
+            return name, {"Authorization": f"{scheme} {value}"}
     return None, {}
+
+
+def _prefect_profile() -> dict[str, object]:
+    """The settings of Prefect's active profile (PREFECT_PROFILE, else the file's ``active``),
+    from PREFECT_PROFILES_PATH, else ``$PREFECT_HOME/profiles.toml`` (``~/.prefect``); {}
+    when there is none or it cannot be read."""
+    home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+    path = Path(os.environ.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser()
+    try:
+        profiles = tomllib.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    active = os.environ.get("PREFECT_PROFILE") or profiles.get("active") or "ephemeral"
+    found = profiles.get("profiles", {}).get(active, {})
+    return found if isinstance(found, dict) else {}
 
 
 def check_prefect_api(api_url: str | None = None, timeout_s: float = TIMEOUT_S) -> None:

@@ -136,15 +136,21 @@ def test_the_right_credentials_pass_and_a_run_logs_to_the_servers(prefect_auth, 
 
 
 def test_the_checks_read_the_right_credentials_from_the_environment(prefect_auth, mlflow_auth,
-                                                                     monkeypatch):
-    from prefect.settings import PREFECT_API_AUTH_STRING, temporary_settings
-
-    with temporary_settings({PREFECT_API_AUTH_STRING: PREFECT_SECRET}):
-        check_prefect_api(prefect_auth.api_url)
-    with temporary_settings({PREFECT_API_AUTH_STRING: "wrong-auth-string"}), \
-            pytest.raises(CredentialError, match="PREFECT_API_AUTH_STRING") as refused:
+                                                                     monkeypatch, tmp_path):
+    """From the environment, or from the active Prefect profile (read without importing
+    Prefect, whose settings would then miss the PREFECT_HOME that `stoker run` sets later)."""
+    for name in CREDENTIAL_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_PROFILES_PATH", str(tmp_path / "profiles.toml"))
+    (tmp_path / "profiles.toml").write_text(
+        f'active = "team"\n[profiles.team]\nPREFECT_API_AUTH_STRING = "{PREFECT_SECRET}"\n')
+    check_prefect_api(prefect_auth.api_url)
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "wrong-auth-string")  # the environment wins
+    with pytest.raises(CredentialError, match="PREFECT_API_AUTH_STRING") as refused:
         check_prefect_api(prefect_auth.api_url)
     assert "wrong-auth-string" not in str(refused.value)
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", PREFECT_SECRET)
+    check_prefect_api(prefect_auth.api_url)
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", MLFLOW_SECRET)
     check_mlflow_server(mlflow_auth.uri)
@@ -186,3 +192,15 @@ def test_the_flows_first_step_refuses_a_missing_mlflow_credential(mlflow_auth, t
         steps(config, ImageRequest())
     assert str(refused.value).startswith(f"MLflow tracking server {mlflow_auth.uri} asks for")
     assert not work.exists()
+
+
+def test_the_check_imports_no_prefect(prefect_auth):
+    """Prefect's settings freeze at its import: imported by the check, they missed the
+    PREFECT_HOME (``<work_dir>/.prefect``) that `stoker run` sets after it."""
+    probe = ("import sys\nfrom stoker.server_auth import check_servers\n"
+             "check_servers('sqlite:///unused.db')\nprint('prefect' in sys.modules)")
+    env = {**os.environ, "PREFECT_API_URL": prefect_auth.api_url,
+           "PREFECT_API_AUTH_STRING": PREFECT_SECRET}
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                            text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "False"
