@@ -13,6 +13,7 @@ from stoker.config import PipelineConfig
 from stoker.forms import DockerPipelineForm, PipelineForm, SlurmPipelineForm
 from stoker.images.spec import ImageRequest
 from stoker.jobs.job import JobClaim, mark_done
+from stoker.server_auth import check_mlflow_server
 from stoker.stdio import guard_stdio
 from stoker.tracking.registry import warm_up_registration
 from tasks.registry import register
@@ -63,6 +64,7 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
     The job is owned (leased) from before anything in its folder is written until it is marked
     done: with ``job_id`` before the pull, otherwise right after it. A done ``job_id`` returns
     its summary and does nothing."""
+    check_mlflow_server(config.tracking_uri())  # a refused credential: one line, nothing written
     guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
     with cancelled_promptly(), untagged_task_runs(), JobClaim(config, flow_run.get_id()) as job:
         # Registration's imports load while the launcher starts (one core is idle then).

@@ -14,6 +14,7 @@ from stoker.images.spec import ImageRequest
 from stoker.jobs.job import JobClaim
 from stoker.launch.factory import check_before_pull, needs_image
 from stoker.launch.supervisor import TrainResult
+from stoker.server_auth import check_mlflow_server
 from tasks.data import pull
 from tasks.images import build_image
 from tasks.stopping import cancelled_promptly, stops_as_cancelled, untagged_task_runs
@@ -39,6 +40,7 @@ def train_local(config: TrainForm = TrainForm()) -> dict:  # noqa: B008 - frozen
 @stops_as_cancelled  # Ctrl-C, SIGTERM or SIGHUP to the command: a stop, not a crash
 def run_training(config: PipelineConfig, image: ImageRequest) -> dict:
     """Pull and train inside a flow run; the job is leased meanwhile (see ``flows.pipeline``)."""
+    check_mlflow_server(config.tracking_uri())  # a refused credential: one line, nothing written
     with cancelled_promptly(), untagged_task_runs(), JobClaim(config, flow_run.get_id()) as job:
         pulled = pull_and_train(config, image, job)
         if not isinstance(pulled, tuple):

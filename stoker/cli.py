@@ -69,6 +69,17 @@ def _check_before_pull(config: PipelineConfig) -> None:
         raise typer.Exit(2) from None
 
 
+def _check_credentials(config: PipelineConfig) -> None:
+    """A Prefect API or MLflow server that refuses this user's credential: one line, exit 2."""
+    from stoker.server_auth import CredentialError, check_servers
+
+    try:
+        check_servers(config.tracking_uri())
+    except CredentialError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def run(
     overrides: Annotated[list[str] | None, typer.Argument(
@@ -92,6 +103,7 @@ def run(
     if resume_stalled:
         overrides = [*overrides, "retry.resume_stalled=true"]
     config = _config(config_file, overrides)
+    _check_credentials(config)  # before anything is read, created, pulled or started
     from stoker.jobs.job import check_job_early, new_job_notice
     from stoker.jobs.lease import JobBusy
     from stoker.jobs.stop_request import TrainingStopped
@@ -338,10 +350,14 @@ def cost_guard(
 
         typer.echo(json.dumps(summary(sweep_host(config)), indent=2, default=str))
         return
-    with prefect_api():  # the local server (or PREFECT_API_URL), not a temporary one
-        from flows.cost_guard import cost_guard as cost_guard_flow
+    try:
+        with prefect_api():  # the local server (or PREFECT_API_URL), not a temporary one
+            from flows.cost_guard import cost_guard as cost_guard_flow
 
-        typer.echo(json.dumps(cost_guard_flow(config), indent=2, default=str))
+            typer.echo(json.dumps(cost_guard_flow(config), indent=2, default=str))
+    except ConfigError as e:  # PREFECT_API_URL refuses this user's credential
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     stopping.exit_now(0)  # recorded and drained: Prefect's exit hooks would add seconds
 
 

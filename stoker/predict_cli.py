@@ -43,6 +43,12 @@ def predict(
              "your store")
     if store is not None and not store.is_file():
         fail(f"no MLflow store at {store}: {where}")
+    from stoker.server_auth import CredentialError, check_mlflow_server
+
+    try:
+        check_mlflow_server(tracking_uri)  # a missing or wrong credential: one line
+    except CredentialError as e:
+        fail(str(e))
     folders = [p for p in images if p.is_dir()]
     images = expand_images(images)  # before the model loads (seconds)
     import mlflow

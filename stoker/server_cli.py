@@ -121,7 +121,11 @@ def prefect_api():
 
     Raises:
         ServerError: the local server did not start.
+        stoker.server_auth.CredentialError: PREFECT_API_URL refuses this user's credential.
     """
+    from stoker.server_auth import check_prefect_api
+
+    check_prefect_api()  # PREFECT_API_URL only: the local server asks for no credential
     keeper = None
     if not os.environ.get("PREFECT_API_URL"):
         from stoker.local_server import LocalServer, ServerKeeper

@@ -22,11 +22,13 @@ def free_port() -> int:
 
 class MlflowServer:
     """Starts ``mlflow server`` with a sqlite backend and served artifacts under ``root`` (or at
-    ``artifacts_destination``, e.g. ``s3://bucket/mlartifacts`` with ``env`` holding AWS_*)."""
+    ``artifacts_destination``, e.g. ``s3://bucket/mlartifacts`` with ``env`` holding AWS_*);
+    ``args``: more options of ``mlflow server``."""
 
     def __init__(self, root: Path, artifacts_destination: str | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, args: tuple[str, ...] = ()):
         self.root = root
+        self.args = args  # more `mlflow server` options, e.g. ("--app-name", "basic-auth")
         self.artifacts_destination = artifacts_destination or str(root / "artifacts")
         self.env = env or {}
         self.port = free_port()
@@ -40,7 +42,7 @@ class MlflowServer:
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
              "--port", str(self.port), "--workers", "1",
              "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-             "--artifacts-destination", self.artifacts_destination],
+             "--artifacts-destination", self.artifacts_destination, *self.args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **self.env},
         )

@@ -70,9 +70,10 @@ def seed_prefect_home(home: Path, database: Path | None = None) -> Path:
 
 class PrefectServer:
     """``prefect server start`` on a free loopback port; ``env`` points clients at it.
-    ``seeded``: start from a copy of the migrated database (:func:`seed_prefect_home`)."""
+    ``seeded``: start from a copy of the migrated database (:func:`seed_prefect_home`);
+    ``env``: more variables for the server and its clients (PREFECT_SERVER_API_AUTH_STRING)."""
 
-    def __init__(self, root: Path, seeded: bool = True):
+    def __init__(self, root: Path, seeded: bool = True, env: dict[str, str] | None = None):
         self.root = root
         self.seeded = seeded
         self.port = free_port()
@@ -84,7 +85,7 @@ class PrefectServer:
             "PREFECT_UI_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
             # No scheduler: scheduled runs (cost-guard every 5 min) must not reach test workers.
             "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
-            "DVC_NO_ANALYTICS": "1",
+            "DVC_NO_ANALYTICS": "1", **(env or {}),
         }
         self.process: subprocess.Popen | None = None
 
