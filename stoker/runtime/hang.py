@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stoker.runtime import private
+
 HEARTBEAT_DIR_ENV = "STOKER_HEARTBEAT_DIR"
 POLICY_FILE = "policy.json"
 SECTIONS = ("startup", "step", "eval", "checkpoint")
@@ -98,7 +100,7 @@ class RankHeartbeat:
     def __init__(self, folder: str | Path, rank: int):
         self.rank, self.count = rank, 0
         path = Path(folder) / f"rank-{rank}.beat"
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = private.open_fd(path, os.O_RDWR)
         self._slow = _test_slow(rank)
         self._step_started: float | None = None
         self._step_ms = 0
@@ -136,7 +138,7 @@ def install(rank: int, policy: HangPolicy) -> None:
         return
     if rank == 0:
         tmp = Path(folder) / (POLICY_FILE + ".tmp")
-        tmp.write_text(json.dumps(policy.__dict__))
+        private.write_text(tmp, json.dumps(policy.__dict__))
         tmp.replace(Path(folder) / POLICY_FILE)
     _heartbeat = RankHeartbeat(folder, rank)
     _heartbeat.mark("startup", 0)
