@@ -59,7 +59,7 @@ def train_one_job(config: PipelineConfig, dataset) -> Path:
 def test_a_trained_job_leaves_nothing_wider_than_its_owner(dataset, tmp_path, umask):
     config = PipelineConfig.model_validate({
         "work_dir": str(tmp_path / "work"), "job_id": "private",
-        "train": {"epochs": 1, "checkpoint_every_steps": 10}})
+        "train": {"epochs": 1, "checkpoint_every_steps": 10, "profile_steps": 1}})
     before = os.umask(umask)  # the ranks and torchrun inherit it
     try:
         job_dir = train_one_job(config, dataset)
@@ -70,6 +70,7 @@ def test_a_trained_job_leaves_nothing_wider_than_its_owner(dataset, tmp_path, um
     assert {".lease.lock", "attempts.jsonl", "progress.jsonl", "heartbeat.json", "train.log",
             "spec.yaml", "mlflow_run_id", "result.json", "final/model.pt"} <= written, written
     assert any(p.endswith("/COMMITTED") for p in written), written
+    assert any(p.startswith("profile/trace-rank") for p in written), written  # torch's writer
     assert too_wide(job_dir) == []
     work = tmp_path / "work"
     assert too_wide(work / "jobs") == []

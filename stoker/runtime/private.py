@@ -78,6 +78,15 @@ def open_file(path: str | Path, mode: str = "w", buffering: int = -1) -> IO[Any]
         raise
 
 
+def narrow_file(path: str | Path) -> None:
+    """Set a file another library wrote (a profiler trace) to 0600.
+
+    Raises:
+        OSError: ``path`` does not exist.
+    """
+    _narrow(path, FILE_MODE)
+
+
 def write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` (created 0600, truncated), not atomically: callers that
     need atomicity write a temporary name with this and rename it (a rename keeps the mode)."""
