@@ -151,7 +151,7 @@ def test_stack_wiring(compose):
     assert "postgresql://stoker:" in mlflow and "@postgres:5432/mlflow" in mlflow
     assert "--artifacts-destination s3://mlflow/" in mlflow
     assert services["mlflow"]["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
-    assert "mc mb --ignore-existing stoker/mlflow" in services["minio-buckets"]["command"][0]
+    assert "mc mb --ignore-existing stoker/mlflow" in services["minio-buckets"]["entrypoint"][2]
     prefect_db = services["prefect-server"]["environment"]
     assert prefect_db["PREFECT_SERVER_DATABASE_DRIVER"] == "postgresql+asyncpg"
     assert prefect_db["PREFECT_SERVER_DATABASE_NAME"] == "prefect"
