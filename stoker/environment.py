@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from stoker.runtime import private
+
 TELEMETRY_OFF = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
                  "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1",
                  # and no progress bars of MLflow's artifact downloads in a terminal log
@@ -24,7 +26,7 @@ def sqlite_path(tracking_uri: str) -> Path | None:
 def quiet_telemetry(work_dir: Path) -> None:
     """Telemetry off and Prefect's home inside the work directory, unless the user set them."""
     os.environ.setdefault("PREFECT_HOME", str((work_dir / ".prefect").resolve()))
-    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    private.make_dir(os.environ["PREFECT_HOME"], narrow_existing=False)
     # The local Prefect server migrates its database on first start: slow on 2 cores.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     for name, value in TELEMETRY_OFF.items():

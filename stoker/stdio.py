@@ -23,6 +23,8 @@ import sys
 import threading
 from pathlib import Path
 
+from stoker.runtime import private
+
 _LOST_READER = (errno.EPIPE, errno.ECONNRESET, errno.EBADF)
 
 
@@ -39,8 +41,8 @@ class GuardedStream:
         with self._lock:
             if self.redirected:
                 return
-            self._fallback.parent.mkdir(parents=True, exist_ok=True)
-            target = os.open(self._fallback, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            private.make_dir(self._fallback.parent)
+            target = private.open_fd(self._fallback, os.O_WRONLY | os.O_APPEND)
             with contextlib.suppress(OSError, ValueError):
                 os.dup2(target, self._stream.fileno())
             os.close(target)

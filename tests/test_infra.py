@@ -147,13 +147,14 @@ def test_images_are_pinned_and_every_variable_is_in_the_env_example(compose):
 
 def test_stack_wiring(compose):
     services = compose["services"]
-    mlflow = " ".join(services["mlflow"]["command"])
+    mlflow = " ".join(services["mlflow"]["entrypoint"])
     assert "postgresql://stoker:" in mlflow and "@postgres:5432/mlflow" in mlflow
-    assert "--artifacts-destination=s3://mlflow/" in mlflow
+    assert "--artifacts-destination s3://mlflow/" in mlflow
     assert services["mlflow"]["environment"]["MLFLOW_S3_ENDPOINT_URL"] == "http://minio:9000"
-    assert "mc mb --ignore-existing stoker/mlflow" in services["minio-buckets"]["command"][0]
-    prefect_db = services["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"]
-    assert prefect_db.startswith("postgresql+asyncpg://") and prefect_db.endswith("/prefect")
+    assert "mc mb --ignore-existing stoker/mlflow" in services["minio-buckets"]["entrypoint"][2]
+    prefect_db = services["prefect-server"]["environment"]
+    assert prefect_db["PREFECT_SERVER_DATABASE_DRIVER"] == "postgresql+asyncpg"
+    assert prefect_db["PREFECT_SERVER_DATABASE_NAME"] == "prefect"
     assert (INFRA / "mlflow" / "Dockerfile").read_text().count("psycopg2-binary") == 1
     init = services["postgres"]["volumes"][1].split(":")[0]
     assert "CREATE DATABASE mlflow" in (INFRA / init).read_text()

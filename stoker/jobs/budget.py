@@ -22,6 +22,7 @@ from pathlib import Path
 
 from stoker.jobs.attempts import AttemptLog, is_closed
 from stoker.jobs.stop_request import TrainingStopped
+from stoker.runtime import private
 from stoker.runtime.progress import read_events
 from stoker.runtime.records import read_json, real_number
 from stoker.tracking.pricing import PriceTable
@@ -110,9 +111,9 @@ def write_spend(job_dir: Path, spend: Spend, gpu_model: str | None, devices: int
     """Record the last reading in ``<job_dir>/spend.json`` (atomic)."""
     path = Path(job_dir) / SPEND_FILE
     tmp = path.with_name(f"{SPEND_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({**asdict(spend), "gpu_model": gpu_model, "devices": devices,
-                               "max_cost_usd": max_cost_usd, "max_duration_s": max_duration_s,
-                               "time": time.time()}))
+    private.write_text(tmp, json.dumps({**asdict(spend), "gpu_model": gpu_model,
+                                        "devices": devices, "max_cost_usd": max_cost_usd,
+                                        "max_duration_s": max_duration_s, "time": time.time()}))
     tmp.replace(path)
 
 

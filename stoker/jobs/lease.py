@@ -23,6 +23,7 @@ from typing import Any
 import psutil
 from filelock import FileLock
 
+from stoker.runtime import private
 from stoker.runtime.lease import LEASE_FILE, describe, read_lease
 from stoker.runtime.preemption import stop_signal_reason
 from stoker.runtime.records import integer, real_number, write_json
@@ -102,7 +103,7 @@ class JobLease:
         return self.job_dir / LEASE_FILE
 
     def _lock(self) -> FileLock:
-        return FileLock(self.job_dir / LOCK_FILE, timeout=30)
+        return FileLock(self.job_dir / LOCK_FILE, timeout=30, mode=private.FILE_MODE)
 
     def _record(self, acquired: float) -> dict[str, Any]:
         now = time.time()
@@ -116,7 +117,7 @@ class JobLease:
         Raises:
             JobBusy: a live owner holds it (the message names host, pid, flow run and expiry).
         """
-        self.job_dir.mkdir(parents=True, exist_ok=True)
+        private.make_dir(self.job_dir)
         with self._lock():
             current = read_lease(self.job_dir)
             if current is not None and current["token"] != self.token and holder_alive(current):

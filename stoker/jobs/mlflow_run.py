@@ -21,6 +21,7 @@ from pathlib import Path
 
 from stoker.jobs.attempts import committed_step
 from stoker.jobs.store import write_through
+from stoker.runtime import private
 from stoker.runtime.records import read_json, read_text, write_json
 from stoker.runtime.spec import RunSpec
 from stoker.runtime.tracking import LOST_RUN_TAG, RunTracker
@@ -158,7 +159,7 @@ def _record(job_dir: Path, run_id: str, lost: str) -> None:
     training's ``result.json`` that names the ``lost`` run names the new one (registration
     logs the model to it)."""
     tmp = job_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(run_id)
+    private.write_text(tmp, run_id)
     tmp.replace(job_dir / RUN_FILE)
     write_through(job_dir, RUN_FILE)
     result = read_json(job_dir / RESULT_FILE)

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stoker.jobs.text import MAX_REASON, one_line  # noqa: F401 - re-exported
+from stoker.runtime import private
 from stoker.runtime.records import integer, real_number
 
 STOP_FILE = "stop-requested.json"
@@ -55,7 +56,7 @@ def request_stop(job_dir: Path, by: str, reason: str, verdict: str | None = None
                           reached_step(Path(job_dir), 0.0))
     path = Path(job_dir) / STOP_FILE
     tmp = path.with_name(f"{STOP_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(request)))
+    private.write_text(tmp, json.dumps(asdict(request)))
     tmp.replace(path)
     return request
 

@@ -38,6 +38,7 @@ import fsspec
 
 from stoker.config import ConfigError
 from stoker.jobs.text import one_line
+from stoker.runtime import private
 from stoker.runtime.records import real_number
 
 log = logging.getLogger(__name__)
@@ -109,9 +110,12 @@ class JobStore:
 
     def put(self, path: str, data: bytes) -> None:
         """Write one object (a whole file) at ``path`` (a path inside the store)."""
-        if self.local:  # a folder needs its parents; a bucket has none
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        self.fs.pipe_file(path, data)
+        if not self.local:
+            self.fs.pipe_file(path, data)
+            return
+        private.fs_make_dir(self.fs, path.rsplit("/", 1)[0])  # (a bucket has no folders)
+        with private.fs_open(self.fs, path, "wb") as f:
+            f.write(data)
 
     def job_url(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -133,7 +137,8 @@ class JobStore:
         probe = f"{self.root}/.stoker-probe-{uuid.uuid4().hex}"
         try:
             if self.local:
-                self.fs.makedirs(self.root, exist_ok=True)  # a bucket is never created here
+                # A bucket is never created here; a shared folder keeps its mode.
+                private.fs_make_dir(self.fs, self.root, narrow_existing=False)
             self.fs.pipe_file(probe, b"ok")
             if self.fs.cat_file(probe) != b"ok":
                 raise OSError("probe object read back differently")
@@ -184,7 +189,7 @@ class JobStore:
         (``*.jsonl``) is replaced when the store's is longer (another node ran the job since
         this cache was written); other records already cached are kept, unless ``refresh``
         (a node that does not train the job, showing it: the store's are newer)."""
-        job_dir.mkdir(parents=True, exist_ok=True)
+        private.make_dir(job_dir)
         copied = []
         self.fs.invalidate_cache(self._path(name))
         for record in RECORDS:
@@ -199,7 +204,7 @@ class JobStore:
                                    else data == local.read_bytes()):
                 continue  # the cache is as new (or newer: a push that failed)
             tmp = local.with_name(f".{record}.pull")
-            tmp.write_bytes(data)
+            private.write_bytes(tmp, data)
             tmp.replace(local)
             copied.append(record)
         return copied

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from stoker.runtime import private
 from stoker.runtime.launch import RANK_ENDED
 
 
@@ -103,7 +104,7 @@ class LineLog:
             self.ended_by_rank = int(ended.group(1))
         try:
             if self._file is None:
-                self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+                self._file = private.open_file(self.path, "a", buffering=1)  # closed in close()
             stamped = line if RANK_STAMPED.match(line) else f"{log_time(time.time())} {line}"
             self._file.write(stamped + "\n")
         except OSError:

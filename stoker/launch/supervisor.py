@@ -33,6 +33,7 @@ from stoker.launch.rank_lines import (  # noqa: F401 - re-exported: the attempt'
     at_rank_level,
     log_time,
 )
+from stoker.runtime import private
 from stoker.runtime.preemption import stop_sender
 from stoker.runtime.records import JsonlTail, integer, real_number
 from stoker.runtime.spec import RunSpec
@@ -164,7 +165,9 @@ def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
         system_metrics_interval_s=config.tracking.system_metrics_interval_s,
         lease_token=lease_token,
     )
-    job_dir.mkdir(parents=True, exist_ok=True)
+    private.make_dir(job_dir)
+    if spec.artifact_location:  # the local store's artifacts: the owner's only, as the job's
+        private.make_dir(config.work_dir.resolve() / "mlartifacts", narrow_existing=False)
     spec.dump(job_dir / "spec.yaml")
     write_through(job_dir, "spec.yaml")
     return job_dir / "spec.yaml"

@@ -42,7 +42,7 @@ import fsspec
 from tenacity import Retrying, stop_after_attempt, wait_exponential
 
 # Defined there: the orchestrator names them without importing torch.
-from stoker.runtime import CheckpointError, CheckpointWriteError
+from stoker.runtime import CheckpointError, CheckpointWriteError, private
 from stoker.runtime.checkpoint_files import (
     Written,
     discard,
@@ -113,7 +113,7 @@ class Checkpointer(CheckpointReader):
         self._error_step = 0  # the step whose background part raised _error
         self.last_blocking_s = 0.0
         self.staging = HostStaging() if self.async_save else None
-        self.fs.makedirs(self.root, exist_ok=True)
+        private.fs_make_dir(self.fs, self.root)
 
     # -- paths --------------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
@@ -265,7 +265,7 @@ class Checkpointer(CheckpointReader):
         """This rank's files of ``step`` serialized (rank 0: its rank file, then ``shared.pt``),
         not yet durable: :meth:`_commit_step` finishes them."""
         folder = self.step_dir(step)
-        self.fs.makedirs(folder, exist_ok=True)
+        private.fs_make_dir(self.fs, folder)
         written = [serialize(self.fs, f"{folder}/rank-{self.rank:05d}.pt", rank_state)]
         if self.rank == 0:
             try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from stoker.runtime import CheckpointWriteError
+from stoker.runtime import CheckpointWriteError, private
 from stoker.runtime.lease import LeaseLost
 from stoker.runtime.staging import HashingWriter
 
@@ -58,7 +58,7 @@ def write_bytes(fs: Any, path: str, payload: bytes) -> str:
     raises."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with fs.open(tmp, "wb") as f:
+        with private.fs_open(fs, tmp, "wb") as f:
             f.write(payload)
             sync(f)
     except BaseException:
@@ -74,7 +74,7 @@ def serialize(fs: Any, path: str, obj: Any) -> Written:
     they go out (no in-memory copy of the serialized state, no second read). The bytes leave
     ``obj``: it may change afterwards. Not yet durable nor renamed: :func:`seal` does that."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    f = fs.open(tmp, "wb")
+    f = private.fs_open(fs, tmp, "wb")
     try:
         writer = HashingWriter(f)
         torch.save(obj, writer)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from stoker.runtime import CheckpointError
+from stoker.runtime import CheckpointError, private
 from stoker.runtime.safe_load import UnsafeCheckpointError, load_data_only
 
 log = logging.getLogger("stoker.runtime.checkpoint")
@@ -60,7 +60,7 @@ class CheckpointReader:
         new path."""
         target = f"{self.root}/corrupt-step-{step:09d}-{int(time.time())}"
         self.fs.mv(self.step_dir(step), target, recursive=True)
-        with self.fs.open(f"{target}/REASON", "wb") as f:
+        with private.fs_open(self.fs, f"{target}/REASON", "wb") as f:
             f.write((reason + "\n").encode())
         self._verified.discard(step)
         log.warning("checkpoint %s unusable (%s): moved aside to %s", self.step_dir(step),

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from stoker.runtime import private
+
 HEARTBEAT_DIR_ENV = "STOKER_HEARTBEAT_DIR"
 POLICY_FILE = "policy.json"
 STACK_FILE = "rank-{rank}.stack"  # a rank's stack dump on SIGUSR2
@@ -100,7 +102,7 @@ class RankHeartbeat:
     def __init__(self, folder: str | Path, rank: int):
         self.rank, self.count = rank, 0
         path = Path(folder) / f"rank-{rank}.beat"
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = private.open_fd(path, os.O_RDWR)
         self._slow = _test_slow(rank)
         self._step_started: float | None = None
         self._step_ms = 0
@@ -144,7 +146,7 @@ def install(rank: int, policy: HangPolicy) -> None:
     faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True)
     if rank == 0:
         tmp = Path(folder) / (POLICY_FILE + ".tmp")
-        tmp.write_text(json.dumps(policy.__dict__))
+        private.write_text(tmp, json.dumps(policy.__dict__))
         tmp.replace(Path(folder) / POLICY_FILE)
     _heartbeat = RankHeartbeat(folder, rank)
     _heartbeat.mark("startup", 0)

@@ -50,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, hang
+from stoker.runtime import EXIT_INFRASTRUCTURE, EXIT_PREEMPTED, hang, private
 from stoker.runtime.attempt_tmp import (  # noqa: F401 - re-exported: the local launcher's names
     ATTEMPT_TMP_ENV,
     MAX_TEMPORARY_FOLDER,
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     _name_the_job(argv)
     with attempt_temporaries() as tmp:
         beats = tmp / "heartbeats"  # each rank's (stoker.runtime.hang), read by the watchdog
-        beats.mkdir(exist_ok=True)
+        private.make_dir(beats)
         os.environ[HEARTBEAT_DIR_ENV] = str(beats)  # the workers inherit it
         given = os.environ.get(STOP_COMMITTED_ENV, "").strip()
         if given:  # the caller's (the local launcher: in the job folder, which the lease guards)

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from stoker.runtime import private
+
 log = logging.getLogger(__name__)
 
 
@@ -145,7 +147,7 @@ def record_stop_committed(step: int) -> None:
     """Note that the stop checkpoint at ``step`` committed (no-op outside the launch wrapper)."""
     path = os.environ.get(STOP_COMMITTED_ENV)
     if path:
-        with contextlib.suppress(OSError), open(path, "w") as f:
+        with contextlib.suppress(OSError), private.open_file(path, "w") as f:
             f.write(f"{step}\n")
 
 

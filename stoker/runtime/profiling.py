@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from stoker.runtime import private
+
 # Dense peak TFLOP/s per GPU from the vendors' datasheets (no sparsity), by precision.
 PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
                "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
@@ -92,10 +94,10 @@ class ProfilingMixin:
     def _save_trace(self, profiler) -> None:
         """Write this rank's Chrome/Perfetto trace to ``<job_dir>/profile/``; rank 0 logs the
         folder to MLflow once written."""
-        folder = Path(self.spec.job_dir) / "profile"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = private.make_dir(Path(self.spec.job_dir) / "profile")
         path = folder / f"trace-rank{self.env.rank}-step{self.step}.json"
         profiler.export_chrome_trace(str(path))
+        private.narrow_file(path)
         if self.tracker is not None:
             self.tracker.log_artifact(str(path), "profile")
 

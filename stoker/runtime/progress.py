@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stoker.runtime import private
 from stoker.runtime.records import JsonlAppender, read_jsonl
 
 
@@ -38,8 +39,7 @@ class ProgressWriter:
     """Appends progress events and keeps the heartbeat fresh. Use on rank 0 only."""
 
     def __init__(self, job_dir: str | Path, world_size: int, heartbeat_every_s: float = 1.0):
-        self.dir = Path(job_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private.make_dir(job_dir)
         self.world_size = world_size
         self.heartbeat_every_s = heartbeat_every_s
         earlier = read_events(self.dir)
@@ -71,7 +71,7 @@ class ProgressWriter:
         beat = {"time": round(now, 3), "step": step, "epoch": epoch, "pid": os.getpid(),
                 "pid_started": self._started, "world_size": self.world_size, "outcome": outcome}
         tmp = self.dir / "heartbeat.json.tmp"
-        tmp.write_text(json.dumps(beat))
+        private.write_text(tmp, json.dumps(beat))
         tmp.replace(self.dir / "heartbeat.json")
 
     def close(self) -> None:

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stoker.runtime import private
+
 log = logging.getLogger(__name__)
 
 Warn = Callable[[str], None]
@@ -62,7 +64,7 @@ def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
     A file that ends in a torn line (a crash mid-write) first gets a newline, so the torn line
     stays one unreadable line and this record stays whole.
     """
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = private.open_fd(path, os.O_RDWR | os.O_APPEND)
     try:
         os.write(fd, (b"\n" if _ends_torn(fd) else b"") + line_of(record))
     finally:
@@ -77,7 +79,7 @@ class JsonlAppender:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = private.open_fd(self.path, os.O_RDWR | os.O_APPEND)
         self._prefix = b"\n" if _ends_torn(self._fd) else b""
 
     def append(self, record: dict[str, Any]) -> None:
@@ -196,7 +198,7 @@ def write_json(path: str | Path, value: Any) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
+        with private.open_file(tmp, "w") as f:
             json.dump(value, f, indent=2, default=str)
             f.flush()
             os.fsync(f.fileno())

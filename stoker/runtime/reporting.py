@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from stoker.runtime import private
 from stoker.runtime.background_tracking import BackgroundTracker
 from stoker.runtime.checkpoint import CheckpointError
 from stoker.runtime.records import read_text
@@ -63,7 +64,7 @@ class ReportingMixin:
         """Record a new MLflow run's id in ``<job_dir>/mlflow_run_id`` and hand it to
         ``run_id_sink`` (set by :func:`stoker.runtime.bucket.attach`: the job's bucket gets it
         at once, so a node lost seconds later leaves the link for the next one)."""
-        (Path(self.spec.job_dir) / "mlflow_run_id").write_text(run_id)
+        private.write_text(Path(self.spec.job_dir) / "mlflow_run_id", run_id)
         sink = getattr(self, "run_id_sink", None)
         if sink is not None:
             sink(run_id)
@@ -140,9 +141,10 @@ class ReportingMixin:
         if not self.env.is_main:
             return
         job = Path(self.spec.job_dir)
-        (job / "final").mkdir(parents=True, exist_ok=True)
+        private.make_dir(job / "final")
         tmp = job / "final" / "model.pt.tmp"
-        torch.save(self.module.state_dict(), tmp)
+        with private.open_file(tmp, "wb") as f:
+            torch.save(self.module.state_dict(), f)
         tmp.replace(job / "final" / "model.pt")
         profile = self.profile(wall_s, steps_run)
         if self.tracker is not None:
@@ -156,7 +158,7 @@ class ReportingMixin:
                   "classes": list(self.splits.classes), "model_path": str(job / "final/model.pt"),
                   "world_size": self.env.world_size, "gpu_model": self.gpu_model(),
                   "train_time_s": self.train_time_s, "profile": profile}
-        (job / "result.json.tmp").write_text(json.dumps(result, indent=2))
+        private.write_text(job / "result.json.tmp", json.dumps(result, indent=2))
         (job / "result.json.tmp").replace(job / "result.json")
         if self.tracker is not None:
             self.tracker.log_metrics(self.step, {f"profile_{k}": v for k, v in profile.items()

@@ -8,6 +8,7 @@ import yaml
 from pydantic import Field
 
 from stoker.config import ConfigError, TrainConfig, _Frozen, validate
+from stoker.runtime import private
 
 # Train fields that define the run's trajectory: a checkpoint written under other values cannot
 # be continued exactly, so resuming with a change is refused (the trainer, and the orchestrator
@@ -50,7 +51,7 @@ class RunSpec(_Frozen):
     def dump(self, path: Path) -> None:
         """Write the spec as YAML (atomically: a reader never sees half a file)."""
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+        private.write_text(tmp, yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
         tmp.replace(path)
 
     @classmethod

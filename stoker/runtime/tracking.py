@@ -308,12 +308,16 @@ def ensure_store(tracking_uri: str) -> None:
     from filelock import FileLock
     from mlflow import MlflowClient
 
+    from stoker.runtime import private
+
     db = Path(tracking_uri.removeprefix("sqlite:///"))
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{db}.lock", timeout=300):
+    private.make_dir(db.parent, narrow_existing=False)
+    with FileLock(f"{db}.lock", timeout=300, mode=private.FILE_MODE):
         if not db.exists():
             creating = db.with_name(f"{db.name}.creating")
             creating.unlink(missing_ok=True)  # a creator killed midway
+            # Empty and 0600: sqlite builds the store in it, its journal gets the same mode.
+            os.close(private.open_fd(creating, os.O_WRONLY))
             with quiet_mlflow():
                 MlflowClient(f"sqlite:///{creating}").search_experiments(max_results=1)
             os.replace(creating, db)
