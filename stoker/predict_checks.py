@@ -78,7 +78,7 @@ def mismatch(images: list[Path], folders: list[Path], meta: dict, model_uri: str
         try:
             with Image.open(path) as image:
                 wrong = channel_mismatch(image.mode, channels, model_uri)
-        except (UnidentifiedImageError, OSError) as e:
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
             return f"{path}: not a readable image ({e})"
         if wrong:
             return f"{path}: {wrong}{hint}"

@@ -1,0 +1,59 @@
+"""Images and requests a model must refuse (issue 46, "right pixels"): one line naming the file
+or the request's row or input, exit code 2 or HTTP 400, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+from test_registry import register
+
+pytestmark = pytest.mark.integration
+BIN = Path(sys.executable).parent
+
+
+def big_png(path: Path, width: int, height: int) -> Path:
+    """A real 8-bit gray PNG of ``width`` x ``height`` black pixels, compressed row by row
+    (a small file whatever its size in pixels: what a decompression bomb is)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data)))
+
+    pack = zlib.compressobj(1)
+    rows = b"\x00" * (width + 1) * 500  # 500 rows: filter byte 0, then the row's pixels
+    idat = b"".join(pack.compress(rows) for _ in range(height // 500)) + pack.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat)
+                     + chunk(b"IEND", b""))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gray_model(tmp_path_factory):
+    """A registered gray 3-class 8x8 model: (tmp folder, tracking URI, model URI)."""
+    tmp = tmp_path_factory.mktemp("limits")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    register(uri, 0.5, name="scans", classes=("low", "mid", "high"), shape=(1, 8, 8), tmp=tmp)
+    return tmp, uri, "models:/scans@champion"
+
+
+def predict(args: list[str], cwd: Path, env: dict | None = None):
+    """``stoker predict ARGS`` in a fresh process (its CompletedProcess)."""
+    return subprocess.run(
+        [str(BIN / "stoker"), "predict", *args], capture_output=True, text=True, timeout=300,
+        cwd=cwd, env={**os.environ, **(env or {}), "PYTHONPATH": str(Path(__file__).parents[1])})
+
+
+def test_predict_refuses_a_decompression_bomb_in_one_line(gray_model, tmp_path):
+    """Issue 46.1: a 20000x20000 PNG (0.4 MB) ended in PIL's DecompressionBombError, exit 1."""
+    _, uri, model_uri = gray_model
+    bomb = big_png(tmp_path / "bomb.png", 20000, 20000)
+    done = predict([str(bomb), "--model-uri", model_uri, "--tracking-uri", uri], tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-3000:]
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: {bomb}: ") and "Traceback" not in done.stderr, line
