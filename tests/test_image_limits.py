@@ -57,3 +57,45 @@ def test_predict_refuses_a_decompression_bomb_in_one_line(gray_model, tmp_path):
     assert done.returncode == 2 and done.stdout == "", done.stderr[-3000:]
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(f"error: {bomb}: ") and "Traceback" not in done.stderr, line
+
+
+@pytest.fixture(scope="module")
+def large_png(tmp_path_factory) -> Path:
+    """A 12000x12000 PNG: 144 M pixels, under Pillow's hard limit (only its warning)."""
+    return big_png(tmp_path_factory.mktemp("large") / "large.png", 12000, 12000)
+
+
+def test_predict_refuses_an_image_over_the_pixel_limit_before_decoding(
+        gray_model, large_png, tmp_path):
+    """Issue 46.2: a 12000x12000 PNG was decoded (24 s, 1.5 GB), only Pillow's warning said so."""
+    _, uri, model_uri = gray_model
+    done = predict([str(large_png), "--model-uri", model_uri, "--tracking-uri", uri], tmp_path)
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-3000:]
+    [line] = done.stderr.strip().splitlines()
+    assert line == (f"error: {large_png}: 12000x12000 = 144,000,000 pixels, over the limit of "
+                    "89,478,485 pixels (too large to decode safely)"), line
+
+
+@pytest.fixture(scope="module")
+def post(gray_model):
+    """``post(body) -> (HTTP status, answer)`` to one real ``mlflow models serve`` of the gray
+    model, shared by this module's serving cases (a server start costs about 20 s)."""
+    from test_serving import served
+
+    tmp, uri, model_uri = gray_model
+    with served(uri, model_uri, tmp / "serve.log") as post:
+        yield post
+
+
+def _b64(path: Path) -> str:
+    import base64
+
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def test_served_model_refuses_an_image_over_the_pixel_limit(post, large_png):
+    """Issue 46.2: the served model decoded it too."""
+    status, answer = post({"inputs": {"image": [_b64(large_png)]}})
+    assert status == 400, answer
+    assert ("image row 0: 12000x12000 = 144,000,000 pixels, over the limit of 89,478,485 pixels"
+            in answer["message"]), answer

@@ -106,21 +106,24 @@ def images_to_batch(files: list[bytes], preprocessing: dict, preprocess) -> np.n
         float32 [N, C, H, W].
 
     Raises:
-        BadImageInput: a file is not an image Pillow can decode, or its channels do not fit
+        BadImageInput: a file is not an image Pillow can decode, has more than
+            ``stoker.predict_checks.MAX_IMAGE_PIXELS`` pixels, or its channels do not fit
             the model (gray on a colour model or the converse, as ``stoker predict`` refuses);
             the row is named.
     """
     from PIL import Image
 
-    from stoker.predict_checks import channel_mismatch
+    from stoker.predict_checks import UnusableImage, channel_mismatch, image_header
 
     batch = []
     for row, data in enumerate(files):
-        try:
-            with Image.open(io.BytesIO(data)) as image:
-                wrong = channel_mismatch(image.mode, int(preprocessing["channels"]), "the model")
+        try:  # the header first: an image over the pixel limit is never decoded
+            mode = image_header(io.BytesIO(data), f"image row {row}")
+            wrong = channel_mismatch(mode, int(preprocessing["channels"]), "the model")
             if wrong is None:
                 batch.append(preprocess([io.BytesIO(data)], preprocessing)[0])
+        except UnusableImage as e:
+            raise BadImageInput(str(e)) from e
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise BadImageInput(f"image row {row}: not a readable image "
                                 f"({str(e).splitlines()[0][:200]})") from e
