@@ -10,6 +10,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_registry import register
 
@@ -99,3 +100,28 @@ def test_served_model_refuses_an_image_over_the_pixel_limit(post, large_png):
     assert status == 400, answer
     assert ("image row 0: 12000x12000 = 144,000,000 pixels, over the limit of 89,478,485 pixels"
             in answer["message"]), answer
+
+
+def _refused(post, body: dict) -> str:
+    """The message of the HTTP 400 answer to ``body``, which must carry no stack trace."""
+    status, answer = post(body)
+    assert status == 400 and "stack_trace" not in answer, answer
+    assert "Traceback" not in answer["message"] and "site-packages" not in answer["message"]
+    return answer["message"]
+
+
+def test_served_model_refuses_malformed_requests_in_one_message(post, large_png):
+    """Issue 46.3: each got HTTP 400 with a Python stack trace showing the server's paths."""
+    b64 = _b64(large_png)[:40]
+    expected = "a float32 [N, 1, 8, 8] tensor"
+    assert "column(s) 'picture', but the model takes an \"image\" column" in \
+        _refused(post, {"inputs": {"picture": [b64]}})
+    for body in ({"inputs": [b64]}, {"instances": [b64]}, {"inputs": "hello"}):
+        message = _refused(post, body)
+        assert "input: text or objects (<U" in message and expected in message, message
+        assert '"image" column' in message, message
+    assert f"input: empty, expected {expected}" in _refused(post, {"inputs": []})
+    for shape in ((2, 8, 8), (2, 3, 8, 8), (1, 1, 8, 8, 1)):
+        message = _refused(post, {"inputs": np.zeros(shape).tolist()})
+        assert f"input: a tensor of shape {list(shape)}, but the model takes {expected}" \
+            in message, message
