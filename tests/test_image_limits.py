@@ -125,3 +125,22 @@ def test_served_model_refuses_malformed_requests_in_one_message(post, large_png)
         message = _refused(post, {"inputs": np.zeros(shape).tolist()})
         assert f"input: a tensor of shape {list(shape)}, but the model takes {expected}" \
             in message, message
+
+
+def test_served_model_checks_tensor_values_and_size(post):
+    """Issue 46.4: a NaN pixel answered probability NaN (not strict JSON), a 0..255 tensor a
+    confident wrong class, a 16x16 tensor on an 8x8 model an answer."""
+    nan = np.zeros((1, 1, 8, 8))
+    nan[0, 0, 3, 4] = np.nan
+    for value in (np.nan, None):  # NaN (Python's json writes it), null
+        message = _refused(post, {"inputs": np.where(np.isnan(nan), value, nan).tolist()})
+        assert "input: a non-finite value (nan) at [0, 0, 3, 4]" in message, message
+    pixels = np.random.default_rng(0).integers(0, 256, (2, 1, 8, 8)).astype(float)
+    message = _refused(post, {"inputs": pixels.tolist()})
+    assert "looks like 0-255 pixels: send normalized values or image files" in message, message
+    for size in (4, 16):
+        message = _refused(post, {"inputs": np.zeros((1, 1, size, size)).tolist()})
+        assert f"shape [1, 1, {size}, {size}], but the model takes a float32 [N, 1, 8, 8]" \
+            in message, message
+    status, answer = post({"inputs": np.full((1, 1, 8, 8), 0.5).tolist()})  # normalized: fine
+    assert status == 200 and len(answer["predictions"]) == 1, answer
