@@ -144,3 +144,22 @@ def test_served_model_checks_tensor_values_and_size(post):
             in message, message
     status, answer = post({"inputs": np.full((1, 1, 8, 8), 0.5).tolist()})  # normalized: fine
     assert status == 200 and len(answer["predictions"]) == 1, answer
+
+
+def test_the_32_mib_limit_applies_to_the_encoded_value_before_decoding(monkeypatch):
+    """Issue 46.6: the doc said "32 MiB encoded", the code measured the decoded bytes (a 40 MiB
+    base64 value, 30 MiB of file, passed); now the value as sent is measured, before decoding."""
+    import base64
+
+    from stoker.tracking import served_input
+    from stoker.tracking.served_input import MAX_IMAGE_BYTES, BadImageInput, decode_base64
+
+    value = "A" * (MAX_IMAGE_BYTES + 4)  # valid base64 of 24 MiB of zero bytes
+    decoded, b64decode = [], base64.b64decode
+    monkeypatch.setattr(served_input.base64, "b64decode",
+                        lambda *a, **k: decoded.append(1) or b64decode(*a, **k))
+    with pytest.raises(BadImageInput, match=rf"image row 0: {MAX_IMAGE_BYTES + 4} bytes "
+                       rf"encoded, over the limit of {MAX_IMAGE_BYTES} bytes"):
+        decode_base64([value])
+    assert not decoded
+    assert decode_base64(["A" * 8]) == [bytes(6)]  # under the limit: decoded as before

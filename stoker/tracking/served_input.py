@@ -25,7 +25,8 @@ import io
 import numpy as np
 
 IMAGE_COLUMN = "image"
-# An encoded image above this size is refused before it is decoded (bytes of the file).
+# An image value longer than this (base64 text as sent, about 24 MiB of file; or a file's own
+# bytes in process) is refused before it is base64-decoded: its length is free to check.
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
 
 
@@ -63,11 +64,15 @@ def decode_base64(values: list) -> list[bytes]:
         The encoded image files, in order.
 
     Raises:
-        BadImageInput: a value is not base64 text, is empty, or exceeds ``MAX_IMAGE_BYTES``.
+        BadImageInput: a value is longer than ``MAX_IMAGE_BYTES`` as sent (checked first),
+            is not base64 text, or is empty.
     """
     files = []
     for row, value in enumerate(values):
         if isinstance(value, (str, bytes, bytearray)):
+            if len(value) > MAX_IMAGE_BYTES:  # encoded, as sent: before any decoding
+                raise BadImageInput(f"image row {row}: {len(value)} bytes encoded, over the "
+                                    f"limit of {MAX_IMAGE_BYTES} bytes")
             try:
                 data = base64.b64decode(value, validate=True)
             except (binascii.Error, ValueError) as e:
@@ -79,9 +84,6 @@ def decode_base64(values: list) -> list[bytes]:
                                 "text of an image file")
         if not data:
             raise BadImageInput(f"image row {row}: empty")
-        if len(data) > MAX_IMAGE_BYTES:
-            raise BadImageInput(f"image row {row}: {len(data)} bytes, over the limit of "
-                                f"{MAX_IMAGE_BYTES} bytes")
         files.append(data)
     return files
 
