@@ -59,7 +59,8 @@ def predict(
         try:  # checks the MLmodel file first; runs no code the model ships (safe_model)
             model, meta = load_classifier(model_uri, Path(tmp))
         except MlflowException as e:
-            fail(f"{model_uri}: {e.message.splitlines()[0]}; {registered_models()} ({where})")
+            said = e.message.strip().splitlines()[0].rstrip(". ")  # MLflow ends it with '.'
+            fail(f"{model_uri}: {said}; {registered_models()} ({where})")
         except UnsafeModelError as e:
             fail(f"{e} (refused before loading)")
     if problem := mismatch(images, folders, meta, model_uri):

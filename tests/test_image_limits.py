@@ -163,3 +163,17 @@ def test_the_32_mib_limit_applies_to_the_encoded_value_before_decoding(monkeypat
         decode_base64([value])
     assert not decoded
     assert decode_base64(["A" * 8]) == [bytes(6)]  # under the limit: decoded as before
+
+
+def test_predict_of_an_unknown_alias_reads_as_one_sentence(gray_model, tmp_path):
+    """Issue 46.7: 'Registered model alias nope not found.; registered models there: ...'."""
+    _, uri, _ = gray_model
+    image = big_png(tmp_path / "small.png", 8, 500)
+    for model_uri, said in (("models:/scans@nope", "Registered model alias nope not found"),
+                            ("models:/x@nope", "Registered Model with name=x not found")):
+        done = predict(["--model-uri", model_uri, "--tracking-uri", uri, str(image)], tmp_path)
+        assert done.returncode == 2, done.stderr[-3000:]
+        [line] = done.stderr.strip().splitlines()
+        assert line.startswith(f"error: {model_uri}: {said}; registered models there: scans; "
+                               "e.g. --model-uri models:/scans@champion ("), line
+        assert ".;" not in line, line
