@@ -177,3 +177,17 @@ def test_predict_of_an_unknown_alias_reads_as_one_sentence(gray_model, tmp_path)
         assert line.startswith(f"error: {model_uri}: {said}; registered models there: scans; "
                                "e.g. --model-uri models:/scans@champion ("), line
         assert ".;" not in line, line
+
+
+def test_predict_reads_the_store_of_mlflow_tracking_uri(gray_model, tmp_path):
+    """Issue 46.8: serve-model.md has the user export MLFLOW_TRACKING_URI; `stoker predict`
+    from another folder then said `no MLflow store at work/mlflow.db`. --work-dir still wins."""
+    _, uri, model_uri = gray_model
+    image = big_png(tmp_path / "small.png", 8, 500)
+    done = predict([str(image), "--model-uri", model_uri], tmp_path,
+                   env={"MLFLOW_TRACKING_URI": uri})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"{image}\t"), done.stdout
+    by_folder = predict([str(image), "--model-uri", model_uri, "-w", str(tmp_path / "none")],
+                        tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+    assert by_folder.returncode == 2 and "no MLflow store at" in by_folder.stderr
