@@ -422,6 +422,10 @@ def show_config(
     if not config.tracking.tracking_uri:  # said where the field is
         text = text.replace("\ntracking:\n", "\n# tracking.tracking_uri is not set: a run uses "
                             "the default shown, mlflow.db in work_dir\ntracking:\n", 1)
+    elif load_pipeline_config(config_file, _with_work_dir(overrides, work_dir),
+                              environ={}).tracking.tracking_uri is None:  # from the variable
+        text = text.replace("\ntracking:\n", "\n# tracking.tracking_uri is not set: a run uses "
+                            "MLFLOW_TRACKING_URI of the environment\ntracking:\n", 1)
     work_dir = Path(config.work_dir)
     if not work_dir.is_absolute():
         text = f"# work_dir {work_dir} is {work_dir.resolve()} from here\n{text}"

@@ -158,7 +158,8 @@ class TrackingConfig(_Frozen):
     """MLflow tracking and model registry settings."""
 
     tracking_uri: str | None = Field(
-        None, description="MLflow tracking URI; empty: sqlite:///<work_dir>/mlflow.db."
+        None, description="MLflow tracking URI; empty: MLFLOW_TRACKING_URI when that variable "
+        "is set, else sqlite:///<work_dir>/mlflow.db."
     )
     experiment: str | None = Field(
         None, description="MLflow experiment name; empty: one experiment per registered model, "
@@ -300,13 +301,41 @@ class PipelineConfig(_Frozen):
         return f"sqlite:///{self.work_dir.resolve() / 'mlflow.db'}"
 
 
+# MLflow's own variable: when set, the default of tracking.tracking_uri (as MLflow users expect).
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+
+
+def tracking_uri_from_env(environ=None) -> str | None:
+    """``MLFLOW_TRACKING_URI`` of ``environ`` (default ``os.environ``), or None when unset or
+    blank."""
+    value = (os.environ if environ is None else environ).get(TRACKING_URI_ENV, "").strip()
+    return value or None
+
+
 def load_pipeline_config(
-    config_file: Path | None = None, overrides: list[str] | None = None
+    config_file: Path | None = None, overrides: list[str] | None = None, environ=None
 ) -> PipelineConfig:
-    """Merge defaults, a YAML file and ``a.b=value`` overrides into a validated PipelineConfig.
+    """Merge defaults, ``MLFLOW_TRACKING_URI``, a YAML file and ``a.b=value`` overrides into a
+    validated PipelineConfig.
+
+    Args:
+        config_file: a YAML file of fields, or None.
+        overrides: ``a.b=value`` items.
+        environ: the environment whose ``MLFLOW_TRACKING_URI`` is the default of
+            ``tracking.tracking_uri`` (default ``os.environ``; ``{}`` for none). The file and
+            the overrides win over it.
 
     Raises:
         ConfigError: the file is missing or not a mapping, an override is malformed, or a value
-            fails validation (the message names the field).
+            fails validation (the message names the field, and ``MLFLOW_TRACKING_URI`` when it
+            is set).
     """
-    return load_config(PipelineConfig, config_file, overrides)
+    from_env = tracking_uri_from_env(environ)
+    defaults = {"tracking": {"tracking_uri": from_env}} if from_env else None
+    try:
+        return load_config(PipelineConfig, config_file, overrides, defaults)
+    except ConfigError as e:
+        if from_env and "tracking.tracking_uri" in str(e):
+            raise ConfigError(f"{e} ({TRACKING_URI_ENV} is set: it is the default of "
+                              "tracking.tracking_uri)") from None
+        raise

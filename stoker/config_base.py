@@ -102,8 +102,15 @@ def validate(model: type[BaseModel], values: dict[str, Any], prefix: str = ""):
 
 
 def load_config(model: type[BaseModel], config_file: Path | None = None,
-                overrides: list[str] | None = None):
+                overrides: list[str] | None = None, defaults: dict | None = None):
     """Merge ``model``'s defaults, a YAML file and ``a.b=value`` overrides into a validated model.
+
+    Args:
+        model: the pydantic model to build.
+        config_file: a YAML file of fields, or None.
+        overrides: ``a.b=value`` items; they win over the file.
+        defaults: nested values that replace ``model``'s own defaults (the file and the
+            overrides win over them), e.g. from the environment.
 
     Raises:
         ConfigError: the file is missing or not a mapping, an override is malformed, or a value
@@ -113,7 +120,7 @@ def load_config(model: type[BaseModel], config_file: Path | None = None,
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    layers = []
+    layers = [OmegaConf.create(defaults)] if defaults else []
     if config_file is not None:
         if not Path(config_file).is_file():
             raise ConfigError(f"config file {config_file}: not found")

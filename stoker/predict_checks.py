@@ -4,6 +4,7 @@ images can be read by it at all (their channels, their class folders)."""
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
@@ -34,6 +35,50 @@ def answered_by(model_uri: str) -> str:
     aliases = sorted(set(version.aliases or []) | ({alias} if alias else set()))
     named = f" (alias {', '.join(aliases)})" if aliases else ""
     return f"model: {name} version {version.version}{named}, run {version.run_id} ({model_uri})"
+
+
+# The most pixels (width x height) an image may have to be decoded: Pillow's own warning
+# threshold (PIL.Image.MAX_IMAGE_PIXELS, about 89 M: 1 GiB of RGBA / 4 / 3). Checked from the
+# file's header, before its pixels are decoded (a 12000x12000 PNG took 24 s and 1.5 GB).
+MAX_IMAGE_PIXELS = 89_478_485
+
+
+class UnusableImage(ValueError):
+    """An image that is refused before decoding (the message names it)."""
+
+
+def image_header(source, name: str) -> str:
+    """The Pillow mode of an image file, read from its header; its pixels are not decoded.
+
+    Args:
+        source: a path or a binary file object of an encoded image.
+        name: the image, for the message (its path, or ``image row N``).
+
+    Returns:
+        The mode (``L``, ``I;16``, ``RGB``, ``P``, ...).
+
+    Raises:
+        UnusableImage: not an image Pillow can open, or over ``MAX_IMAGE_PIXELS`` pixels.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():  # refused below, with the size: no Pillow warning
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(source) as image:
+                mode, (width, height) = image.mode, image.size
+    except Image.DecompressionBombError as e:  # over twice Pillow's threshold: no size kept
+        pixels = re.search(r"\((\d+) pixels\)", str(e))
+        size = f"{int(pixels[1]):,} pixels" if pixels else "too many pixels"
+        raise UnusableImage(f"{name}: {size}, over the limit of {MAX_IMAGE_PIXELS:,} pixels "
+                            "(too large to decode safely)") from e
+    except (UnidentifiedImageError, OSError) as e:
+        raise UnusableImage(f"{name}: not a readable image "
+                            f"({str(e).splitlines()[0][:200]})") from e
+    if width * height > MAX_IMAGE_PIXELS:
+        raise UnusableImage(f"{name}: {width}x{height} = {width * height:,} pixels, over the "
+                            f"limit of {MAX_IMAGE_PIXELS:,} pixels (too large to decode safely)")
+    return mode
 
 
 def channel_mismatch(mode: str, channels: int, model: str) -> str | None:
@@ -68,18 +113,16 @@ def mismatch(images: list[Path], folders: list[Path], meta: dict, model_uri: str
         model_uri: the model, for the message.
 
     Returns:
-        The reason, ending with a ``--model-uri`` suggestion; None when they fit.
+        The reason (an unreadable image, one over ``MAX_IMAGE_PIXELS``, or one ending with a
+        ``--model-uri`` suggestion); None when they fit.
     """
-    from PIL import Image, UnidentifiedImageError
-
     channels = int(meta["preprocessing"]["channels"])
     hint = "; choose a model trained on such images with --model-uri"
     for path in images:
         try:
-            with Image.open(path) as image:
-                wrong = channel_mismatch(image.mode, channels, model_uri)
-        except (UnidentifiedImageError, OSError) as e:
-            return f"{path}: not a readable image ({e})"
+            wrong = channel_mismatch(image_header(path, str(path)), channels, model_uri)
+        except UnusableImage as e:
+            return str(e)
         if wrong:
             return f"{path}: {wrong}{hint}"
     classes = set(meta.get("classes") or [])

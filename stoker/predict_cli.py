@@ -23,12 +23,13 @@ def predict(
         help="MLflow model URI [default: models:/stoker-digits@champion (the demo's) when the "
         "store has it, else the champion of the store's only registered model]")] = None,
     tracking_uri: Annotated[str | None, typer.Option(
-        help="MLflow tracking URI [default: the store of --work-dir, sqlite:///work/mlflow.db]",
+        help="MLflow tracking URI [default: the store of --work-dir when given, else "
+        "MLFLOW_TRACKING_URI when set, else sqlite:///work/mlflow.db]",
         show_default=False)] = None,
-    work_dir: Annotated[Path, typer.Option(
+    work_dir: Annotated[Path | None, typer.Option(
         "--work-dir", "-w", help="The work folder whose MLflow store (<work-dir>/mlflow.db, "
-        "where `stoker run` logs by default) is read when --tracking-uri is not given")] =
-        Path("work"),
+        "where `stoker run` logs by default) is read when --tracking-uri is not given "
+        "[default: work]", show_default=False)] = None,
     logits: Annotated[bool, typer.Option(help="Also print the logits per class")] = False,
 ) -> None:
     """Load a registered model and print each image's class name and probability."""
@@ -36,11 +37,16 @@ def predict(
 
     for name, value in TELEMETRY_OFF.items():  # a read creates nothing: no PREFECT_HOME either
         os.environ.setdefault(name, value)
-    tracking_uri = tracking_uri or f"sqlite:///{work_dir / 'mlflow.db'}"
+    from stoker.config import tracking_uri_from_env
+
+    from_env = tracking_uri is None and work_dir is None and tracking_uri_from_env()
+    tracking_uri = (tracking_uri or from_env
+                    or f"sqlite:///{(work_dir or Path('work')) / 'mlflow.db'}")
     store = sqlite_path(tracking_uri)
     relative = f" (from {Path.cwd()})" if store is not None and not store.is_absolute() else ""
-    where = (f"tracking URI {tracking_uri}{relative}; point --work-dir or --tracking-uri at "
-             "your store")
+    source = " of MLFLOW_TRACKING_URI" if from_env else ""
+    where = (f"tracking URI {tracking_uri}{source}{relative}; point --work-dir or "
+             "--tracking-uri at your store")
     if store is not None and not store.is_file():
         fail(f"no MLflow store at {store}: {where}")
     from stoker.server_auth import CredentialError, check_mlflow_server
@@ -65,7 +71,8 @@ def predict(
         try:  # checks the MLmodel file first; runs no code the model ships (safe_model)
             model, meta = load_classifier(model_uri, Path(tmp))
         except MlflowException as e:
-            fail(f"{model_uri}: {e.message.splitlines()[0]}; {registered_models()} ({where})")
+            said = e.message.strip().splitlines()[0].rstrip(". ")  # MLflow ends it with '.'
+            fail(f"{model_uri}: {said}; {registered_models()} ({where})")
         except UnsafeModelError as e:
             fail(f"{e} (refused before loading)")
     if problem := mismatch(images, folders, meta, model_uri):

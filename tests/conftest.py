@@ -34,6 +34,15 @@ from stoker.data.pull import pull_dataset  # noqa: E402
 from stoker.runtime.spec import RunSpec  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """No test, nor a module's fixture, inherits MLFLOW_TRACKING_URI (the default of
+    ``tracking.tracking_uri`` and of ``stoker predict``'s store): neither a developer's nor the
+    one ``mlflow.set_tracking_uri`` leaves in this worker's environment for an earlier test's
+    store. Dropped before each test's fixtures are set up; a test sets it where it means to."""
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
 @pytest.fixture(autouse=True)
 def _no_local_server_left(request):
     """A test that ran `stoker run` or `stoker cost-guard` without PREFECT_API_URL started the

@@ -105,20 +105,21 @@ class ImageClassifier(mlflow.pyfunc.PythonModel):
         """The model's float32 [N, C, H, W] from a tensor or an ``image`` column of base64 files.
 
         Raises:
-            mlflow.exceptions.MlflowException: an image value is unusable (HTTP 400 when
-                served; the message names its row).
+            mlflow.exceptions.MlflowException: an image value or the tensor is unusable (HTTP
+                400 when served; the message names the row or what the model takes).
         """
         from mlflow.exceptions import INVALID_PARAMETER_VALUE, MlflowException
 
-        from stoker.tracking import served_input
+        from stoker.tracking import served_input, served_tensor
 
         values = served_input.encoded_images(model_input)
-        if values is None:
-            return np.asarray(model_input, dtype=np.float32)
         try:
+            if values is None:
+                return served_tensor.tensor_batch(model_input, self.preprocessing)
             return served_input.images_to_batch(served_input.decode_base64(values),
                                                 self.preprocessing, preprocess_images)
-        except served_input.BadImageInput as e:
+        except (served_input.BadImageInput, served_tensor.BadTensorInput) as e:
+            # INVALID_PARAMETER_VALUE: HTTP 400 with this message only, no stack trace
             raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
 
     def predict(self, context, model_input: np.ndarray, params=None):

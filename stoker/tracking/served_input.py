@@ -25,7 +25,8 @@ import io
 import numpy as np
 
 IMAGE_COLUMN = "image"
-# An encoded image above this size is refused before it is decoded (bytes of the file).
+# An image value longer than this (base64 text as sent, about 24 MiB of file; or a file's own
+# bytes in process) is refused before it is base64-decoded: its length is free to check.
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
 
 
@@ -63,11 +64,15 @@ def decode_base64(values: list) -> list[bytes]:
         The encoded image files, in order.
 
     Raises:
-        BadImageInput: a value is not base64 text, is empty, or exceeds ``MAX_IMAGE_BYTES``.
+        BadImageInput: a value is longer than ``MAX_IMAGE_BYTES`` as sent (checked first),
+            is not base64 text, or is empty.
     """
     files = []
     for row, value in enumerate(values):
         if isinstance(value, (str, bytes, bytearray)):
+            if len(value) > MAX_IMAGE_BYTES:  # encoded, as sent: before any decoding
+                raise BadImageInput(f"image row {row}: {len(value)} bytes encoded, over the "
+                                    f"limit of {MAX_IMAGE_BYTES} bytes")
             try:
                 data = base64.b64decode(value, validate=True)
             except (binascii.Error, ValueError) as e:
@@ -79,9 +84,6 @@ def decode_base64(values: list) -> list[bytes]:
                                 "text of an image file")
         if not data:
             raise BadImageInput(f"image row {row}: empty")
-        if len(data) > MAX_IMAGE_BYTES:
-            raise BadImageInput(f"image row {row}: {len(data)} bytes, over the limit of "
-                                f"{MAX_IMAGE_BYTES} bytes")
         files.append(data)
     return files
 
@@ -106,21 +108,24 @@ def images_to_batch(files: list[bytes], preprocessing: dict, preprocess) -> np.n
         float32 [N, C, H, W].
 
     Raises:
-        BadImageInput: a file is not an image Pillow can decode, or its channels do not fit
+        BadImageInput: a file is not an image Pillow can decode, has more than
+            ``stoker.predict_checks.MAX_IMAGE_PIXELS`` pixels, or its channels do not fit
             the model (gray on a colour model or the converse, as ``stoker predict`` refuses);
             the row is named.
     """
     from PIL import Image
 
-    from stoker.predict_checks import channel_mismatch
+    from stoker.predict_checks import UnusableImage, channel_mismatch, image_header
 
     batch = []
     for row, data in enumerate(files):
-        try:
-            with Image.open(io.BytesIO(data)) as image:
-                wrong = channel_mismatch(image.mode, int(preprocessing["channels"]), "the model")
+        try:  # the header first: an image over the pixel limit is never decoded
+            mode = image_header(io.BytesIO(data), f"image row {row}")
+            wrong = channel_mismatch(mode, int(preprocessing["channels"]), "the model")
             if wrong is None:
                 batch.append(preprocess([io.BytesIO(data)], preprocessing)[0])
+        except UnusableImage as e:
+            raise BadImageInput(str(e)) from e
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise BadImageInput(f"image row {row}: not a readable image "
                                 f"({str(e).splitlines()[0][:200]})") from e
