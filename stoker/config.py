@@ -210,6 +210,9 @@ TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "
                     "databricks")
 
 
+SLURM_SIGNAL_SLACK_S = 60  # Slurm's --signal may come up to this much before the asked time
+
+
 class PipelineConfig(_Frozen):
     """The whole main job: data, training, tracking. The deployments' forms (stoker/forms.py)
     hold a grouped subset of it and build it."""
@@ -251,6 +254,17 @@ class PipelineConfig(_Frozen):
                 f"tracking.tracking_uri: launcher.kind={kind} logs from containers or nodes to "
                 "an MLflow tracking server over HTTP (they cannot reach a sqlite file): start one "
                 "(`mlflow server --host 127.0.0.1`) and set tracking.tracking_uri=http://…")
+        limit = self.launcher.slurm.time_limit_min
+        # The stop signal is asked for grace + 5 s before the limit, and Slurm may send it up to
+        # 60 s earlier: a shorter limit stops the job before it trains (trial: 1 minute, the
+        # signal 10 s in, the attempt a user error).
+        least_s = self.train.preemption_grace_s + 5 + SLURM_SIGNAL_SLACK_S
+        if kind == "slurm" and limit is not None and limit * 60 <= least_s:
+            raise ValueError(
+                f"launcher.slurm.time_limit_min: {limit} minute(s) leaves no time to train: the "
+                f"stop signal comes train.preemption_grace_s + 5 s before the limit, and Slurm "
+                f"may send it up to {SLURM_SIGNAL_SLACK_S} s earlier ({least_s:g} s in all); "
+                f"give more than {least_s / 60:.1f} minutes")
         return self
 
     def registered_model(self) -> str:

@@ -174,3 +174,17 @@ def test_a_price_table_that_cannot_be_read_is_one_line_and_exit_2(tmp_path):
     ok = CliRunner().invoke(app, ["cost", "--work-dir", str(tmp_path), "--prices", str(good),
                                   "--format", "json"])
     assert ok.exit_code == 0 and json.loads(ok.stdout)["jobs"] == []
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ([], 1), (["launcher.kind=slurm", "launcher.slurm.nodes=2"], 2),
+    (["launcher.kind=docker", "launcher.docker.nnodes=3"], 3)])
+def test_a_job_is_billed_for_every_nodes_devices(tmp_path, overrides, expected):
+    """Devices billed = processes per node x nodes (trial: a 2-node Slurm job logged devices 1
+    and half its GPU-hours, and its budget counted half its spend)."""
+    from stoker.config import load_pipeline_config
+    from stoker.launch.supervisor import nodes
+
+    config = load_pipeline_config(None, [f"work_dir={tmp_path}", *overrides,
+                                         "tracking.tracking_uri=http://127.0.0.1:5999"])
+    assert nodes(config) == expected

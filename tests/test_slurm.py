@@ -151,6 +151,38 @@ def test_a_higher_priority_job_preempts_and_the_next_attempt_resumes(uninterrupt
     assert_same_weights(spec, uninterrupted)
 
 
+def test_a_stop_while_the_job_is_queued_cancels_it_at_once(cluster, spec_for):
+    """Ctrl-C of ``stoker run`` (the launcher's cancel) while its job waits for nodes: the job
+    leaves the queue at once (trial: ``scancel --signal=TERM`` of a pending job was refused,
+    the refusal swallowed, and the job later trained with nothing watching it)."""
+    blocker = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N2", "-o", "/dev/null",
+                              "--wrap", "sleep 120"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    try:
+        spec = spec_for("queued")
+        slurm_launcher = launcher(partition="low")
+        thread, _ = in_background(lambda: slurm_launcher.run(spec, on_line=lambda _: None,
+                                                             timeout_s=300))
+        deadline = time.monotonic() + 60
+        while slurm_launcher.job_id is None:
+            assert time.monotonic() < deadline, "not submitted"
+            time.sleep(0.2)
+        job_id = slurm_launcher.job_id
+        state = slurm("squeue", "-h", "-j", job_id, "-o", "%T").strip()
+        assert state == "PENDING", state
+        began = time.monotonic()
+        slurm_launcher.cancel()
+        assert time.monotonic() - began < 10
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        left = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
+                              text=True).stdout.strip()
+        assert left in ("", "CANCELLED"), left
+        assert not any(e["event"] == "step" for e in events(spec.parent))
+    finally:
+        subprocess.run(["scancel", blocker], check=False)
+
+
 def test_sigterm_to_the_batch_shell_ends_with_a_stop_checkpoint(cluster, spec_for):
     """The time limit's ``--signal=B:TERM@<grace>`` signals the batch shell, which passed
     SIGTERM on to srun: srun ended the step itself ("forcing job termination"), the tasks were
@@ -269,6 +301,10 @@ def test_stoker_run_trains_on_two_nodes_and_registers_one_run(api_env, mlflow_ht
     assert mlflow_run.info.status == "FINISHED"
     assert mlflow_run.data.tags["stoker.world_size"] == "2"
     assert mlflow_run.data.tags["stoker.launcher"] == "slurm"
+    # Both nodes' devices are billed (trial: devices 1, GPU-hours half the real ones).
+    metrics = mlflow_run.data.metrics
+    assert metrics["devices"] == 2.0, metrics
+    assert metrics["gpu_hours"] == pytest.approx(2 * metrics["billed_s"] / 3600, rel=0.01)
     [version] = client.search_model_versions(f"name='{model}'")
     assert version.run_id == mlflow_run.info.run_id
     assert "submitted Slurm job" in (job / "train.log").read_text()
@@ -391,3 +427,18 @@ def test_the_controller_listens_on_loopback_only(cluster):
     listening = {c.laddr.ip for c in controller.net_connections(kind="tcp")
                  if c.status == psutil.CONN_LISTEN}
     assert listening == {"127.0.0.1"}, (listening, conf.get("CommunicationParameters"))
+
+
+def test_a_time_limit_too_short_to_train_is_refused_at_config_time(tmp_path):
+    """A 1-minute limit: the stop signal (grace + 5 s before the limit, Slurm may send it up to
+    60 s earlier) came 10 s in, before the ranks trained, and the attempt failed as a user error
+    (trial). Refused in one line naming the field; 2 minutes is accepted."""
+    from stoker.config import ConfigError, load_pipeline_config
+
+    base = [f"work_dir={tmp_path}", "launcher.kind=slurm",
+            "tracking.tracking_uri=http://127.0.0.1:5999"]
+    with pytest.raises(ConfigError, match=r"launcher.slurm.time_limit_min: 1 minute\(s\) leaves "
+                                          r"no time to train"):
+        load_pipeline_config(None, [*base, "launcher.slurm.time_limit_min=1"])
+    config = load_pipeline_config(None, [*base, "launcher.slurm.time_limit_min=2"])
+    assert config.launcher.slurm.time_limit_min == 2

@@ -21,6 +21,7 @@ INFRASTRUCTURE_STATES = {"NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADLINE"}
 # which then ends the step itself ("forcing job termination", SIGKILL after KillWait), before
 # the ranks had committed.
 STOP_SIGNAL = ("--signal=TERM",)
+NOT_STARTED_STATES = {"PENDING", "REQUEUED", "PREEMPTED_PENDING"}  # queued: no step runs yet
 
 
 class SlurmError(RuntimeError):
@@ -137,10 +138,22 @@ def stop_gracefully(job_id: str, grace_s: float, poll_s: float = 1.0) -> str:
     Returns:
         The job's state once it left the queue (``CANCELLED`` when the grace ran out).
 
+    A job still queued (``PENDING``: nothing runs, nothing to checkpoint) is cancelled at once,
+    and so is one that takes no signal (``scancel --signal`` refused: "Job can not be altered
+    now", as a queued job answered in a new-user trial, where the job was left queued and
+    later trained with nothing watching it).
+
     Raises:
         SlurmError: ``scancel`` refused (not the job's owner, an unknown job).
     """
-    slurm("scancel", *STOP_SIGNAL, job_id)
+    if current_record(job_id).get("JobState") in NOT_STARTED_STATES:
+        slurm("scancel", job_id)
+        return "CANCELLED"
+    try:
+        slurm("scancel", *STOP_SIGNAL, job_id)
+    except SlurmError:
+        slurm("scancel", job_id)  # no signal taken: cancel it (raises when that fails too)
+        return "CANCELLED"
     deadline = time.monotonic() + grace_s
     while True:
         state = current_record(job_id).get("JobState", "UNKNOWN")

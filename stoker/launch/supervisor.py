@@ -86,8 +86,11 @@ def nproc(config: PipelineConfig, dev: Path = Path("/dev")) -> int:
 
 def nodes(config: PipelineConfig) -> int:
     """Nodes an attempt runs on: the docker launcher's containers, the slurm launcher's nodes,
-    else 1."""
+    the kubernetes launcher's ``num_nodes`` (validated with the launcher), else 1."""
     kind = config.launcher.kind
+    if kind == "kubernetes":
+        value = config.launcher.kubernetes.get("num_nodes", 1)
+        return value if type(value) is int and value >= 1 else 1
     return {"docker": config.launcher.docker.nnodes,
             "slurm": config.launcher.slurm.nodes}.get(kind, 1)
 

@@ -52,6 +52,7 @@ from stoker.launch.supervisor import (
     close_left_open,
     finish_run,
     lineage_tags,
+    nodes,
     nproc,
     stopped,
     tag_outcome,
@@ -123,7 +124,9 @@ class TrainingRun:
         self.lease = held_lease(job_dir)
         if self.lease.previous:  # the owner died: its flow run would stay Running forever
             self.hooks.crash_orphan(self.lease.previous.get("flow_run_id"))
-        self.world_size = nproc(config)
+        self.world_size = nproc(config)  # processes per node
+        # Devices billed: every node's (trial: a 2-node Slurm job was priced as one node's).
+        self.devices = self.world_size * nodes(config)
         tags = lineage_tags(config, self.dataset, self.world_size, self.image,
                             self.hooks.flow_run_id, self.hooks.flow_run_url)
         check_resumable(job_dir, config, self.dataset.md5)  # its own data and trajectory
@@ -143,7 +146,7 @@ class TrainingRun:
         left = close_left_open(self.attempts_log, self.checkpoints, log.warning)
         # The recorded run gone with its store (a lost node's work_dir): a new run, linked.
         continued = continue_lost_run(RunSpec.load(self.spec_path), self.attempts_log.history(),
-                                      read_events(job_dir), self.world_size)
+                                      read_events(job_dir), self.devices)
         if continued is not None:
             log.warning(continued.line())
         if left and left[-1].get("steps_lost"):
@@ -319,7 +322,7 @@ class TrainingRun:
         self.watcher.start()
         train = self.config.train
         budget = BudgetWatcher(job_dir, train.max_cost_usd, train.max_duration,
-                               self.config.cost.prices, self.world_size,
+                               self.config.cost.prices, self.devices,
                                lambda: run_gpu_model(self.client, self.run_file), self.log.info,
                                stop=stop_job, warn=self.log.warning)
         if train.max_cost_usd or train.max_duration:  # spend against budget
@@ -387,8 +390,8 @@ class TrainingRun:
         history = self.attempts_log.history()  # every attempt of the job, any flow run's
         if attempts and attempts[-1].outcome == Outcome.STOPPED:
             model = budget.gpu_model_known() or run_gpu_model(self.client, self.run_file)
-            log_stopped_cost(self.client, self.run_id, history, self.world_size, model, prices,
-                             usd_per_hour(self.config, self.world_size, model, self.capacities))
+            log_stopped_cost(self.client, self.run_id, history, self.devices, model, prices,
+                             usd_per_hour(self.config, self.devices, model, self.capacities))
             stopped(self.client, self.run_file, read_stop_request(job_dir), job_dir.name)
         if attempts and attempts[-1].outcome != Outcome.COMPLETED:
             self._failed(attempts, history)
@@ -397,7 +400,7 @@ class TrainingRun:
             raise TrainingFailed(f"job {job_dir.name}: {job_dir / 'result.json'} missing or "
                                  "unreadable after a completed attempt")
         report = log_completed_cost(self.client, result, history, read_events(job_dir),
-                                    self.world_size, prices)
+                                    self.devices, prices)
         self.log.info("cost: %.4f device-hours on %s, $%.4f, goodput %.2f, %d preemption(s), "
                       "%d step(s) lost", report.gpu_hours, report.gpu_model, report.cost_usd,
                       report.goodput, report.preemptions, report.steps_lost)
