@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,11 @@ os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 os.environ["DVC_NO_ANALYTICS"] = "1"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# Without PREFECT_HOME, Stoker's commands use the one local Prefect server of the user, in the
+# user's state folder ($XDG_STATE_HOME/stoker): a test never reaches the real one. Each worker
+# gets a folder of its own; the servers started there are stopped at the end (_state_home).
+STATE_HOME = Path(tempfile.mkdtemp(prefix="stoker-tests-state-"))
+os.environ["XDG_STATE_HOME"] = str(STATE_HOME)
 
 # Prefect sets up its logging (a console handler on the sys.stderr of that moment) when
 # prefect.main is first imported. First imported inside a test with capsys, the handler wrote to
@@ -32,6 +38,15 @@ from stoker.config import TrainConfig  # noqa: E402
 from stoker.data.demo import ensure_demo_repo  # noqa: E402
 from stoker.data.pull import pull_dataset  # noqa: E402
 from stoker.runtime.spec import RunSpec  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_home():
+    """The worker's stand-in for the user's state folder (STATE_HOME): its servers stopped and
+    the folder removed when the session ends."""
+    yield STATE_HOME
+    stop_local_servers(STATE_HOME)
+    shutil.rmtree(STATE_HOME, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
