@@ -258,8 +258,7 @@ def test_a_port_taken_at_the_bind_and_free_again_at_the_check_is_tried_again(tmp
 
     from stoker.local_server import LOG, PORT_FILE, free_port
 
-    home = tmp_path / ".prefect"
-    home.mkdir()
+    home = seed_prefect_home(tmp_path / ".prefect")
     port = free_port()
     (home / PORT_FILE).write_text(f"{port}\n")
     holder = socket.socket()
@@ -304,7 +303,7 @@ def test_two_homes_racing_for_one_port_get_a_server_each(tmp_path):
     homes = [tmp_path / f"home-{i}" / ".prefect" for i in range(2)]
     port = free_port()
     for home in homes:
-        home.mkdir(parents=True)
+        seed_prefect_home(home)
         (home / PORT_FILE).write_text(f"{port}\n")  # both prefer it, and it is free
     urls: dict[int, str] = {}
     try:

@@ -46,8 +46,10 @@ def env(state: Path, **extra: str) -> dict[str, str]:
 
 
 def stoker(state: Path, *args: str, **extra: str) -> subprocess.Popen:
+    """``stoker ARGS`` started in the test's folder (the parent of ``state``)."""
     return subprocess.Popen([sys.executable, "-m", "stoker.cli", *args], env=env(state, **extra),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=state.parent)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
