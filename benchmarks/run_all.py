@@ -75,6 +75,8 @@ MEASURES = (
      "<= 3 s each"),
     ("bench_end_of_run", "End of stoker run: last training step -> process exit, by part",
      "median <= 5 s"),
+    ("bench_server_start", "Local Prefect server for a new work folder: reused vs its own new",
+     "ratio <= 0.25"),
 )
 
 

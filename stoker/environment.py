@@ -1,5 +1,5 @@
-"""The environment of Stoker's commands: telemetry off, Prefect's home in the work folder, and
-where a local tracking store lives. Shared by every command module (``stoker.cli``,
+"""The environment of Stoker's commands: telemetry off, Prefect's home (one per user and
+machine), and where a local tracking store lives. Shared by every command module (``stoker.cli``,
 ``stoker.predict_cli``, ``stoker.server_cli``) without importing one another."""
 
 from __future__ import annotations
@@ -23,11 +23,31 @@ def sqlite_path(tracking_uri: str) -> Path | None:
     return Path(tracking_uri.removeprefix("sqlite:///"))
 
 
+def prefect_home() -> Path:
+    """Prefect's home for Stoker's commands, where the one local Prefect server of this user
+    and machine keeps its database, log and record: ``PREFECT_HOME`` when set, else
+    ``prefect`` in the user's state folder (``$XDG_STATE_HOME/stoker``, by default
+    ``~/.local/state/stoker`` on Linux; platformdirs' ``user_state_path``), whatever the work
+    folder, so every work folder reuses one server.
+
+    Returns:
+        An absolute path (not created here).
+    """
+    from platformdirs import user_state_path
+
+    home = os.environ.get("PREFECT_HOME") or user_state_path("stoker") / "prefect"
+    return Path(home).expanduser().resolve()
+
+
 def quiet_telemetry(work_dir: Path) -> None:
-    """Telemetry off and Prefect's home inside the work directory, unless the user set them."""
-    os.environ.setdefault("PREFECT_HOME", str((work_dir / ".prefect").resolve()))
+    """Telemetry off and Prefect's home set (:func:`prefect_home`), unless the user set them.
+
+    Args:
+        work_dir: the command's work folder (Prefect's home no longer depends on it).
+    """
+    os.environ["PREFECT_HOME"] = str(prefect_home())
     private.make_dir(os.environ["PREFECT_HOME"], narrow_existing=False)
-    # The local Prefect server migrates its database on first start: slow on 2 cores.
+    # What a new local server may take to answer (its database is prepared before it starts).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     for name, value in TELEMETRY_OFF.items():
         os.environ.setdefault(name, value)

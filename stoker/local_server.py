@@ -1,9 +1,11 @@
 """The long-lived local Prefect server: started on first use, reused by every later command.
 
 Without ``PREFECT_API_URL``, ``stoker run`` and ``stoker cost-guard`` use one Prefect server per
-Prefect home (``<work_dir>/.prefect``: its sqlite database, log and the record of the server).
-The first command starts it in the background; later ones find it through the record and reuse
-it, so no command pays a server start (about 8 CPU-s) and the UI stays up after the run.
+Prefect home: one per user and machine (stoker.environment.prefect_home: its sqlite database,
+log and the record of the server), whatever the work folder. The first command starts it in the
+background, on a database prepared once beforehand (stoker.server_database); later ones find it
+through the record and reuse it, so no command pays a server start (about 8 CPU-s) and the UI
+stays up after the run.
 
 * The server runs detached: in its own session (Ctrl-C at the terminal does not reach it) and
   not as a child of the command that started it (a command's second Ctrl-C, which kills its own
@@ -13,7 +15,8 @@ it, so no command pays a server start (about 8 CPU-s) and the UI stays up after 
   stop`` with the same ``PREFECT_HOME`` ends it too.
 * A file lock (``server.lock``) makes concurrent commands start one server between them.
 * A record whose process is gone, or whose process does not answer ``/api/health``, is stale:
-  the next command replaces it.
+  the next command replaces it. Without a readable record (a torn or garbled file), a live
+  server of this home (uvicorn with this ``PREFECT_HOME``) that answers is adopted, not doubled.
 
 No Prefect import here: the server is ``uvicorn`` on Prefect's app factory, as
 ``prefect server start`` runs it.
@@ -38,6 +41,7 @@ import httpx
 import psutil
 from filelock import FileLock
 
+from stoker.server_database import PREPARE_TIMEOUT_S, DatabaseError, prepare_database
 from stoker.server_report import cpu_seconds, why_not_started
 
 PORT_FILE = "server.port"  # the port of this home's server: kept when it stops, reused
@@ -127,13 +131,18 @@ class LocalServer:
 
     Args:
         home: the Prefect home; holds ``prefect.db``, ``server.log``, ``server.json``.
-        startup_timeout_s: seconds to wait for ``/api/health`` (a first start migrates sqlite).
+        startup_timeout_s: seconds to wait for ``/api/health`` (the database is prepared before).
+        say: told what takes long before a start (preparing the database).
     """
 
-    def __init__(self, home: Path, startup_timeout_s: float = 120.0):
+    def __init__(self, home: Path, startup_timeout_s: float = 120.0,
+                 say: Callable[[str], None] = lambda line: None):
         self.home = Path(home)
         self.startup_timeout_s = startup_timeout_s
         self.log_path = self.home / LOG
+        self.say = say
+        # held while a command checks, prepares, starts or stops the server
+        self.lock_timeout_s = startup_timeout_s + PREPARE_TIMEOUT_S + 60
 
     def record(self) -> dict[str, Any] | None:
         """The recorded server, if its process still lives (not whether it answers)."""
@@ -164,7 +173,7 @@ class LocalServer:
             ServerError: it exited or did not answer within ``startup_timeout_s``.
         """
         self.home.mkdir(parents=True, exist_ok=True)
-        with FileLock(self.home / "server.lock", timeout=self.startup_timeout_s + 60):
+        with FileLock(self.home / "server.lock", timeout=self.lock_timeout_s):
             record = self.record() or self._prefect_background_server()
             if record is not None:
                 # One still starting (its starter was killed mid-start) gets its whole start-up.
@@ -172,31 +181,29 @@ class LocalServer:
                 if self._wait_healthy(record, max(10.0, left)):
                     return record["api_url"], False
             self._end(record)  # stale: dead, or alive but not answering
+            for pid in server_pids(self.home):  # unrecorded and not answering: same database
+                self._end({"pid": pid})
             return self._start(), True
 
     def _prefect_background_server(self) -> dict[str, Any] | None:
-        """A server that ``prefect server start --background`` started with this home (its pid
-        file, no record of ours; its ``--port``) on 127.0.0.1: adopted, and recorded."""
-        try:
-            pid = int((self.home / PREFECT_PID_FILE).read_text())
-        except (OSError, ValueError):
-            return None
-        started = _started_at(pid)
-        if started is None or pid not in server_pids(self.home):
-            return None  # gone, or a recycled pid: not a server of this home
-        try:
-            command = psutil.Process(pid).cmdline()
-            port = int(command[command.index("--port") + 1]) if "--port" in command \
-                else DEFAULT_PORT
-        except (psutil.Error, ValueError, IndexError):
-            return None
-        api_url = f"http://127.0.0.1:{port}/api"
-        if not healthy(api_url):
-            return None
-        record = {"pid": pid, "create_time": started, "port": port, "api_url": api_url,
-                  "started": started}
-        self._write(record)
-        return record
+        """A live server of this home without a readable record: one that ``prefect server
+        start --background`` started with this home (its pid file), or ours whose record is
+        torn or garbled. Found among the processes (uvicorn with this ``PREFECT_HOME``, so the
+        pid files are not trusted), on its ``--port`` on 127.0.0.1; adopted, and recorded."""
+        for pid in server_pids(self.home):
+            started = _started_at(pid)
+            try:
+                command = psutil.Process(pid).cmdline()
+                port = int(command[command.index("--port") + 1]) if "--port" in command \
+                    else DEFAULT_PORT
+            except (psutil.Error, ValueError, IndexError):
+                continue
+            record = {"pid": pid, "create_time": started, "port": port,
+                      "api_url": f"http://127.0.0.1:{port}/api", "started": started}
+            if started is not None and _listens(record) and healthy(record["api_url"]):
+                self._write(record)
+                return record
+        return None
 
     def _write(self, record: dict[str, Any]) -> None:
         (self.home / PREFECT_PID_FILE).write_text(str(record["pid"]))
@@ -208,8 +215,8 @@ class LocalServer:
         """End the recorded server (SIGTERM, SIGKILL after ``grace_s``); returns its pid, or None
         when none was running. Safe to call when nothing runs."""
         self.home.mkdir(parents=True, exist_ok=True)
-        with FileLock(self.home / "server.lock", timeout=self.startup_timeout_s + 60):
-            record = self.record()
+        with FileLock(self.home / "server.lock", timeout=self.lock_timeout_s):
+            record = self.record() or self._prefect_background_server()
             self._end(record, grace_s)
             return None if record is None else record["pid"]
 
@@ -256,6 +263,10 @@ class LocalServer:
     def _start(self) -> str:
         """Start this home's server; a start whose port another process took meanwhile (two
         homes starting at once) exits, and is tried again on a port that is free then."""
+        try:
+            prepare_database(self.home, self._env(), self.log_path, self.say)
+        except DatabaseError as e:
+            raise ServerError(str(e)) from e
         for _ in range(START_TRIES - 1):
             port = self._port()
             logged = self._log_size()
@@ -286,10 +297,10 @@ class LocalServer:
     def _start_on(self, port: int, logged: int) -> str:
         (self.home / PORT_FILE).write_text(f"{port}\n")
         api_url = f"http://127.0.0.1:{port}/api"
-        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-        env |= {"PREFECT_HOME": str(self.home.resolve()), "PREFECT__SERVER_FINAL": "1",
-                # What the UI's settings and links are built from.
-                "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)}
+        env = self._env() | {"PREFECT__SERVER_FINAL": "1",
+                             # What the UI's settings and links are built from.
+                             "PREFECT_SERVER_API_HOST": "127.0.0.1",
+                             "PREFECT_SERVER_API_PORT": str(port)}
         try:
             with open(self.log_path, "ab") as log:
                 detach = subprocess.run([sys.executable, "-c", _DETACH, *self._command(port)],
@@ -312,6 +323,11 @@ class LocalServer:
                               + ("did not answer within " f"{self.startup_timeout_s:g} s"
                                  if alive else "exited") + f"; {why}; see {self.log_path}")
         return api_url
+
+    def _env(self) -> dict[str, str]:
+        """The environment of this home's server (and of its database's preparation)."""
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        return env | {"PREFECT_HOME": str(self.home.resolve())}
 
     def _wait_healthy(self, record: dict[str, Any], timeout_s: float) -> bool:
         """Whether the recorded server answers within ``timeout_s``: its own process listening

@@ -1,8 +1,10 @@
 """``stoker server start|status|stop``, and the Prefect API of ``stoker run`` and ``stoker
-cost-guard``: the long-lived local Prefect server of a work folder, or PREFECT_API_URL.
+cost-guard``: the one long-lived local Prefect server of this user and machine, or
+PREFECT_API_URL.
 
-Its state lives in ``<work_dir>/.prefect`` (or ``PREFECT_HOME`` when set): the sqlite database,
-``server.log``, and ``server.json`` (pid, port, API URL). See stoker.local_server.
+Its state lives in Prefect's home (``PREFECT_HOME`` when set, else ``prefect`` in the user's
+state folder: stoker.environment.prefect_home): the sqlite database, ``server.log``, and
+``server.json`` (pid, port, API URL). See stoker.local_server.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ from typing import Annotated
 import typer
 
 server_app = typer.Typer(no_args_is_help=True, help="The local Prefect server that `stoker run` "
-                         "starts on first use and reuses (its UI shows every run).")
+                         "starts on first use and every work folder reuses (one per user and "
+                         "machine; its UI shows every run).")
 
-WORK_DIR = typer.Option("--work-dir", "-w", help="The work folder; the server's state is in "
-                        "<work-dir>/.prefect unless PREFECT_HOME is set")
+WORK_DIR = typer.Option("--work-dir", "-w", help="Accepted for older scripts; no effect: the "
+                        "server is the same for every work folder (its state is in "
+                        "PREFECT_HOME when set, else in the user's state folder)")
 
 
 def _server(work_dir: Path, create: bool = True):
-    """The local server of ``work_dir`` (``status`` and ``stop`` create no folder)."""
-    from stoker.environment import TELEMETRY_OFF, quiet_telemetry
+    """The local server of this user and machine (``status`` and ``stop`` create no folder)."""
+    from stoker.environment import TELEMETRY_OFF, prefect_home, quiet_telemetry
     from stoker.local_server import LocalServer
 
     if create:
@@ -34,16 +38,16 @@ def _server(work_dir: Path, create: bool = True):
     else:
         for name, value in TELEMETRY_OFF.items():
             os.environ.setdefault(name, value)
-    home = Path(os.environ.get("PREFECT_HOME") or (work_dir / ".prefect").resolve())
-    return LocalServer(home, float(os.environ.get(
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")))
+    return LocalServer(prefect_home(), float(os.environ.get(
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")),
+        say=lambda line: typer.echo(line, err=True))
 
 
 @server_app.command()
 def start(work_dir: Annotated[Path, WORK_DIR] = Path("work"),
           port: Annotated[int | None, typer.Option(
               "--port", min=1, max=65535, help="Listen on this port (127.0.0.1); kept for "
-              "later starts of this work folder's server. Default: the port it had before, "
+              "later starts of the local server. Default: the port it had before, "
               "else 4200, else a free one")] = None) -> None:
     """Start the local server in the background (nothing to do if it runs); print its UI address.
 
@@ -55,7 +59,7 @@ def start(work_dir: Annotated[Path, WORK_DIR] = Path("work"),
     if port is not None:
         running = server.running()
         if running is not None and running.get("port") != port:
-            typer.echo(f"error: --port {port}: this work folder's server already runs on port "
+            typer.echo(f"error: --port {port}: the local server already runs on port "
                        f"{running.get('port')}; `stoker server stop` it first", err=True)
             raise typer.Exit(2)
         if running is None:
@@ -91,13 +95,14 @@ def status(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
 def env(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
     """Print the shell line that points Prefect's own CLI and clients at the local server
     (``export PREFECT_API_URL=...``), for ``eval "$(stoker server env)"``; then ``prefect
-    flow-run ls`` lists this work folder's runs. Exit codes: 0 running, 1 not (nothing
+    flow-run ls`` lists the runs of every work folder. Exit codes: 0 running, 1 not (nothing
     printed on stdout)."""
     import shlex
 
-    record = _server(work_dir, create=False).running()
+    server = _server(work_dir, create=False)
+    record = server.running()
     if record is None:
-        typer.echo(f"error: no local server running for {work_dir} (`stoker server start` "
+        typer.echo(f"error: no local server running in {server.home} (`stoker server start` "
                    "starts it)", err=True)
         raise typer.Exit(1)
     typer.echo(f"export PREFECT_API_URL={shlex.quote(record['api_url'])}")
@@ -132,13 +137,13 @@ def prefect_api():
 
         started_at = time.monotonic()
         server = LocalServer(Path(os.environ["PREFECT_HOME"]),
-                             float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+                             float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]),
+                             say=_log_line)
         api_url, started = server.ensure()
         # Prefect's log format: benchmarks/bench_pipeline_overhead.py times the phases from it.
-        stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
         how = f"started in {time.monotonic() - started_at:.1f} s" if started else "reused"
-        typer.echo(f"{stamp} | INFO    | stoker - Local Prefect server {how}: UI at "
-                   f"{api_url.removesuffix('/api')} (`stoker server stop` ends it)", err=True)
+        _log_line(f"Local Prefect server {how}: UI at {api_url.removesuffix('/api')} "
+                  "(`stoker server stop` ends it)")
         # Before Prefect is imported: its global settings (seen by every thread) read the env.
         os.environ["PREFECT_API_URL"] = api_url
         keeper = ServerKeeper(server, on_restart=lambda line: typer.echo(
@@ -162,6 +167,13 @@ def prefect_api():
         if keeper is not None:
             keeper.stop()
         drain_prefect_workers()
+
+
+def _log_line(line: str, level: str = "INFO") -> None:
+    """One line on stderr in Prefect's log format (benchmarks/bench_pipeline_overhead.py times
+    the phases from it)."""
+    stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
+    typer.echo(f"{stamp} | {level:<7} | stoker - {line}", err=True)
 
 
 def drain_prefect_workers() -> None:

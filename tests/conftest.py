@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,11 @@ os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 os.environ["DVC_NO_ANALYTICS"] = "1"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# Without PREFECT_HOME, Stoker's commands use the one local Prefect server of the user, in the
+# user's state folder ($XDG_STATE_HOME/stoker): a test never reaches the real one. Each worker
+# gets a folder of its own; the servers started there are stopped at the end (_state_home).
+STATE_HOME = Path(tempfile.mkdtemp(prefix="stoker-tests-state-"))
+os.environ["XDG_STATE_HOME"] = str(STATE_HOME)
 
 # Prefect sets up its logging (a console handler on the sys.stderr of that moment) when
 # prefect.main is first imported. First imported inside a test with capsys, the handler wrote to
@@ -41,6 +47,15 @@ def pytest_runtest_setup(item):
     one ``mlflow.set_tracking_uri`` leaves in this worker's environment for an earlier test's
     store. Dropped before each test's fixtures are set up; a test sets it where it means to."""
     os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_home():
+    """The worker's stand-in for the user's state folder (STATE_HOME): its servers stopped and
+    the folder removed when the session ends."""
+    yield STATE_HOME
+    stop_local_servers(STATE_HOME)
+    shutil.rmtree(STATE_HOME, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

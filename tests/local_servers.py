@@ -14,12 +14,13 @@ from stoker.local_server import LocalServer
 
 
 def embedded_env(work: Path) -> dict[str, str]:
-    """The environment of a ``stoker`` command in its default embedded mode on the local Prefect
-    server of ``work`` (neither PREFECT_API_URL nor PREFECT_HOME: its home is
-    ``work/.prefect``), whose home starts with the migrated database
-    (:func:`prefect_server.seed_prefect_home`)."""
+    """The environment of a ``stoker`` command in its default embedded mode (no PREFECT_API_URL)
+    on a local Prefect server of the test's own: PREFECT_HOME is ``work/.prefect`` (users get one
+    server per machine, in their state folder: tests/test_local_server.py tests that), whose home
+    starts with the migrated database (:func:`prefect_server.seed_prefect_home`)."""
     seed_prefect_home(work / ".prefect")
-    return {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    return env | {"PREFECT_HOME": str(work / ".prefect")}
 
 
 def stop_local_servers(root: Path) -> list[int]:

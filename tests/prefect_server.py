@@ -18,6 +18,7 @@ from filelock import FileLock
 from mlflow_server import free_port
 
 from stoker.launch.local import terminate_tree
+from stoker.server_database import STAMP, stamp
 
 # A fresh sqlite database costs a starting server about 7 s and 6 CPU-s of migrations (and the
 # block types' registration): 11.6 s to a healthy server here, 4.5 s with both done. Tests start
@@ -25,7 +26,8 @@ from stoker.launch.local import terminate_tree
 # folder: tests/local_servers.embedded_env), so each starts from a copy of one migrated database,
 # made once per Prefect version and user and shared by the xdist workers. What a server does at
 # start is unchanged: it checks the schema and finds nothing to migrate. (A user's first
-# `stoker run` pays the migrations once; prefect_test_harness still makes its own database.)
+# `stoker run` prepares the database once, stoker.server_database; prefect_test_harness still
+# makes its own database.)
 TEMPLATE = (Path(tempfile.gettempdir()) / f"stoker-tests-prefect-{os.getuid()}"
             / importlib.metadata.version("prefect"))  # (importing prefect here costs ~1 s)
 MEMO = "memo_store.toml"  # Prefect's record that the block types are registered in the database
@@ -65,6 +67,8 @@ def seed_prefect_home(home: Path, database: Path | None = None) -> Path:
     database.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(template / "prefect.db", database)
     shutil.copy2(template / MEMO, home / MEMO)
+    # Prepared by this Prefect version: a local server started there skips the preparation.
+    (home / STAMP).write_text(stamp({}) + "\n")
     return home
 
 

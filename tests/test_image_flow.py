@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sqlite3
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from image_support import (
     extra_registry,
     require_registry,
 )
-from local_servers import stop_local_servers
+from local_servers import embedded_env, stop_local_servers
 
 from stoker.images.build import RegistryCredentialsMissingError, connect, registry_digest
 from stoker.images.spec import SOURCE_ROOT, ImageRequest, content_hash, image_ref
@@ -126,9 +125,8 @@ def test_registry_credentials_from_a_secret_block(harness, request_fields, tmp_p
 
 def stoker(*args: str, work: Path) -> subprocess.CompletedProcess:
     """``stoker`` in a subprocess on its own local Prefect server under ``work``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
     return subprocess.run([sys.executable, "-m", "stoker.cli", *args, "--work-dir", str(work)],
-                          capture_output=True, text=True, timeout=600, env=env)
+                          capture_output=True, text=True, timeout=600, env=embedded_env(work))
 
 
 def test_the_cli_finds_the_built_image_and_names_a_dead_registry(request_fields, tmp_path):

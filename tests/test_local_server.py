@@ -1,7 +1,8 @@
 """The long-lived local Prefect server on real processes: ``stoker server start|status|stop``, a
 killed server replaced, concurrent starts, reuse by ``stoker run`` and ``stoker cost-guard``.
 
-Each test has its own work folder (so its own server home); the fixture stops the server."""
+Each test has its own work folder and its own stand-in for the user's state folder
+(XDG_STATE_HOME), so its own server home; the fixture stops the server."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from mlflow import MlflowClient
 from prefect_server import seed_prefect_home
 
 from stoker.local_server import PORT_FILE, SERVER_NICE, LocalServer, ServerError, server_pids
+from stoker.server_database import STAMP, stamp
 
 pytestmark = pytest.mark.integration
 
@@ -35,35 +37,43 @@ def stoker(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def home(work: Path) -> Path:
+    """The Prefect home of the test user's one local server (in the state folder the ``work``
+    fixture gives the test as XDG_STATE_HOME), whatever the work folder."""
+    return work.parent / "state" / "stoker" / "prefect"
+
+
 @pytest.fixture
-def work(tmp_path):
-    """A work folder whose local server is always stopped after the test."""
+def work(tmp_path, monkeypatch):
+    """A work folder whose local server (the user's, in ``home(work)``) is always stopped after
+    the test."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     work = tmp_path / "work"
-    seed_prefect_home(work / ".prefect")
+    seed_prefect_home(home(work))
     yield work
     stop_local_servers(tmp_path)
-    assert server_pids(work / ".prefect") == []
+    assert server_pids(home(work)) == []
 
 
-def own_port(work: Path) -> int:
-    """Give the work folder's server a free port of its own instead of the default 4200 (the
-    port a home's server had before is kept: ``PORT_FILE``): the tests on the other xdist
+def own_port(prefect_home: Path) -> int:
+    """Give the server of ``prefect_home`` a free port of its own instead of the default 4200
+    (the port a home's server had before is kept: ``PORT_FILE``): the tests on the other xdist
     worker start servers on 4200, and one that takes it between a stop and a restart here
     would move this server (correctly) to another port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    (work / ".prefect").mkdir(parents=True, exist_ok=True)
-    (work / ".prefect" / PORT_FILE).write_text(str(port))
+    prefect_home.mkdir(parents=True, exist_ok=True)
+    (prefect_home / PORT_FILE).write_text(str(port))
     return port
 
 
 def record(work: Path) -> dict:
-    return json.loads((work / ".prefect" / "server.json").read_text())
+    return json.loads((home(work) / "server.json").read_text())
 
 
 def test_server_start_status_stop(work):
-    own_port(work)
+    own_port(home(work))
     first = stoker("server", "start", "-w", str(work))
     assert first.returncode == 0 and first.stdout.startswith("started: http://127.0.0.1:"), \
         first.stdout + first.stderr
@@ -79,7 +89,7 @@ def test_server_start_status_stop(work):
     assert again.stdout.startswith("already running") and record(work)["pid"] == pid
     status = stoker("server", "status", "-w", str(work))
     assert status.returncode == 0 and f"pid {pid}" in status.stdout
-    assert (work / ".prefect" / "server.pid").read_text() == str(pid)  # `prefect server stop`
+    assert (home(work) / "server.pid").read_text() == str(pid)  # `prefect server stop`
     # Prefect's own CLI, pointed at it (new-user trial: `prefect flow-run ls` started a
     # temporary server of ~/.prefect and said "No flow runs found").
     shell = stoker("server", "env", "-w", str(work))
@@ -118,7 +128,7 @@ def test_server_start_on_a_chosen_port(work):
     assert record(work)["port"] == port
     other = stoker("server", "start", "-w", str(work), "--port", str(port + 1))
     assert other.returncode == 2 and other.stderr.strip().splitlines() == [
-        f"error: --port {port + 1}: this work folder's server already runs on port {port}; "
+        f"error: --port {port + 1}: the local server already runs on port {port}; "
         "`stoker server stop` it first"]
     assert stoker("server", "stop", "-w", str(work)).returncode == 0
     assert stoker("server", "start", "-w", str(work)).stdout.startswith(  # kept
@@ -135,7 +145,7 @@ def test_server_start_on_a_chosen_port(work):
 
 
 def test_a_killed_server_is_replaced(work):
-    own_port(work)
+    own_port(home(work))
     assert stoker("server", "start", "-w", str(work)).returncode == 0
     dead, port = record(work)["pid"], record(work)["port"]
     psutil.Process(dead).kill()  # kill -9: its record and Prefect's pid file stay behind
@@ -146,8 +156,8 @@ def test_a_killed_server_is_replaced(work):
     assert record(work)["pid"] != dead
     # the same address: links to its flow runs recorded elsewhere (MLflow tags) still work
     assert record(work)["port"] == port
-    assert server_pids(work / ".prefect") == [record(work)["pid"]]
-    assert LocalServer(work / ".prefect").running() is not None
+    assert server_pids(home(work)) == [record(work)["pid"]]
+    assert LocalServer(home(work)).running() is not None
 
 
 def test_two_concurrent_starts_make_one_server(work):
@@ -157,7 +167,7 @@ def test_two_concurrent_starts_make_one_server(work):
     outputs = sorted(p.communicate(timeout=400)[0] for p in starts)
     assert [p.returncode for p in starts] == [0, 0]
     assert outputs[0].startswith("already running") and outputs[1].startswith("started"), outputs
-    assert server_pids(work / ".prefect") == [record(work)["pid"]]
+    assert server_pids(home(work)) == [record(work)["pid"]]
 
 
 def test_runs_start_the_server_once_and_reuse_it(work):
@@ -169,7 +179,7 @@ def test_runs_start_the_server_once_and_reuse_it(work):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Local Prefect server started" in run.stderr
     server = record(work)
-    assert LocalServer(work / ".prefect").running()["pid"] == server["pid"]  # outlived the run
+    assert LocalServer(home(work)).running()["pid"] == server["pid"]  # outlived the run
     done = json.loads(next((work / "jobs").glob("*/pipeline_done.json")).read_text())
     mlflow_run = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_run(done["run_id"])
     url = mlflow_run.data.tags["prefect.flow_run_url"]
@@ -192,7 +202,7 @@ def test_runs_start_the_server_once_and_reuse_it(work):
     assert guard.returncode == 0, guard.stderr[-3000:]
     assert "Local Prefect server reused" in guard.stderr
     assert "Starting temporary server" not in guard.stderr
-    assert record(work) == server and server_pids(work / ".prefect") == [server["pid"]]
+    assert record(work) == server and server_pids(home(work)) == [server["pid"]]
     runs = httpx.post(f"{server['api_url']}/flow_runs/filter", json={}, timeout=10).json()
     assert [r["state"]["type"] for r in runs] == ["COMPLETED"] * 2
 
@@ -202,18 +212,19 @@ def test_a_prefect_background_server_of_the_same_home_is_adopted(work):
     (and ``stoker server stop`` ends it) instead of starting a second server."""
     from mlflow_server import free_port
 
-    home = work / ".prefect"
+    prefect_home = home(work)
     port = free_port()
     subprocess.run([sys.executable, "-m", "prefect", "server", "start", "--background",
                     "--host", "127.0.0.1", "--port", str(port)], check=True, timeout=300,
-                   env={**env(), "PREFECT_HOME": str(home.resolve())}, capture_output=True)
-    prefect_pid = int((home / "server.pid").read_text())
-    assert LocalServer(home)._wait_healthy({"pid": prefect_pid,
+                   env={**env(), "PREFECT_HOME": str(prefect_home.resolve())},
+                   capture_output=True)
+    prefect_pid = int((prefect_home / "server.pid").read_text())
+    assert LocalServer(prefect_home)._wait_healthy({"pid": prefect_pid,
                                             "api_url": f"http://127.0.0.1:{port}/api"}, 300)
     start = stoker("server", "start", "-w", str(work))
     assert start.stdout.startswith(f"already running: http://127.0.0.1:{port}"), start.stdout
     assert record(work)["pid"] == prefect_pid
-    assert server_pids(home) == [prefect_pid]
+    assert server_pids(prefect_home) == [prefect_pid]
     assert f"stopped (pid {prefect_pid})" in stoker("server", "stop", "-w", str(work)).stdout
 
 
@@ -247,8 +258,7 @@ def test_a_port_taken_at_the_bind_and_free_again_at_the_check_is_tried_again(tmp
 
     from stoker.local_server import LOG, PORT_FILE, free_port
 
-    home = tmp_path / ".prefect"
-    home.mkdir()
+    home = seed_prefect_home(tmp_path / ".prefect")
     port = free_port()
     (home / PORT_FILE).write_text(f"{port}\n")
     holder = socket.socket()
@@ -293,7 +303,7 @@ def test_two_homes_racing_for_one_port_get_a_server_each(tmp_path):
     homes = [tmp_path / f"home-{i}" / ".prefect" for i in range(2)]
     port = free_port()
     for home in homes:
-        home.mkdir(parents=True)
+        seed_prefect_home(home)
         (home / PORT_FILE).write_text(f"{port}\n")  # both prefer it, and it is free
     urls: dict[int, str] = {}
     try:
@@ -321,7 +331,7 @@ def test_a_start_that_does_not_answer_in_time_says_why(tmp_path):
     start still at work)."""
     home = tmp_path / ".prefect"
     seed_prefect_home(home)
-    (home / PORT_FILE).write_text(f"{own_port(tmp_path)}\n")
+    own_port(home)
     server = LocalServer(home, startup_timeout_s=0.5)  # Prefect's app takes seconds to import
     try:
         with pytest.raises(ServerError) as caught:
@@ -345,9 +355,10 @@ def test_a_server_that_exits_at_start_names_its_own_error(tmp_path):
     once with the last lines of its own log, not only `exited; see server.log`."""
     home = tmp_path / ".prefect"
     home.mkdir()
-    (home / PORT_FILE).write_text(f"{own_port(tmp_path)}\n")
+    own_port(home)
     os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = \
         f"sqlite+aiosqlite:///{tmp_path / 'no-such-folder' / 'prefect.db'}"
+    (home / STAMP).write_text(stamp())  # said to be prepared: the server meets the bad path
     try:
         with pytest.raises(ServerError) as caught:
             LocalServer(home, startup_timeout_s=180).ensure()
@@ -356,3 +367,23 @@ def test_a_server_that_exits_at_start_names_its_own_error(tmp_path):
         stop_local_servers(tmp_path)
     message = str(caught.value)
     assert "exited; its last log lines: " in message and "\n" not in message, message
+
+
+def test_a_database_that_cannot_be_prepared_fails_before_any_server_starts(tmp_path):
+    """The same bad database path, not prepared yet: the preparation fails with its own last
+    log lines, in one line, and no server process was started."""
+    home = tmp_path / ".prefect"
+    home.mkdir()
+    os.environ["PREFECT_API_DATABASE_CONNECTION_URL"] = \
+        f"sqlite+aiosqlite:///{tmp_path / 'no-such-folder' / 'prefect.db'}"
+    try:
+        with pytest.raises(ServerError) as caught:
+            LocalServer(home, startup_timeout_s=180).ensure()
+    finally:
+        del os.environ["PREFECT_API_DATABASE_CONNECTION_URL"]
+    message = str(caught.value)
+    assert message.startswith("preparing the Prefect database failed (exit 1); its last log "
+                              "lines: ") and "\n" not in message, message
+    assert "unable to open database file" in message, message
+    assert not (home / "server.json").exists() and server_pids(home) == []
+    assert not (home / STAMP).exists()
