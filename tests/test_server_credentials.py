@@ -204,3 +204,21 @@ def test_the_check_imports_no_prefect(prefect_auth):
     result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                             text=True, timeout=120, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_docker_containers_get_the_tracking_credential_by_name(tmp_path, monkeypatch):
+    """A Docker launcher's ranks log to a tracking server that asks who they are: the
+    containers get MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN from this environment (they got only
+    the AWS variables), and nothing for a sqlite store."""
+    from stoker.config import load_pipeline_config
+    from stoker.launch.factory import tracking_environment
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret")
+    monkeypatch.delenv("MLFLOW_TRACKING_TOKEN", raising=False)
+    http = load_pipeline_config(None, [f"work_dir={tmp_path}", "launcher.kind=docker",
+                                       "tracking.tracking_uri=http://127.0.0.1:5999"])
+    assert tracking_environment(http) == {"MLFLOW_TRACKING_USERNAME": "alice",
+                                          "MLFLOW_TRACKING_PASSWORD": "s3cret"}
+    local = load_pipeline_config(None, [f"work_dir={tmp_path}"])
+    assert tracking_environment(local) == {}

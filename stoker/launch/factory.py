@@ -71,7 +71,7 @@ def make_launcher(config: PipelineConfig, world_size: int, image: str | None = N
             extra_mounts=[str(config.work_dir.resolve())]
             + ([config.checkpoint_dir] if config.checkpoint_dir
                and "://" not in config.checkpoint_dir else []),
-            environment=store_environment(config),
+            environment={**store_environment(config), **tracking_environment(config)},
         )
     if kind == "slurm":
         from stoker.launch.slurm import SlurmLauncher
@@ -106,6 +106,19 @@ def store_environment(config: PipelineConfig) -> dict[str, str]:
     if not config.checkpoint_dir or "://" not in config.checkpoint_dir:
         return {}
     return {k: os.environ[k] for k in STORE_ENV if k in os.environ}
+
+
+# What a container's rank 0 needs to log to a tracking server that asks who it is: passed
+# through by name, never logged.
+TRACKING_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def tracking_environment(config: PipelineConfig) -> dict[str, str]:
+    """The MLflow tracking server's credentials of this process's environment, for the
+    training containers (only with an http(s) ``tracking.tracking_uri``; {} otherwise)."""
+    if not config.tracking_uri().startswith(("http://", "https://")):
+        return {}
+    return {k: os.environ[k] for k in TRACKING_ENV if k in os.environ}
 
 
 def check_before_pull(config: PipelineConfig) -> None:
