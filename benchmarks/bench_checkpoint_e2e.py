@@ -3,7 +3,7 @@ every N steps versus the same steps without them, and each save's time to durabl
 
 The state is ``bench_checkpoint``'s: a stack of square Linear layers with AdamW (model + two
 moment buffers, about 150 MB at full size), trained a step at a time on one random batch of 32
-rows (about 0.2 s a step on 2 idle CPU cores: a save every 50 steps is one every ~10 s). Both
+rows (the notes give the step time, and so the seconds between saves). Both
 sides run the same ``--periods`` x N steps, N = ``train.checkpoint_every_steps``'s default (50):
 
 * baseline: the steps alone;
