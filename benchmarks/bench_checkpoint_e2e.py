@@ -81,9 +81,12 @@ def positive(cast: type):
 
 
 def rng_state() -> dict:
-    """A rank's RNG state as the trainer saves it (``Trainer._rng_state`` on a CPU)."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
+    """A rank's RNG state as the trainer saves it (``Trainer._rng_state``)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 class Saver:
