@@ -50,9 +50,11 @@ from benchmarks.common import (  # noqa: E402
     alternate,
     check,
     compared,
+    describe,
     emit,
     log,
     options,
+    ratio_summary,
     summary,
     until_decided,
 )
@@ -62,6 +64,7 @@ from stoker.runtime.checkpoint import Checkpointer  # noqa: E402
 
 TARGET = Target("<=", 1.05)  # issue 45: saves at a realistic frequency cost <= 5 % of step time
 DEFAULTS = TrainConfig()
+OTHER = f"saves with async_checkpoint={not DEFAULTS.async_checkpoint}"
 
 
 def ratio_of(baseline: float, candidate: float) -> float:
@@ -90,17 +93,18 @@ def rng_state() -> dict:
 
 
 class Saver:
-    """Saves ``job``'s state as ``Trainer.save`` does with the default configuration, and
-    times each save: the seconds the training thread is held, and to durable."""
+    """Saves ``job``'s state as ``Trainer.save`` does with the default configuration (or with
+    ``async_save`` given), and times each save: the seconds the training thread is held, and
+    to durable."""
 
-    def __init__(self, job: Job, location: Path):
+    def __init__(self, job: Job, location: Path,
+                 async_save: bool = DEFAULTS.async_checkpoint):
         self.job = job
+        self.location = location
         self.ckpt = Checkpointer(str(location), rank=0, world_size=1,
-                                 keep_latest_k=DEFAULTS.keep_latest_k,
-                                 async_save=DEFAULTS.async_checkpoint)
-        job.ckpt = self.ckpt  # a step waits for a deferred host copy before optimizer.step
+                                 keep_latest_k=DEFAULTS.keep_latest_k, async_save=async_save)
         self.step = 0  # the checkpoint's step number, increasing over every run
-        self.held_s: list[float] = []  # per save: the save call + the next step's wait
+        self.held_s: list[float] = []  # per run: per save, the save call + the step's waits
         self.durable_s: list[float] = []  # per save: save call -> background thread ended
         self._watchers: list[threading.Thread] = []
 
@@ -128,18 +132,37 @@ class Saver:
         watcher.start()
         self._watchers.append(watcher)
 
-    def settle(self) -> None:
-        """Wait for every save and its watcher (raises a failed save's error)."""
+    def settle(self) -> dict:
+        """Wait for every save and its watcher (raises a failed save's error), then read the
+        last one back with a fresh reader, as a resumed attempt would (``COMMITTED`` and every
+        file's sha256).
+
+        Returns:
+            ``committed_steps`` (ascending) and ``latest_step`` (the step loaded).
+
+        Raises:
+            RuntimeError: the last save is not the latest committed step that loads.
+        """
         self.ckpt.wait()
         for watcher in self._watchers:
             watcher.join()
         self._watchers.clear()
+        reader = Checkpointer(str(self.location), rank=0, world_size=1)
+        last = reader.load_latest()
+        read_back = {"committed_steps": reader.committed_steps(),
+                     "latest_step": None if last is None else int(last.shared["step"])}
+        if read_back["latest_step"] != self.step:
+            raise RuntimeError(f"{self.location}: the last save (step {self.step}) was not "
+                               f"read back committed: {read_back}")
+        return read_back
 
 
 def train(job: Job, steps: int, every: int, saver: Saver | None) -> float:
     """``steps`` training steps, with a save after step 1, 1 + every, ... when ``saver`` is
     given; returns the wall seconds per step (the last save's commit waited for)."""
     held = 0.0
+    if saver is not None:
+        job.ckpt = saver.ckpt  # a step waits for a deferred host copy before optimizer.step
     started = time.perf_counter()
     for i in range(steps):
         job.step()
@@ -165,10 +188,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               "steps between saves (train.checkpoint_every_steps' default)"),
         Sized("--periods", positive(int), 3, 2, "saves per run (each followed by its N-1 "
               "steps)"),
-        extra=lambda p: p.add_argument(
-            "--device", default="cuda" if torch.cuda.is_available() else "cpu",
-            help="where the state lives, as in training (default: cuda if available)"),
-        argv=argv)
+        extra=_extra_options, argv=argv)
+
+
+def _extra_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the state lives, as in training (default: cuda if available)")
+    p.add_argument("--other-arm", action="store_true",
+                   help="also run, in every pair, the same saves with train.async_checkpoint "
+                        f"set the other way ({not DEFAULTS.async_checkpoint}): informative, "
+                        "what that setting would cost here")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -182,78 +211,85 @@ def main(argv: list[str] | None = None) -> dict:
 
     with Workdir(args.workdir, "bench-checkpoint-e2e") as work:
         saver = Saver(job, work / "checkpoints")
-
-        def baseline(i: int) -> float:
-            return train(job, steps, every, None)
-
-        def candidate(i: int) -> float:
-            return train(job, steps, every, saver)
-
+        other = Saver(job, work / "checkpoints-other", not DEFAULTS.async_checkpoint) \
+            if args.other_arm else None
         # the warm-up pair pays the page cache, the allocator and the first save's folders
-        pairs = alternate(baseline, candidate, args.repeats, args.warmups,
+        pairs = alternate(lambda i: train(job, steps, every, None),
+                          lambda i: train(job, steps, every, saver), args.repeats, args.warmups,
+                          extra={OTHER: lambda i: train(job, steps, every, other)}
+                          if other else None,
                           decided=until_decided(ratio_of, TARGET))
-        saver.settle()
-        saves = args.periods * (args.warmups + len(pairs.candidate))
-        # Read back by a fresh reader, as a resumed attempt would: COMMITTED, every sha256.
-        reader = Checkpointer(str(work / "checkpoints"), rank=0, world_size=1)
-        last = reader.load_latest()
-        read_back = {"committed_steps": reader.committed_steps(),
-                     "latest_step": None if last is None else int(last.shared["step"])}
-    if read_back["latest_step"] != saver.step:
-        raise RuntimeError(f"the last save (step {saver.step}) was not read back committed: "
-                           f"{read_back}")
-    return emit_result(args, pairs, saver, size_bytes, saves, read_back)
+        read_back = saver.settle()
+        other_read_back = other.settle() if other else None
+    return emit_result(args, pairs, saver, size_bytes, read_back, other, other_read_back)
+
+
+def save_figures(pairs: Pairs, arm: str, saver: Saver, warmups: int,
+                 periods: int) -> dict:
+    """One saving arm's figures over the counted pairs (warm-ups left out): the seconds held
+    per save, to durable per save, and the CPU-seconds added per save over the baseline."""
+    return {"held_per_save_s": summary(saver.held_s[warmups:], "s",
+                                       "training thread held per save"),
+            "durable_s": summary(saver.durable_s[warmups * periods:], "s",
+                                 "save call -> committed (background thread ended)"),
+            "cpu_added_per_save_s": summary(
+                per_pair(pairs.values("baseline", "cpu_s"), pairs.values(arm, "cpu_s"),
+                         lambda b, c: (c - b) / periods), "CPU-s",
+                "CPU added per save (all threads)")}
+
+
+def save_notes(label: str, figures: dict, period_s: float, mb: float) -> list[str]:
+    """The notes on one saving arm: held per save, to durable, CPU per save."""
+    held, durable = figures["held_per_save_s"], figures["durable_s"]
+    cpu = figures["cpu_added_per_save_s"]
+    return [f"{label}: training thread held per save {held['median']:.3f} s "
+            f"[{held['min']:.3f} to {held['max']:.3f}] (held alone would make the ratio "
+            f"{1 + held['median'] / period_s:.3f}; the rest is what the background part "
+            "takes from the steps); time to durable (save call -> COMMITTED written, "
+            f"fsynced, old steps purged) {durable['median']:.2f} s [{durable['min']:.2f} to "
+            f"{durable['max']:.2f}] ({mb / durable['median']:.0f} MB/s); CPU added per save, "
+            f"every thread of the process: {cpu['median']:.3f} CPU-s [{cpu['min']:.3f} to "
+            f"{cpu['max']:.3f}]"]
 
 
 def emit_result(args: argparse.Namespace, pairs: Pairs, saver: Saver, size_bytes: int,
-                saves: int, read_back: dict) -> dict:
+                read_back: dict, other: Saver | None = None,
+                other_read_back: dict | None = None) -> dict:
     """The result line: the per-pair ratio and its verdict, the notes and the details."""
     every, periods = args.every_steps, args.periods
-    counted = slice(args.warmups, None)  # the warm-up pairs' runs are not counted
-    held = summary(saver.held_s[counted], "s", "training thread held per save")
-    durable = summary(saver.durable_s[counted.start * periods:], "s",
-                      "save call -> committed (background thread ended)")
+    figures = save_figures(pairs, "candidate", saver, args.warmups, periods)
     plain = summary(pairs.values("baseline"), "s", "plain step")
-    cpu_per_save = summary(per_pair(pairs.values("baseline", "cpu_s"),
-                                    pairs.values("candidate", "cpu_s"),
-                                    lambda b, c: (c - b) / periods), "CPU-s",
-                           "CPU added per save (all threads)")
     result = compared(pairs, ratio_of, TARGET, "training steps without checkpoints",
                       f"the same steps with a save every {every} (default configuration)",
                       "s per step")
     mb, period_s = size_bytes / 1e6, every * plain["median"]
-    notes = [
-        f"state: {mb:.1f} MB of tensors on {args.device} (Linear stack + AdamW moments), batch "
-        f"{args.batch}: a plain step takes {plain['median']:.3f} s, so a save every {every} "
-        f"steps is one every {period_s:.1f} s; {periods} saves per run",
-        f"default configuration: train.async_checkpoint={DEFAULTS.async_checkpoint}, "
-        f"keep_latest_k={DEFAULTS.keep_latest_k}, checkpoint_every_steps="
-        f"{DEFAULTS.checkpoint_every_steps}",
-        f"training thread held per save: {held['median']:.3f} s [{held['min']:.3f} to "
-        f"{held['max']:.3f}]; held alone would make the ratio "
-        f"{1 + held['median'] / period_s:.3f}; the rest is what the background part (fsync, "
-        "commit, purge) and the page cache's write-back take from the steps",
-        f"time to durable (save call -> COMMITTED written, fsynced, old steps purged): "
-        f"{durable['median']:.2f} s [{durable['min']:.2f} to {durable['max']:.2f}] "
-        f"({mb / durable['median']:.0f} MB/s)",
-        f"CPU added per save, this process's threads (the background one included): "
-        f"{cpu_per_save['median']:.3f} CPU-s [{cpu_per_save['min']:.3f} to "
-        f"{cpu_per_save['max']:.3f}]",
-        f"read back from the store: committed steps {read_back['committed_steps']}, the "
-        f"latest ({read_back['latest_step']}) verified against its sha256"]
+    notes = [f"state: {mb:.1f} MB of tensors on {args.device} (Linear stack + AdamW moments), "
+             f"batch {args.batch}: a plain step takes {plain['median']:.3f} s, so a save every "
+             f"{every} steps is one every {period_s:.1f} s; {periods} saves per run",
+             f"default configuration: train.async_checkpoint={DEFAULTS.async_checkpoint}, "
+             f"keep_latest_k={DEFAULTS.keep_latest_k}, checkpoint_every_steps="
+             f"{DEFAULTS.checkpoint_every_steps}",
+             *save_notes("default", figures, period_s, mb),
+             f"read back from the store: committed steps {read_back['committed_steps']}, the "
+             f"latest ({read_back['latest_step']}) verified against its sha256"]
+    details = {"size_bytes": size_bytes, "device": args.device, "batch": args.batch,
+               "every_steps": every, "periods": periods,
+               "async_checkpoint": DEFAULTS.async_checkpoint,
+               "seconds_between_saves": round(period_s, 4), "plain_step_s": plain, **figures,
+               "saves": len(saver.durable_s),
+               "median_held_share": round(figures["held_per_save_s"]["median"] / period_s, 4),
+               "read_back": read_back}
+    if other is not None:
+        arm = save_figures(pairs, OTHER, other, args.warmups, periods)
+        arm["ratio"] = ratio_summary(pairs.values("baseline"), pairs.values(OTHER), ratio_of)
+        notes += [f"informative, {OTHER}: per-pair ratio to the baseline "
+                  f"{describe(arm['ratio'])}", *save_notes(OTHER, arm, period_s, mb)]
+        details["other_arm"] = arm | {"read_back": other_read_back}
     return emit("checkpoint_e2e", metric="wall time per training step with a save every "
-         f"{every} steps (default configuration) / without", quick=args.quick, notes=notes,
-         **result,
-         checks=[] if args.quick else [check("state size", [mb], "MB", Target(">=", 100),
-                                             statistic="max")],
-         details={"size_bytes": size_bytes, "device": args.device, "batch": args.batch,
-                  "every_steps": every, "periods": periods,
-                  "async_checkpoint": DEFAULTS.async_checkpoint,
-                  "seconds_between_saves": round(period_s, 4), "plain_step_s": plain,
-                  "held_per_save_s": held, "durable_s": durable,
-                  "cpu_added_per_save_s": cpu_per_save, "saves": saves,
-                  "median_held_share": round(held["median"] / period_s, 4),
-                  "read_back": read_back})
+                f"{every} steps (default configuration) / without", quick=args.quick,
+                notes=notes, **result, details=details,
+                checks=[] if args.quick else [check("state size", [mb], "MB",
+                                                    Target(">=", 100), statistic="max")])
 
 
 if __name__ == "__main__":

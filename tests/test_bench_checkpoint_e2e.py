@@ -44,7 +44,8 @@ def test_a_size_that_is_not_positive_exits_2_naming_the_option(option, capsys):
 def test_quick_run_times_the_default_saves_and_reads_them_back_from_the_store(tmp_path,
                                                                               capsys):
     result = bench.main(["--quick", "--workdir", str(tmp_path), "--size-mb", "1",
-                         "--every-steps", "3", "--periods", "2", "--batch", "4"])
+                         "--every-steps", "3", "--periods", "2", "--batch", "4",
+                         "--other-arm"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == result
     details = result["details"]
     # The default path is the measured one, whatever async_checkpoint defaults to.
@@ -65,6 +66,11 @@ def test_quick_run_times_the_default_saves_and_reads_them_back_from_the_store(tm
     assert result["ratio"] == pytest.approx(c["median"] / b["median"], rel=1e-4)
     assert c["cpu_s"]["median"] > 0 and result["cpu_ratio"]["n"] == 1
     assert result["verdict"] == "undecided"  # one pair: no interval
+    # The other setting of async_checkpoint, informative, saved to its own folder and read back.
+    other = details["other_arm"]
+    assert other["ratio"]["n"] == 1 and "verdict" not in other["ratio"]
+    assert other["durable_s"]["n"] == 2 and other["read_back"]["latest_step"] == 2
+    assert (tmp_path / "checkpoints-other" / "step-000000002" / MARKER).is_file()
 
 
 def synthetic(candidate_s: list[float]) -> dict:
@@ -75,7 +81,7 @@ def synthetic(candidate_s: list[float]) -> dict:
                            batch=64)
     saver = SimpleNamespace(held_s=[0.1] * len(candidate_s),
                             durable_s=[0.5] * (3 * len(candidate_s)))
-    return bench.emit_result(args, pairs, saver, 151_000_000, 3 * len(candidate_s),
+    return bench.emit_result(args, pairs, saver, 151_000_000,
                              {"committed_steps": [13, 14, 15], "latest_step": 15})
 
 
