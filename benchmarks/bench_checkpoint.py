@@ -51,11 +51,11 @@ GPU_TARGET = Target("<=", 0.05)  # pinned, reused host buffers, a side stream
 
 class Job:
     """A model + AdamW of about ``size_mb`` MB of state (fp32) on ``device``, trained a step at a
-    time on random batches."""
+    time on a random batch of ``batch`` rows (a larger batch: a longer step) through square
+    layers of ``width`` features."""
 
-    width = 1024
-
-    def __init__(self, size_mb: float, device: str):
+    def __init__(self, size_mb: float, device: str, batch: int = 8, width: int = 1024):
+        self.width = width
         layer_bytes = 3 * (self.width * self.width + self.width) * 4  # weights, bias, 2 moments
         layers = max(1, round(size_mb * 1e6 / layer_bytes))
         torch.manual_seed(0)
@@ -63,7 +63,7 @@ class Job:
         self.model = torch.nn.Sequential(*(torch.nn.Linear(self.width, self.width)
                                            for _ in range(layers))).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.batch = torch.randn(8, self.width, device=self.device)
+        self.batch = torch.randn(batch, self.width, device=self.device)
         self.ckpt: Checkpointer | None = None
         self.waited_s = 0.0  # the last step's wait for the checkpoint's host copy
         self.step()  # creates the moment buffers

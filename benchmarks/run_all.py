@@ -55,6 +55,8 @@ MEASURES = (
      "ratio >= 0.98"),
     ("bench_checkpoint", "Checkpoint: training thread held per save vs synchronous torch.save",
      "ratio <= 0.2 (CPU), <= 0.05 (GPU)"),
+    ("bench_checkpoint_e2e", "Checkpoint end to end: step time with the default saves every 50 "
+     "steps vs without; time to durable", "ratio <= 1.05 (CPU, 150 MB state)"),
     ("bench_recovery", "Preemption recovery: SIGTERM -> first resumed step",
      "median <= 5 s, 0 steps lost"),
     ("bench_image_decision", "Image: unchanged-image decision vs cached docker build",

@@ -45,8 +45,8 @@ from benchmarks.stats import (  # noqa: E402
 )
 
 OURS = ("bench_pipeline_overhead", "bench_trainer_throughput", "bench_checkpoint",
-        "bench_recovery", "bench_dataset", "bench_tracking", "bench_gpu_resnet",
-        "bench_image_decision", "bench_goodput", "bench_cost_guard")
+        "bench_checkpoint_e2e", "bench_recovery", "bench_dataset", "bench_tracking",
+        "bench_gpu_resnet", "bench_image_decision", "bench_goodput", "bench_cost_guard")
 
 
 def write_events(job_dir: Path, events: list[dict]) -> None:
