@@ -163,17 +163,24 @@ class LocalServer:
         return record if record is not None and _listens(record) \
             and healthy(record["api_url"]) else None
 
-    def ensure(self) -> tuple[str, bool]:
+    def ensure(self, only_if_recorded: bool = False) -> tuple[str | None, bool]:
         """The API URL of a running server of this home, started now if there is none.
 
+        Args:
+            only_if_recorded: start one only while a record is there (the keeper: a server
+                ``stoker server stop`` ended has none, and is not started again).
+
         Returns:
-            (api_url, started): ``started`` is True when this call started it.
+            (api_url, started): ``started`` is True when this call started it; (None, False)
+            when ``only_if_recorded`` and there is no record.
 
         Raises:
             ServerError: it exited or did not answer within ``startup_timeout_s``.
         """
         self.home.mkdir(parents=True, exist_ok=True)
         with FileLock(self.home / "server.lock", timeout=self.lock_timeout_s):
+            if only_if_recorded and not (self.home / RECORD).exists():
+                return None, False  # stopped on purpose while we waited for the lock
             record = self.record() or self._prefect_background_server()
             if record is not None:
                 # One still starting (its starter was killed mid-start) gets its whole start-up.
@@ -221,6 +228,10 @@ class LocalServer:
             return None if record is None else record["pid"]
 
     def _end(self, record: dict[str, Any] | None, grace_s: float = 10.0) -> None:
+        # The record goes first: a keeper that saw it with a dead pid while the server was
+        # being ended started it again (trial: `stoker server stop` during a run was undone).
+        for name in (RECORD, PREFECT_PID_FILE):
+            (self.home / name).unlink(missing_ok=True)
         if record is not None:
             with contextlib.suppress(psutil.Error):
                 proc = psutil.Process(record["pid"])
@@ -408,11 +419,11 @@ class ServerKeeper(threading.Thread):
             if not (self.server.home / RECORD).exists() or self.server.record() is not None:
                 continue  # stopped on purpose, or alive
             try:
-                api_url, started = self.server.ensure()
+                api_url, started = self.server.ensure(only_if_recorded=True)
             except ServerError as e:
                 self.on_restart(f"the local Prefect server died and did not start again: {e}")
                 continue
-            if started:
+            if started and api_url is not None:
                 self.on_restart(f"the local Prefect server died: started again at "
                                 f"{api_url.removesuffix('/api')}")
 

@@ -160,6 +160,27 @@ def test_a_killed_server_is_replaced(work):
     assert LocalServer(home(work)).running() is not None
 
 
+def test_a_server_stopped_while_a_run_keeps_it_is_not_started_again(work):
+    """`stoker server stop` while a run's keeper watches the server (every 0.05 s here): it
+    stays stopped (trial: the keeper saw the record with a dead pid mid-stop and started a new
+    server, "the local Prefect server died: started again")."""
+    from stoker.local_server import ServerKeeper
+
+    own_port(home(work))
+    assert stoker("server", "start", "-w", str(work)).returncode == 0
+    said: list[str] = []
+    keeper = ServerKeeper(LocalServer(home(work)), said.append, interval_s=0.05)
+    keeper.start()
+    try:
+        stopped = stoker("server", "stop", "-w", str(work))
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        time.sleep(3)
+    finally:
+        keeper.stop()
+        keeper.join(timeout=60)
+    assert said == [] and server_pids(home(work)) == []
+
+
 def test_two_concurrent_starts_make_one_server(work):
     starts = [subprocess.Popen([sys.executable, "-m", "stoker.cli", "server", "start", "-w",
                                 str(work)], env=env(), stdout=subprocess.PIPE, text=True)
