@@ -173,4 +173,6 @@ def test_the_cli_names_an_unknown_matrix_entry_before_prefect_starts(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error: matrix entry 'no-such-entry'")
     assert len(result.stderr.strip().splitlines()) == 1
-    assert not work.exists()  # no Prefect home, no server
+    # Nothing written but the test's own seeded Prefect home (embedded_env), and no server.
+    assert sorted(p.name for p in work.iterdir()) == [".prefect"]
+    assert not (work / ".prefect" / "server.json").exists()
