@@ -120,3 +120,20 @@ def test_an_object_store_gets_no_modes(tmp_path):
     with private.fs_open(fs, "/bucket/job/checkpoints/COMMITTED") as f:
         f.write(b"{}")
     assert fs.cat_file("/bucket/job/checkpoints/COMMITTED") == b"{}"
+
+
+def test_a_pulled_datasets_folders_are_their_owners(demo_repo, tmp_path):
+    """The work folder, ``datasets/`` and the repository cache a pull creates are 0700 (trial:
+    0755 with a remote Prefect server, from the cache folder's mkdir)."""
+    import stat
+
+    from stoker.data.pull import pull_dataset
+
+    work = tmp_path / "work"
+    old = os.umask(0o022)
+    try:
+        pull_dataset(str(demo_repo.repo), "v1", "data/digits", work / "datasets")
+    finally:
+        os.umask(old)
+    for folder in (work, work / "datasets", work / "datasets" / ".repos"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder

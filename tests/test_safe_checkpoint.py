@@ -27,27 +27,29 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def plant(step_dir: Path, name: str, marker: Path) -> None:
+def plant(step_dir: Path, name: str, marker: Path, legacy: bool = False) -> None:
     """Replace ``name`` by a payload and record its sha256 in the marker, as an attacker with
-    write access to the shared folder would."""
+    write access to the shared folder would (``legacy``: in torch's pre-zip format)."""
     buffer = io.BytesIO()
-    torch.save({"model": Payload(marker)}, buffer)
+    torch.save({"model": Payload(marker)}, buffer, _use_new_zipfile_serialization=not legacy)
     (step_dir / name).write_bytes(buffer.getvalue())
     record = json.loads((step_dir / MARKER).read_text())
     record["files"][name] = hashlib.sha256(buffer.getvalue()).hexdigest()
     (step_dir / MARKER).write_text(json.dumps(record))
 
 
-def test_a_planted_pickle_is_refused_by_name_and_never_run(tmp_path):
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip-format", "legacy-format"])
+def test_a_planted_pickle_is_refused_by_name_and_never_run(tmp_path, legacy):
     """Plain: load_latest refuses the newest step (naming the file and posix.system) instead of
-    falling back to an older one, and the payload's marker file is never created."""
+    falling back to an older one, and the payload's marker file is never created; in torch's
+    legacy format too (trial: moved aside as corrupt, and the job fell back to step 23)."""
     root = tmp_path / "checkpoints"
     ckpt = Checkpointer(str(root), 0, 1)
     for step in (1, 2):
         ckpt.save(step, {"step": step, "model": {"w": torch.ones(2)}}, {"rng": {}})
         ckpt.wait()
     marker = tmp_path / "pwned"
-    plant(root / "step-000000002", "shared.pt", marker)
+    plant(root / "step-000000002", "shared.pt", marker, legacy=legacy)
     with pytest.raises(UnsafeCheckpointError) as refused:
         Checkpointer(str(root), 0, 1).load_latest()
     assert "step-000000002/shared.pt" in str(refused.value)

@@ -22,6 +22,9 @@ def test_an_option_like_value_is_refused_naming_its_field(demo_repo, tmp_path, f
             call()
         message = str(refused.value)
         assert message.startswith(f"{field} ") and "starts with '-'" in message
+        assert "{value}" not in message  # trial: the advice's placeholder was printed as is
+        if field == "data.repo_url":
+            assert "give a path (./--upload-pack=" in message
         assert len(message.splitlines()) == 1
     assert not marker.exists()
     assert not (tmp_path / "datasets" / ".repos").exists() or not any(

@@ -38,6 +38,7 @@ from stoker.data.remote import (
     resolve_repo_url,
 )
 from stoker.data.untrusted import option_like
+from stoker.runtime import private
 from stoker.runtime.records import read_json, write_json
 
 LOCK_TIMEOUT_S = 3600.0  # a cold pull of a large dataset holds the clone's lock this long at most
@@ -91,7 +92,7 @@ def _clone(repo_url: str, datasets_dir: Path) -> Path:
         except RuntimeError as e:
             raise DatasetError(f"data.repo_url {repo_url}: cannot fetch: {_reason(e)}") from None
         return clone
-    clone.parent.mkdir(parents=True, exist_ok=True)
+    private.make_dir(clone.parent, narrow_existing=False)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=clone.parent))
     try:
         git(clone.parent, "clone", "-q", "--no-checkout", "--", repo_url, str(staging))
@@ -239,7 +240,7 @@ def _copy_md5(source: Path, target: Path) -> str:
 
 def _materialise(source: Path, target: Path, link: bool) -> str:
     """Hard-link (``link``; copy where the file system can't) or copy; returns the md5."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    private.make_dir(target.parent, narrow_existing=False)
     if link:
         try:
             os.link(source, target)  # a read-only cache object: sharing it is safe
@@ -387,7 +388,7 @@ def pull_dataset(
         raise DatasetError(refused)
     repo_url = resolve_repo_url(repo_url)
     datasets_dir = datasets_dir.resolve()
-    (datasets_dir / ".repos").mkdir(parents=True, exist_ok=True)
+    private.make_dir(datasets_dir / ".repos", narrow_existing=False)
     lock = FileLock(str(datasets_dir / ".repos" / f"{clone_key(repo_url)}.lock"))
     try:
         with lock.acquire(timeout=LOCK_TIMEOUT_S):

@@ -21,6 +21,8 @@ def option_like(fields: dict[str, str | None]) -> str | None:
     """
     for field, value in fields.items():
         if value is not None and value.lstrip().startswith("-"):
+            instead = (f"give a path (./{value.lstrip()}) or a URL instead"
+                       if field.endswith("repo_url") else "no such name starts with '-'")
             return (f"{field} {value!r}: starts with '-', which git and DVC would read as an "
-                    "option; give a path (./{value}) or a URL instead")
+                    f"option; {instead}")
     return None

@@ -11,6 +11,7 @@ of restarting from step 0: a planted payload is something to look at, not to ski
 from __future__ import annotations
 
 import io
+import re
 from typing import Any
 
 import numpy as np
@@ -62,7 +63,20 @@ def load_data_only(blob: bytes, name: str, map_location: str | torch.device = "c
         with torch.serialization.safe_globals(_NUMPY_GLOBALS):
             return torch.load(io.BytesIO(blob), map_location=map_location, weights_only=True)
     except Exception as e:
-        if "Unsupported global" in str(e):  # garbage bytes stay "unusable", not "refused"
+        # A type outside the allow-list: "Unsupported global" (the zip format), "unsupported
+        # GLOBAL posix.system whose module posix is blocked" (the legacy format, which a trial
+        # planted: it was moved aside as corrupt and the job fell back to an older step).
+        # Garbage bytes stay "unusable", not "refused".
+        text = str(e)
+        if blocked := LEGACY_GLOBAL.search(text):
+            raise UnsafeCheckpointError(
+                f"{name}: refused, it tries to build {blocked.group(1)} (a checkpoint holds "
+                "tensors and plain types only; nothing in it is run)") from e
+        if "Unsupported global" in text:
+            line = next((x for x in text.splitlines() if "Unsupported global" in x), "")
             raise UnsafeCheckpointError(f"{name}: refused by the weights-only loader "
-                                        f"({str(e).splitlines()[-1][:200]})") from e
+                                        f"({line.strip()[:200]})") from e
         raise
+
+
+LEGACY_GLOBAL = re.compile(r"unsupported GLOBAL (\S+) whose module \S+ is blocked")
