@@ -42,6 +42,12 @@ def predict(
     from_env = tracking_uri is None and work_dir is None and tracking_uri_from_env()
     tracking_uri = (tracking_uri or from_env
                     or f"sqlite:///{(work_dir or Path('work')) / 'mlflow.db'}")
+    from stoker.config_base import masked_url, url_credentials
+
+    if (found := url_credentials(tracking_uri)) is not None:  # as stoker run refuses it
+        fail(f"--tracking-uri holds {found}: give the URL without it and the credential in "
+             "the environment (MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+             f"MLFLOW_TRACKING_TOKEN); got {masked_url(tracking_uri)}")
     store = sqlite_path(tracking_uri)
     relative = f" (from {Path.cwd()})" if store is not None and not store.is_absolute() else ""
     source = " of MLFLOW_TRACKING_URI" if from_env else ""

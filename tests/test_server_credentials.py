@@ -99,6 +99,20 @@ def test_stoker_predict_refuses_a_missing_mlflow_credential(mlflow_auth, tmp_pat
     assert_refused(result, mlflow_auth.uri, "MLFLOW_TRACKING_USERNAME", tmp_path / "work")
 
 
+def test_stoker_predict_refuses_a_credential_inside_its_url(mlflow_auth, tmp_path):
+    """`--tracking-uri http://admin:SECRET@host` is refused as `stoker run` refuses it, the
+    secret masked (trial: predict used it, and blamed the variables when it was wrong)."""
+    image = tmp_path / "digit.png"
+    image.write_bytes(b"not read")
+    host = mlflow_auth.uri.removeprefix("http://")
+    result = stoker(tmp_path / "work", "predict", str(image), "--tracking-uri",
+                    f"http://admin:{MLFLOW_SECRET}@{host}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: --tracking-uri holds ") and "MLFLOW_TRACKING_PASSWORD" in line
+    assert MLFLOW_SECRET not in result.stdout + result.stderr
+
+
 def test_the_right_credentials_pass_and_a_run_logs_to_the_servers(prefect_auth, mlflow_auth,
                                                                     tmp_path):
     """Both servers take the credentials: a short `stoker run` trains, its metrics are on the
