@@ -203,15 +203,20 @@ def test_sigterm_to_the_batch_shell_ends_with_a_stop_checkpoint(cluster, spec_fo
     assert not jobs_of(spec.parent.name)
 
 
-def node_launcher(node_id: str) -> psutil.Process:
-    """The ``stoker.runtime.launch`` process that srun started on node ``node_id``, found by its
-    title (``stoker-launch job <JOB>: python -m stoker.runtime.launch ... --node-rank=<N> ...``;
-    setting the title overwrote the process's environment, so SLURM_NODEID cannot be read)."""
+def node_launcher(spec: Path, node_id: str) -> psutil.Process:
+    """The ``stoker.runtime.launch`` process that srun started on node ``node_id`` for the job
+    of ``spec``, found by its title (``stoker-launch job <JOB>: python -m stoker.runtime.launch
+    ... --node-rank=<N> ...``; setting the title overwrote the process's environment, so
+    SLURM_NODEID cannot be read). The job is matched too: another test's two-node job (the
+    Docker launcher's containers, in CI beside this one) has a node 1 as well."""
+    from stoker.runtime.preemption import spec_job
+
+    title = ["stoker-launch", "job", f"{spec_job(spec)}:"]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         for proc in psutil.process_iter(["cmdline"]):
             args = " ".join(proc.info["cmdline"] or []).split()
-            if args[:2] == ["stoker-launch", "job"] and f"--node-rank={node_id}" in args:
+            if args[:3] == title and f"--node-rank={node_id}" in args:
                 return proc
         time.sleep(0.2)
     raise AssertionError(f"no launcher on node {node_id}")
@@ -225,7 +230,7 @@ def test_kill_9_of_one_nodes_launcher_is_an_infrastructure_failure_resumed(unint
         lambda n: launcher().run(spec, on_line=lines.append, timeout_s=300),
         RetryConfig(backoff_s=0)))
     wait_for_step(spec.parent, 6)
-    node_launcher("1").kill()
+    node_launcher(spec, "1").kill()
     thread.join(timeout=240)
     outcomes = [a.outcome for a in attempts[0]]
     assert outcomes == [Outcome.INFRASTRUCTURE, Outcome.COMPLETED], "\n".join(lines[-40:])
