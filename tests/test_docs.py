@@ -155,3 +155,16 @@ def test_generator_is_importable_and_agrees_with_the_models(monkeypatch):
     for model in MODELS:
         assert sorted(reference.all_field_names(model)) == sorted(_dotted_fields(model))
     assert "## `stoker predict`" in reference.cli_reference()
+
+
+def test_a_run_names_its_owner(monkeypatch):
+    """On a shared tracking server a run shows who ran it (trial: user "unknown"): the server's
+    user when given, else the login name."""
+    from stoker.launch.supervisor import run_owner
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
+    assert run_owner() == "alice"
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME")
+    import getpass
+
+    assert run_owner() == getpass.getuser()

@@ -138,10 +138,12 @@ def test_the_right_credentials_pass_and_a_run_logs_to_the_servers(prefect_auth, 
     os.environ.update({k: v for k, v in credentials.items() if k.startswith("MLFLOW")})
     try:
         history = MlflowClient(mlflow_auth.uri).get_metric_history(run_id, "train_loss")
+        owner = MlflowClient(mlflow_auth.uri).get_run(run_id).info.user_id
     finally:
         for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
             os.environ.pop(name, None)
     assert history and history[-1].step == 22  # one epoch of the demo: 22 steps
+    assert owner == "admin"  # the server's user owns the run (trial: "unknown")
     url = f"{prefect_auth.api_url}/flow_runs/filter"
     assert httpx.post(url, json={}, timeout=30).status_code == 401  # the server asks, really
     token = base64.b64encode(PREFECT_SECRET.encode()).decode()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import re
 import threading
 import time
@@ -110,6 +111,7 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
         "dvc.md5": dataset.md5, "stoker.launcher": config.launcher.kind,
         "stoker.world_size": str(world_size * nodes(config)),
         "stoker.capacity_type": config.cost.capacity_type,
+        "mlflow.user": run_owner(),  # the run's owner on a shared server (was "unknown")
     }
     if image is not None:
         tags.update(image.lineage_tags())
@@ -120,6 +122,20 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
     if flow_run_url and flow_run_url.startswith(("http://", "https://")):
         tags["prefect.flow_run_url"] = flow_run_url
     return tags
+
+
+def run_owner() -> str:
+    """Who runs the job, as MLflow's runs table shows it: the tracking server's user
+    (``MLFLOW_TRACKING_USERNAME``) when set, else this process's login name; ``unknown`` when
+    neither can be read."""
+    import getpass
+
+    if name := os.environ.get("MLFLOW_TRACKING_USERNAME", "").strip():
+        return name
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no login name, no passwd entry (a bare container)
+        return "unknown"
 
 
 _KEYED_JOB = re.compile(r"^([0-9a-f]{8})[0-9a-f]*-(\d{8}T\d{6})\d*Z$")
