@@ -50,9 +50,17 @@ async def prepare():
 
     await register_blocks()
 
-asyncio.run(prepare())
+# Held for the whole preparation, by this process itself: one whose command was killed
+# (kill -9) goes on, and the next command's preparation waits for it instead of migrating the
+# same new database beside it (trial).
+import sys
+from filelock import FileLock
+
+with FileLock(sys.argv[1]):
+    asyncio.run(prepare())
 print("prepared", flush=True)
 """
+PREPARE_LOCK = "database.lock"
 
 
 class DatabaseError(RuntimeError):
@@ -125,7 +133,8 @@ def prepare_database(home: Path, env: Mapping[str, str], log_path: Path,
     offset = log_path.stat().st_size if log_path.exists() else 0
     try:
         with open(log_path, "ab") as log:
-            done = subprocess.run([sys.executable, "-c", _PREPARE], env=dict(env), cwd=home,
+            done = subprocess.run([sys.executable, "-c", _PREPARE, str(home / PREPARE_LOCK)],
+                                  env=dict(env), cwd=home,
                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                   timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as e:

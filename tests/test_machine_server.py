@@ -182,3 +182,23 @@ def test_a_database_without_its_stamp_is_prepared_again(tmp_path):
     assert len(said) == 2
     (home / "prefect.db").unlink()  # deleted by hand: made again
     assert not is_prepared(home, server_env)
+
+
+def test_a_preparation_waits_for_one_whose_command_was_killed(tmp_path):
+    """kill -9 of `stoker run` while it prepared the database leaves its preparation running;
+    the next command's preparation waits for that one (its lock, held by the preparing
+    process itself) instead of migrating the same new database beside it (trial: both ran)."""
+    from filelock import FileLock
+
+    from stoker.server_database import PREPARE_LOCK, DatabaseError, prepare_database
+
+    home = tmp_path / "prefect"
+    home.mkdir()
+    server_env = env(tmp_path / "state", PREFECT_HOME=str(home))
+    with FileLock(home / PREPARE_LOCK):  # the orphaned preparation, still at work
+        with pytest.raises(DatabaseError, match="took over 5 s"):
+            prepare_database(home, server_env, home / "server.log", timeout_s=5)
+        assert not is_prepared(home, server_env)
+        assert not (home / "prefect.db").exists()  # it waited: nothing migrated beside it
+    assert prepare_database(home, server_env, home / "server.log")  # once it is done
+    assert is_prepared(home, server_env)
