@@ -196,4 +196,5 @@ def masked_url(url: str) -> str:
     netloc = f"***@{host}{port}" if parts.username or parts.password else parts.netloc
     query = urlencode([(k, "***" if k.lower() in _SECRET_PARAMETERS else v)
                        for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    fragment = "***" if parts.fragment else ""  # never sent to a server; may hold a token
+    return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))

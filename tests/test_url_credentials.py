@@ -43,3 +43,16 @@ def test_urls_without_credentials_pass(url):
 def test_the_masked_form_keeps_what_tells_the_url_apart():
     assert masked_url(f"https://u:{SECRET}@host:8443/p?token={SECRET}&a=1") == \
         "https://***@host:8443/p?token=***&a=1"
+
+
+def test_a_fragment_is_never_quoted_nor_sent():
+    """`http://host/#token=...`: the fragment (a token pasted after '#') is not in the line
+    that says no server answers, and the health request goes without it (trial: printed)."""
+    from stoker.config_base import ConfigError, masked_url
+    from stoker.tracking.server import check_tracking_server
+
+    assert masked_url("http://127.0.0.1:1/#token=Sekrit42") == "http://127.0.0.1:1/#***"
+    with pytest.raises(ConfigError) as refused:
+        check_tracking_server("http://127.0.0.1:1/#token=Sekrit42", timeout_s=2)
+    assert "Sekrit42" not in str(refused.value) and "no MLflow server answers" in str(
+        refused.value)

@@ -20,13 +20,19 @@ def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
     """
     if not uri.startswith(("http://", "https://")):
         return
-    url = uri.rstrip("/") + "/health"
+    from urllib.parse import urlsplit, urlunsplit
+
+    from stoker.config_base import masked_url
+
+    parts = urlsplit(uri)  # the fragment is no part of a request (trial: "#token=..." was)
+    url = urlunsplit((*parts[:4], "")).rstrip("/") + "/health"
+    shown = masked_url(uri)
     try:
         response = httpx.get(url, timeout=timeout_s)
     except httpx.HTTPError as e:
         reason = type(e).__name__ if not str(e) else str(e)
-        raise ConfigError(f"tracking.tracking_uri: no MLflow server answers at {uri} "
+        raise ConfigError(f"tracking.tracking_uri: no MLflow server answers at {shown} "
                           f"({reason})") from None
     if response.status_code >= 400:
-        raise ConfigError(f"tracking.tracking_uri: {uri} answered /health with HTTP "
+        raise ConfigError(f"tracking.tracking_uri: {shown} answered /health with HTTP "
                           f"{response.status_code}; is it an MLflow tracking server?")
