@@ -297,8 +297,12 @@ def _print_summary(result: dict) -> None:
     if result["status"] != "ok":
         print(f"{result['benchmark']}: {result['status']}: {result.get('reason')}")
     elif result["pairs"]:
+        own = result["pairs"].get("verdict") or "informative"  # from the ratio's own interval
         print(f"per-pair ratio ({result['metric']}): {describe(result['pairs'])} "
-              f"(target {result['target']}: {result['verdict'] or 'no verdict'})")
+              f"(target {result['target']}: {own})")
+        if result["checks"]:
+            print(f"verdict of the row (the ratio's and every check's): "
+                  f"{result['verdict'] or 'no verdict'}")
         if result["cpu_ratio"]:
             print(f"per-pair CPU ratio (candidate / baseline): {describe(result['cpu_ratio'])}")
 

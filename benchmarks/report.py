@@ -22,6 +22,8 @@ HOW_TO_READ = """\
   *undecided*: the interval straddles the target, or there is no interval. A verdict on an
   absolute check (a time, steps lost) comes from its own interval, or from its worst value
   where the check is a bound every run must keep. A missed target is reported, never hidden.
+  A row's verdict in the summary combines its ratio's and its checks': *missed* if any is,
+  else *undecided* if any is, else *met*; its details give each one's own.
 - **CPU beside wall.** For each side: the median wall time and CPU time (user + system of the
   benchmark process and every child it waited for: the whole process tree) of one run. The CPU
   ratio is per pair as well (Stoker's CPU / the baseline's). On a shared machine the CPU time
@@ -90,10 +92,15 @@ def details(n: int, stem: str, title: str, result: dict) -> list[str]:
     out = [f"### {n}. {title} (`{stem}.py`)", ""]
     pairs = result.get("pairs")
     if result.get("metric") and result.get("status") == "ok" and pairs:
+        # The ratio's own verdict, from its own interval; the row's combines it with the checks.
+        own = pairs.get("verdict") or "informative"
         out.append(f"Per-pair ratio: {result['metric']} = **{spread(pairs)}**, 95 % CI "
                    f"{interval(pairs)}, {pairs['n']} pair(s) (target {result.get('target')}: "
-                   f"{verdict(result)}). Ran in {fmt(result.get('wall_s'))} s at "
+                   f"{own}). Ran in {fmt(result.get('wall_s'))} s at "
                    f"{fmt((result.get('checkout') or {}).get('commit'))}.")
+        if result.get("checks"):
+            out += ["", "Verdict of the row (the ratio's and every check's): "
+                    f"{verdict(result)}."]
     else:
         out.append(f"{verdict(result)}.")
     out.append("")

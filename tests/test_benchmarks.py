@@ -250,6 +250,22 @@ def test_results_table_explains_itself_and_shows_per_pair_figures():
     assert "| preempt | ok | 40 | recovery 4.25 s, steps lost 0 |" in with_gpu
 
 
+def test_the_ratio_shows_its_own_verdict_and_the_row_the_combined_one(capsys):
+    """A wall ratio of 1.25, CI 1.02-1.33 against <= 1.3 was printed "missed" because a check
+    missed: the ratio's verdict comes from its own interval (undecided), the row's from all."""
+    result = compared(pairs_of([1.0, 1.0, 1.0], [1.02, 1.25, 1.33]), lambda b, c: c / b,
+                      Target("<=", 1.3), "bare", "stoker", "s")
+    emitted = emit("demo", metric="stoker / bare", **result,
+                   checks=[check("goodput", [0.3, 0.4], "ratio", Target(">=", 0.6))])
+    out = capsys.readouterr().out
+    assert "(target <= 1.3: undecided)" in out and "(target <= 1.3: missed)" not in out
+    assert "verdict of the row (the ratio's and every check's): missed" in out
+    table = render([("bench_x", "X", "wall <= 1.3", emitted)], {"date": "today"}, quick=False,
+                   wall_s=1)
+    assert "(target <= 1.3: undecided)" in table
+    assert "Verdict of the row (the ratio's and every check's): **missed**" in table
+
+
 def test_pipeline_phases_from_prefect_log_lines():
     started = dt.datetime(2026, 1, 2, 7, 37, 0).timestamp()
     log = "\n".join([
