@@ -51,6 +51,8 @@ MEASURES = (
      "ratio <= 1.05"),
     ("bench_goodput", "Default job, command to exit: stoker run vs bare torchrun",
      "wall <= 1.3; CPU <= 1.2; end-to-end goodput >= 0.6"),
+    ("bench_first_run", "First run: git clone -> make run exits (empty uv cache, new state)",
+     "<= 240 s"),
     ("bench_trainer_throughput", "Trainer throughput vs a hand-written DDP loop",
      "ratio >= 0.98"),
     ("bench_checkpoint", "Checkpoint: training thread held per save vs synchronous torch.save",
