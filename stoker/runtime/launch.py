@@ -135,13 +135,14 @@ def standby(stdin=None, stdout=None) -> int:
 
     import torch.distributed.run  # noqa: F401  (what _run_torchrun imports)
 
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     with contextlib.suppress(ValueError):  # main() reports a bad value once the attempt arrives
         if worker_start() == "fork":
             _warm_up()
+            _warm_up_tracking(lambda: _has_input(stdin))
     from stoker.runtime.preemption import title_process
 
     title_process()  # now: each attempt below replaces the environment, then names its job
-    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     while True:
         line = stdin.readline()
         if not line.strip():
@@ -235,38 +236,58 @@ def _launch_forked(args) -> None:
     elastic_launch(config=config, entrypoint=forked_rank)(*args.training_script_args)
 
 
-# What rank 0's tracking imports when it opens the MLflow run: the client, the sqlite store (its
-# module imports alembic and SQLAlchemy's models) and the system metrics monitor. Imported in the
-# warm launcher, not in rank 0 while it trains: there, on 2 cores, its ~1.8 CPU-s slowed rank 0's
-# first steps (and rank 1 waited in all-reduce): the default job's steps took 4.9 s in
-# `stoker run` against 3.1 s bare, 5.0 s for a bare torchrun that tracked.
-TRACKING_IMPORTS = ("mlflow", "mlflow.store.tracking.sqlalchemy_store",
-                    "mlflow.system_metrics.system_metrics_monitor", "stoker.runtime.tracking")
-
-
 def _warm_up() -> None:
-    """Import what every rank imports before its first step, once, before the fork, and what
-    rank 0 imports to track (``TRACKING_IMPORTS``; an image without MLflow skips them: rank 0
-    says so when it tracks). Imports only: no thread, store or connection is made here, so
-    nothing is shared across the fork."""
-    import importlib
-
+    """Import what every rank imports before its first step, once, before the fork."""
     import torch._dynamo  # noqa: F401  (torch.optim and deterministic mode load it)
 
     import stoker.runtime.__main__  # noqa: F401
     import stoker.runtime.imagefolder  # noqa: F401
     import stoker.runtime.trainer  # noqa: F401
 
-    try:
-        for name in TRACKING_IMPORTS:
-            importlib.import_module(name)
-        from sqlalchemy.orm import configure_mappers
-
-        configure_mappers()  # MLflow's models: done once here, not in rank 0's first query
-    except Exception:  # noqa: BLE001 - rank 0 imports them again and says what failed
-        pass
     for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
         stream.flush()
+
+
+# What rank 0's tracking imports when it opens the MLflow run: the client, the sqlite store (its
+# module imports alembic and SQLAlchemy's models) and the system metrics monitor. On 2 cores,
+# rank 0 importing them (~1.8 CPU-s) while it trained slowed its steps, and rank 1 waited in
+# all-reduce: the default job's steps took 4.9 s in `stoker run` against 3.1 s bare (5.0 s
+# for a bare torchrun that tracked).
+TRACKING_IMPORTS = ("mlflow", "mlflow.store.tracking.sqlalchemy_store",
+                    "mlflow.system_metrics.system_metrics_monitor", "stoker.runtime.tracking")
+
+
+def _warm_up_tracking(ready: Callable[[], bool]) -> None:
+    """A standby's spare time: import ``TRACKING_IMPORTS`` (and configure MLflow's SQLAlchemy
+    models) before the fork, one at a time while ``ready()`` says no attempt waits yet; what is
+    left, rank 0 imports in its tracking thread as before. Imports only: no store, engine or
+    thread is made, so nothing is shared across the fork. An image without MLflow skips them
+    (rank 0 says what fails when it tracks)."""
+    import importlib
+
+    try:
+        for name in TRACKING_IMPORTS:
+            if ready():
+                return
+            importlib.import_module(name)
+        if not ready():
+            from sqlalchemy.orm import configure_mappers
+
+            configure_mappers()
+    except Exception:  # noqa: BLE001 - rank 0 imports them again and says what failed
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+
+
+def _has_input(stream) -> bool:
+    """Whether ``stream`` (a pipe) has something to read now; False where it cannot tell."""
+    import select
+
+    try:
+        return bool(select.select([stream], [], [], 0)[0])
+    except (ValueError, OSError, TypeError, AttributeError):  # not a file (a test's StringIO)
+        return False
 
 
 def _apply_omp_num_threads() -> None:
