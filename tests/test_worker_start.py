@@ -208,8 +208,8 @@ def test_the_launch_wrapper_gives_each_rank_one_thread_without_omp_num_threads(m
 def test_a_standby_imports_rank_0s_tracking_before_the_fork_and_opens_nothing():
     """Rank 0 imported MLflow's client and sqlite store while it trained (~1.8 CPU-s on a core
     the steps needed): the default job's steps took 4.9 s in `stoker run` against 3.1 s bare.
-    A standby launcher imports them before the fork; no thread, store or engine is made there,
-    so nothing is shared across the fork."""
+    A standby launcher imports them before the fork; no Python thread, store or engine is made
+    there, so nothing is shared across the fork."""
     code = (
         "import sys, threading, gc\n"
         "from stoker.runtime.launch import TRACKING_IMPORTS, _warm_up, _warm_up_tracking\n"

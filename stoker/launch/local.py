@@ -90,7 +90,7 @@ class Standby:
     def fits(self, python: str, env: dict[str, str]) -> bool:
         """Whether an attempt of ``python`` with ``env`` may take this standby: it is alive
         and was started the same way (interpreter, directory, import-time variables)."""
-        return (self.process.poll() is None and python == self.python
+        return (_alive(self.process) and python == self.python
                 and os.getcwd() == self.cwd and _import_time(env) == _import_time(self.env))
 
     def hand_over(self, argv: list[str], env: dict[str, str], park: str | None = None
@@ -119,6 +119,19 @@ class Standby:
         self.process.wait()
         with contextlib.suppress(OSError):
             self.process.stdout.close()
+
+
+def _alive(process: subprocess.Popen) -> bool:
+    """Whether ``process`` runs on: not exited, and not dying either. A process killed while one
+    of its native threads still ends (pyarrow's jemalloc background thread, which importing
+    MLflow starts) shows its main thread as a zombie while ``poll()`` still says it runs, and
+    its stdin still takes a line: a retry handed to it died with it (exit 143)."""
+    if process.poll() is not None:
+        return False
+    try:
+        return psutil.Process(process.pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 _standby: Standby | None = None

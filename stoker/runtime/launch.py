@@ -262,8 +262,10 @@ def _warm_up_tracking() -> None:
     MLflow's SQLAlchemy models) before the fork. Even when an attempt is already waiting this
     is the cheaper place: rank 0 importing them beside 2 training ranks on 2 cores slowed the
     steps by more than the import delays the attempt (measured both ways: steps 4.8 s against
-    3.6 s). Imports only: no store, engine or thread is made, so nothing is shared across the
-    fork. An image without MLflow skips them (rank 0 says what fails when it tracks)."""
+    3.6 s). Imports only: no store, engine or Python thread is made, so nothing is shared
+    across the fork (pyarrow, which MLflow imports, starts its allocator's native background
+    thread, as in any process that imports MLflow). An image without MLflow skips them (rank
+    0 says what fails when it tracks)."""
     import importlib
 
     try:
