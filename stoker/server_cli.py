@@ -79,13 +79,15 @@ def start(work_dir: Annotated[Path, WORK_DIR] = Path("work"),
 
 @server_app.command()
 def status(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
-    """Say whether the local server runs: pid, UI address, log. Exit codes: 0 running, 1 not."""
+    """Say whether the local server runs: pid, UI address, log; or that it is still starting.
+    Exit codes: 0 running, 1 not (yet) answering."""
+    from stoker.server_report import not_answering
+
     server = _server(work_dir, create=False)
     record = server.running()
     if record is None:
-        stale = server.record() is not None
-        typer.echo("not running" + (" (its process lives but does not answer; `stoker server "
-                                    "stop` ends it)" if stale else "") + f"; home {server.home}")
+        said = not_answering(server.record(), server.startup_timeout_s)
+        typer.echo(f"{said}; home {server.home}")
         raise typer.Exit(1)
     typer.echo(f"running: pid {record['pid']}, {record['api_url'].removesuffix('/api')}, "
                f"log {server.log_path}")
