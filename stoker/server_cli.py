@@ -148,9 +148,12 @@ def prefect_api():
                   "(`stoker server stop` ends it)")
         # Before Prefect is imported: its global settings (seen by every thread) read the env.
         os.environ["PREFECT_API_URL"] = api_url
-        keeper = ServerKeeper(server, on_restart=lambda line: typer.echo(
-            f"{datetime.datetime.now().strftime('%H:%M:%S.%f')[:12]} | WARNING | stoker - "
-            f"{line}", err=True))
+        from stoker.stdio import line_writer
+
+        # To this stderr, not to what sys.stderr is when the keeper speaks (trial: its line went
+        # to the StringIO of MLflow's quiet store creation, or onto Prefect's unended line).
+        write = line_writer()
+        keeper = ServerKeeper(server, on_restart=lambda line: write(_log_text(line, "WARNING")))
         keeper.start()
     from prefect import tags
 
@@ -171,11 +174,16 @@ def prefect_api():
         drain_prefect_workers()
 
 
+def _log_text(line: str, level: str = "INFO") -> str:
+    """``line`` in Prefect's log format: ``HH:MM:SS.mmm | LEVEL   | stoker - line``."""
+    stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
+    return f"{stamp} | {level:<7} | stoker - {line}"
+
+
 def _log_line(line: str, level: str = "INFO") -> None:
     """One line on stderr in Prefect's log format (benchmarks/bench_pipeline_overhead.py times
     the phases from it)."""
-    stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
-    typer.echo(f"{stamp} | {level:<7} | stoker - {line}", err=True)
+    typer.echo(_log_text(line, level), err=True)
 
 
 def drain_prefect_workers() -> None:
