@@ -119,9 +119,11 @@ def stop(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
 
 
 @contextlib.contextmanager
-def prefect_api():
+def prefect_api(log_path: Path | None = None):
     """The Prefect API for this command: PREFECT_API_URL when set, else the long-lived local
     server of PREFECT_HOME, started in the background on first use (stoker.local_server).
+    A restart of that server is said on stderr, and appended to ``log_path`` when given (the
+    work folder's ``logs/output.log``).
 
     Flow runs started inside carry this process's tag; runs that an earlier command left Running
     when its process died (SIGKILL) are marked Crashed first.
@@ -152,7 +154,7 @@ def prefect_api():
 
         # To this stderr, not to what sys.stderr is when the keeper speaks (trial: its line went
         # to the StringIO of MLflow's quiet store creation, or onto Prefect's unended line).
-        write = line_writer()
+        write = line_writer(copy_to=log_path)
         keeper = ServerKeeper(server, on_restart=lambda line: write(_log_text(line, "WARNING")))
         keeper.start()
     from prefect import tags

@@ -107,7 +107,7 @@ def _rebind_handlers(raw, guarded: GuardedStream) -> None:
             console.file = guarded
 
 
-def line_writer(stream=None) -> Callable[[str], None]:
+def line_writer(stream=None, copy_to: Path | None = None) -> Callable[[str], None]:
     """A function that writes one whole line to ``stream``, for a thread that speaks while the
     main thread may have redirected ``sys.stderr`` (``contextlib.redirect_stderr``: MLflow's
     store creation and model registration) or left a line unended (Prefect's ``--- Error
@@ -116,6 +116,8 @@ def line_writer(stream=None) -> Callable[[str], None]:
     Args:
         stream: where the lines go (default: ``sys.stderr`` now, the guarded one after
             :func:`guard_stdio`), kept whatever ``sys.stderr`` becomes later.
+        copy_to: a file that gets each line too (appended; 0600), unless ``stream`` already
+            writes there (a :class:`GuardedStream` whose reader is gone, with it as fallback).
 
     Returns:
         ``write(line)``: writes ``line`` and a newline (a newline first when a
@@ -124,9 +126,15 @@ def line_writer(stream=None) -> Callable[[str], None]:
     stream = sys.stderr if stream is None else stream
 
     def write(line: str) -> None:
-        if stream is None:
-            return
-        stream.write(("\n" if getattr(stream, "line_open", False) else "") + f"{line}\n")
-        stream.flush()
+        if stream is not None:
+            stream.write(("\n" if getattr(stream, "line_open", False) else "") + f"{line}\n")
+            stream.flush()
+        there = getattr(stream, "redirected", False) and \
+            getattr(stream, "_fallback", None) == (Path(copy_to) if copy_to else None)
+        if copy_to is not None and not there:
+            private.make_dir(Path(copy_to).parent)
+            fd = private.open_fd(copy_to, os.O_WRONLY | os.O_APPEND)
+            with os.fdopen(fd, "a") as log:
+                log.write(f"{line}\n")
 
     return write
