@@ -70,7 +70,7 @@ def why_not_started(log_path: Path, offset: int, pid_cpu_s: float | None,
 
 
 def not_answering(record: dict | None, startup_timeout_s: float,
-                  now_s: float | None = None) -> str:
+                  now_s: float | None = None, preparing: bool = False) -> str:
     """What ``stoker server status`` says of a local server that does not answer.
 
     Args:
@@ -78,6 +78,7 @@ def not_answering(record: dict | None, startup_timeout_s: float,
             start, read from a file: untrusted), else None.
         startup_timeout_s: seconds a start may take before it counts as failed.
         now_s: the time now, epoch seconds (default: ``time.time()``).
+        preparing: whether a start prepares the database now (before any record exists).
 
     Returns:
         ``not running``; ``starting (for N s of its T s start timeout)`` while a live server is
@@ -88,7 +89,7 @@ def not_answering(record: dict | None, startup_timeout_s: float,
     import time
 
     if record is None:
-        return "not running"
+        return "starting (preparing the Prefect database, once)" if preparing else "not running"
     try:
         since_s = (time.time() if now_s is None else now_s) - float(record.get("started"))
     except (TypeError, ValueError):

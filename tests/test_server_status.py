@@ -55,6 +55,27 @@ def test_a_server_still_starting_is_said_starting_not_to_be_stopped(silent_serve
     assert "of its 120 s start timeout" in said.stdout and "stop" not in said.stdout
 
 
+def test_a_server_whose_database_is_being_prepared_is_said_starting(tmp_path):
+    """Before the record: the first start prepares the database (its process holds the lock)."""
+    from stoker.server_database import PREPARE_LOCK
+
+    home = tmp_path / "prefect"
+    home.mkdir()
+    holder = subprocess.Popen(  # as the preparation holds it, in a process of its own
+        [sys.executable, "-c", "import sys, time; from filelock import FileLock\n"
+         "with FileLock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)",
+         str(home / PREPARE_LOCK)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        said = status(home)
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert said.returncode == 1, said.stdout + said.stderr
+    assert said.stdout.startswith("starting (preparing the Prefect database, once)"), said.stdout
+    assert status(home).stdout.startswith("not running; home ")  # the preparer is gone
+
+
 def test_a_server_past_its_start_timeout_may_be_stopped(silent_server):
     home, write = silent_server
     write(time.time() - 300)
