@@ -132,9 +132,11 @@ def line_writer(stream=None, copy_to: Path | None = None) -> Callable[[str], Non
         there = getattr(stream, "redirected", False) and \
             getattr(stream, "_fallback", None) == (Path(copy_to) if copy_to else None)
         if copy_to is not None and not there:
-            private.make_dir(Path(copy_to).parent)
-            fd = private.open_fd(copy_to, os.O_WRONLY | os.O_APPEND)
-            with os.fdopen(fd, "a") as log:
-                log.write(f"{line}\n")
+            # A full disk or a removed folder loses the copy, not the thread that speaks.
+            with contextlib.suppress(OSError):
+                private.make_dir(Path(copy_to).parent)
+                fd = private.open_fd(copy_to, os.O_WRONLY | os.O_APPEND)
+                with os.fdopen(fd, "a") as log:
+                    log.write(f"{line}\n")
 
     return write
