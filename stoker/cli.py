@@ -138,7 +138,7 @@ def run(
     _prestart_launcher(config)
     code = 0
     try:
-        with prefect_api():
+        with prefect_api(Path(config.work_dir) / "logs" / "output.log"):
             from flows.pipeline import pipeline
 
             if not debug:

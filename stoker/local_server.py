@@ -325,6 +325,8 @@ class LocalServer:
         record = {"pid": pid, "create_time": _started_at(pid) or 0.0, "port": port,
                   "api_url": api_url, "started": time.time()}
         self._write(record)
+        self.say(f"starting the local Prefect server on 127.0.0.1:{port} (pid {pid}; up to "
+                 f"{self.startup_timeout_s:g} s; log {self.log_path})")
         if not self._wait_healthy(record, self.startup_timeout_s):
             alive = self.record() is not None
             used_s = cpu_seconds(pid) if alive else None  # before it is ended

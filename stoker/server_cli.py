@@ -79,13 +79,17 @@ def start(work_dir: Annotated[Path, WORK_DIR] = Path("work"),
 
 @server_app.command()
 def status(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
-    """Say whether the local server runs: pid, UI address, log. Exit codes: 0 running, 1 not."""
+    """Say whether the local server runs: pid, UI address, log; or that it is still starting.
+    Exit codes: 0 running, 1 not (yet) answering."""
+    from stoker.server_database import preparing
+    from stoker.server_report import not_answering
+
     server = _server(work_dir, create=False)
     record = server.running()
     if record is None:
-        stale = server.record() is not None
-        typer.echo("not running" + (" (its process lives but does not answer; `stoker server "
-                                    "stop` ends it)" if stale else "") + f"; home {server.home}")
+        said = not_answering(server.record(), server.startup_timeout_s,
+                             preparing=preparing(server.home))
+        typer.echo(f"{said}; home {server.home}")
         raise typer.Exit(1)
     typer.echo(f"running: pid {record['pid']}, {record['api_url'].removesuffix('/api')}, "
                f"log {server.log_path}")
@@ -117,9 +121,11 @@ def stop(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
 
 
 @contextlib.contextmanager
-def prefect_api():
+def prefect_api(log_path: Path | None = None):
     """The Prefect API for this command: PREFECT_API_URL when set, else the long-lived local
     server of PREFECT_HOME, started in the background on first use (stoker.local_server).
+    A restart of that server is said on stderr, and appended to ``log_path`` when given (the
+    work folder's ``logs/output.log``).
 
     Flow runs started inside carry this process's tag; runs that an earlier command left Running
     when its process died (SIGKILL) are marked Crashed first.
@@ -146,9 +152,12 @@ def prefect_api():
                   "(`stoker server stop` ends it)")
         # Before Prefect is imported: its global settings (seen by every thread) read the env.
         os.environ["PREFECT_API_URL"] = api_url
-        keeper = ServerKeeper(server, on_restart=lambda line: typer.echo(
-            f"{datetime.datetime.now().strftime('%H:%M:%S.%f')[:12]} | WARNING | stoker - "
-            f"{line}", err=True))
+        from stoker.stdio import line_writer
+
+        # To this stderr, not to what sys.stderr is when the keeper speaks (trial: its line went
+        # to the StringIO of MLflow's quiet store creation, or onto Prefect's unended line).
+        write = line_writer(copy_to=log_path)
+        keeper = ServerKeeper(server, on_restart=lambda line: write(_log_text(line, "WARNING")))
         keeper.start()
     from prefect import tags
 
@@ -169,11 +178,16 @@ def prefect_api():
         drain_prefect_workers()
 
 
+def _log_text(line: str, level: str = "INFO") -> str:
+    """``line`` in Prefect's log format: ``HH:MM:SS.mmm | LEVEL   | stoker - line``."""
+    stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
+    return f"{stamp} | {level:<7} | stoker - {line}"
+
+
 def _log_line(line: str, level: str = "INFO") -> None:
     """One line on stderr in Prefect's log format (benchmarks/bench_pipeline_overhead.py times
     the phases from it)."""
-    stamp = datetime.datetime.now().strftime("%H:%M:%S.%f")[:12]
-    typer.echo(f"{stamp} | {level:<7} | stoker - {line}", err=True)
+    typer.echo(_log_text(line, level), err=True)
 
 
 def drain_prefect_workers() -> None:

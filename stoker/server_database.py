@@ -151,3 +151,20 @@ def prepare_database(home: Path, env: Mapping[str, str], log_path: Path,
     tmp.replace(home / STAMP)
     say(f"Prefect database ready in {time.monotonic() - started:.1f} s")
     return True
+
+
+def preparing(home: Path) -> bool:
+    """Whether a process prepares the database of ``home`` now (it holds ``database.lock``);
+    creates no file (``stoker server status`` of a home without one says no)."""
+    from filelock import FileLock, Timeout
+
+    lock_path = Path(home) / PREPARE_LOCK
+    if not lock_path.exists():
+        return False
+    lock = FileLock(lock_path, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        return True
+    lock.release()
+    return False

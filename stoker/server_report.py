@@ -67,3 +67,34 @@ def why_not_started(log_path: Path, offset: int, pid_cpu_s: float | None,
             "it was working all along (a first start migrates the database): raise "
             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
     return f"{said} (it used {pid_cpu_s:.1f} CPU-s in {waited_s:g} s: {hint})"
+
+
+def not_answering(record: dict | None, startup_timeout_s: float,
+                  now_s: float | None = None, preparing: bool = False) -> str:
+    """What ``stoker server status`` says of a local server that does not answer.
+
+    Args:
+        record: the server's record when its process lives (``started``: epoch seconds of its
+            start, read from a file: untrusted), else None.
+        startup_timeout_s: seconds a start may take before it counts as failed.
+        now_s: the time now, epoch seconds (default: ``time.time()``).
+        preparing: whether a start prepares the database now (before any record exists).
+
+    Returns:
+        ``not running``; ``starting (for N s of its T s start timeout)`` while a live server is
+        within its start timeout (ending it would undo the start); else ``not running`` with the
+        advice to end its process.
+    """
+    import math
+    import time
+
+    if record is None:
+        return "starting (preparing the Prefect database, once)" if preparing else "not running"
+    try:
+        since_s = (time.time() if now_s is None else now_s) - float(record.get("started"))
+    except (TypeError, ValueError):
+        since_s = math.inf  # a record without a start time: not one of ours starting
+    if 0 <= since_s <= startup_timeout_s:
+        return (f"starting (for {since_s:.0f} s of its {startup_timeout_s:g} s start timeout;"
+                f" pid {record.get('pid')})")
+    return "not running (its process lives but does not answer; `stoker server stop` ends it)"

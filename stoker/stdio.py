@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from stoker.runtime import private
@@ -36,6 +37,7 @@ class GuardedStream:
         self._fallback = Path(fallback)
         self._lock = threading.Lock()
         self.redirected = False
+        self.line_open = False  # the last text written did not end a line
 
     def _redirect(self) -> None:
         with self._lock:
@@ -60,6 +62,8 @@ class GuardedStream:
             return len(args[0]) if name == "write" else None
 
     def write(self, text: str) -> int:
+        if text:
+            self.line_open = not text.endswith("\n")
         return self._call("write", text)
 
     def writelines(self, lines) -> None:
@@ -101,3 +105,38 @@ def _rebind_handlers(raw, guarded: GuardedStream) -> None:
         console = getattr(handler, "console", None)
         if console is not None and getattr(console, "file", None) is raw:
             console.file = guarded
+
+
+def line_writer(stream=None, copy_to: Path | None = None) -> Callable[[str], None]:
+    """A function that writes one whole line to ``stream``, for a thread that speaks while the
+    main thread may have redirected ``sys.stderr`` (``contextlib.redirect_stderr``: MLflow's
+    store creation and model registration) or left a line unended (Prefect's ``--- Error
+    logging to API ---`` ends without a newline).
+
+    Args:
+        stream: where the lines go (default: ``sys.stderr`` now, the guarded one after
+            :func:`guard_stdio`), kept whatever ``sys.stderr`` becomes later.
+        copy_to: a file that gets each line too (appended; 0600), unless ``stream`` already
+            writes there (a :class:`GuardedStream` whose reader is gone, with it as fallback).
+
+    Returns:
+        ``write(line)``: writes ``line`` and a newline (a newline first when a
+        :class:`GuardedStream` knows its last line is unended), then flushes.
+    """
+    stream = sys.stderr if stream is None else stream
+
+    def write(line: str) -> None:
+        if stream is not None:
+            stream.write(("\n" if getattr(stream, "line_open", False) else "") + f"{line}\n")
+            stream.flush()
+        there = getattr(stream, "redirected", False) and \
+            getattr(stream, "_fallback", None) == (Path(copy_to) if copy_to else None)
+        if copy_to is not None and not there:
+            # A full disk or a removed folder loses the copy, not the thread that speaks.
+            with contextlib.suppress(OSError):
+                private.make_dir(Path(copy_to).parent)
+                fd = private.open_fd(copy_to, os.O_WRONLY | os.O_APPEND)
+                with os.fdopen(fd, "a") as log:
+                    log.write(f"{line}\n")
+
+    return write

@@ -16,9 +16,10 @@ def pull(config: PipelineConfig) -> DatasetRef:
     """Pull ``config.data`` at its pinned revision (the demo repository if no ``data.repo_url``
     is set) and validate it; refuse, before training, a dataset whose classes or image shape
     differ from the registered model's champion."""
-    prepared = prepare_dataset(config, get_run_logger().info)
+    say = get_run_logger().info
+    prepared = prepare_dataset(config, say)
     shape = prepared.input_shape(config.train.channels, config.train.image_size)
     if shape is not None:
         check_lineage(config.tracking_uri(), config.registered_model(),
-                      Lineage(prepared.summary.classes, shape))
+                      Lineage(prepared.summary.classes, shape), say=say)
     return prepared.ref

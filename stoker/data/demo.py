@@ -78,6 +78,12 @@ def export_digits(root: Path) -> int:
     return len(images)
 
 
+def demo_repo_exists(base: Path) -> bool:
+    """Whether the demo data repository under ``base`` is complete (git and its ``.dvc``)."""
+    repo_dir = Path(base) / "repo"
+    return (repo_dir / ".git").is_dir() and (repo_dir / f"{DEMO_PATH}.dvc").is_file()
+
+
 def ensure_demo_repo(base: Path) -> DemoRepo:
     """Create the demo data repository under ``base`` unless it already exists.
 
@@ -94,7 +100,7 @@ def ensure_demo_repo(base: Path) -> DemoRepo:
 
     base = base.resolve()
     repo_dir, remote_dir = base / "repo", base / "remote"
-    if (repo_dir / ".git").is_dir() and (repo_dir / f"{DEMO_PATH}.dvc").is_file():
+    if demo_repo_exists(base):
         return DemoRepo(repo_dir, remote_dir, created=False)
 
     base.mkdir(parents=True, exist_ok=True)

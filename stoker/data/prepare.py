@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stoker.config import PipelineConfig
-from stoker.data.demo import ensure_demo_repo
+from stoker.data.demo import demo_repo_exists, ensure_demo_repo
 from stoker.data.pull import DatasetError, DatasetRef, pull_dataset
 from stoker.data.validate import FolderSummary, validate_image_folder
 
@@ -58,7 +58,10 @@ def prepare_dataset(config: PipelineConfig, log: Callable[[str], None] = print
     """
     repo_url = config.data.repo_url
     if repo_url is None:
-        demo = ensure_demo_repo(Path(config.work_dir) / "demo-data")
+        base = Path(config.work_dir) / "demo-data"
+        if not demo_repo_exists(base):  # git, DVC and 1797 images: seconds, said before
+            log(f"creating the demo data repository (once): {base.resolve() / 'repo'}")
+        demo = ensure_demo_repo(base)
         log(f"{'created' if demo.created else 'reusing'} demo data repository {demo.repo} "
             f"(DVC remote {demo.remote})")
         repo_url = str(demo.repo)

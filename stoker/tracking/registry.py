@@ -184,8 +184,9 @@ def _signature_lineage(client, name: str, version: str) -> Lineage | None:
     return Lineage(tuple(str(i) for i in range(width)), shape)
 
 
-def check_lineage(tracking_uri: str, name: str, lineage: Lineage) -> None:
-    """Refuse a model whose lineage differs from ``name``'s champion (none: accepted).
+def check_lineage(tracking_uri: str, name: str, lineage: Lineage, say=None) -> None:
+    """Refuse a model whose lineage differs from ``name``'s champion (none: accepted); ``say``
+    is told when a new store is created (stoker.tracking.store.open_store).
 
     Raises:
         LineageError: naming both lineages and ``tracking.registered_model``.
@@ -196,7 +197,7 @@ def check_lineage(tracking_uri: str, name: str, lineage: Lineage) -> None:
 
     from stoker.tracking.store import open_store
 
-    open_store(tracking_uri)  # the first contact of a run: made whole, or one line (exit 2)
+    open_store(tracking_uri, say=say)  # a run's first contact: made whole, or one line (exit 2)
     mlflow.set_tracking_uri(tracking_uri)
     version, _value, incumbent = _champion(MlflowClient(tracking_uri), name, "")
     if version is not None and incumbent is not None and incumbent != lineage:
