@@ -227,16 +227,23 @@ def compared(pairs: Pairs, ratio_of: Callable[[float, float], float], target: Ta
             "target": target}
 
 
+# The published results themselves: rewriting them (``run_all.py --merge``, one part after
+# another) changes no code that is measured.
+RESULT_FILES = ("benchmarks/RESULTS.md", "benchmarks/RESULTS.json", "benchmarks/GPU_CHECK.json")
+
+
 def checkout() -> dict[str, Any]:
     """The commit the benchmark runs at (``git rev-parse HEAD``) and whether the checkout has
-    uncommitted changes (``git status --porcelain``; the first 20 lines kept)."""
+    uncommitted changes (``git status --porcelain``, the results files ``RESULT_FILES`` left
+    out; the first 20 lines kept)."""
     def git(*args: str) -> str:
         proc = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
                               check=False)
-        return proc.stdout.strip() if proc.returncode == 0 else ""
+        return proc.stdout.rstrip() if proc.returncode == 0 else ""
 
-    changes = git("status", "--porcelain").splitlines()
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(changes),
+    changes = [line for line in git("status", "--porcelain").splitlines()
+               if line[3:] not in RESULT_FILES]
+    return {"commit": git("rev-parse", "HEAD").strip() or None, "dirty": bool(changes),
             "changes": changes[:20]}
 
 

@@ -448,3 +448,25 @@ def test_every_benchmark_runs_at_a_tiny_size_and_reports_a_ratio(stem, tmp_path,
     assert "## Machine" in table and "| CPU |" in table and "Quick smoke run" in table
     assert "## How to read the benchmarks" in table
     assert next(title for s, title, _ in MEASURES if s == stem) in table
+
+
+def test_rewritten_results_do_not_make_the_checkout_dirty(tmp_path, monkeypatch):
+    """``run_all.py --merge`` part after part rewrites RESULTS.md: the next part must not refuse
+    the checkout (nor mark its row) for it; a change to measured code still does."""
+    import benchmarks.common as common
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "benchmarks").mkdir()
+    for name in ("RESULTS.md", "bench_x.py"):
+        (tmp_path / "benchmarks" / name).write_text("one\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.setattr(common, "ROOT", tmp_path)
+    (tmp_path / "benchmarks" / "RESULTS.md").write_text("two\n")
+    assert common.checkout()["dirty"] is False
+    (tmp_path / "benchmarks" / "bench_x.py").write_text("two\n")
+    state = common.checkout()
+    assert state["dirty"] is True and state["changes"] == [" M benchmarks/bench_x.py"]
