@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 import psutil
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from stoker.server_database import PREPARE_TIMEOUT_S, DatabaseError, prepare_database
 from stoker.server_report import cpu_seconds, why_not_started
@@ -178,7 +178,7 @@ class LocalServer:
             ServerError: it exited or did not answer within ``startup_timeout_s``.
         """
         self.home.mkdir(parents=True, exist_ok=True)
-        with FileLock(self.home / "server.lock", timeout=self.lock_timeout_s):
+        with self._locked():
             if only_if_recorded and not (self.home / RECORD).exists():
                 return None, False  # stopped on purpose while we waited for the lock
             record = self.record() or self._prefect_background_server()
@@ -191,6 +191,22 @@ class LocalServer:
             for pid in server_pids(self.home):  # unrecorded and not answering: same database
                 self._end({"pid": pid})
             return self._start(), True
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Hold ``server.lock``; a wait for another command that holds it is said first (trial:
+        the second of two first runs was silent for 38 s while the first one started it)."""
+        lock = FileLock(self.home / "server.lock", timeout=self.lock_timeout_s)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            self.say("waiting for another command that is starting or stopping the local "
+                     f"Prefect server (up to {self.lock_timeout_s:g} s)")
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _prefect_background_server(self) -> dict[str, Any] | None:
         """A live server of this home without a readable record: one that ``prefect server
@@ -222,7 +238,7 @@ class LocalServer:
         """End the recorded server (SIGTERM, SIGKILL after ``grace_s``); returns its pid, or None
         when none was running. Safe to call when nothing runs."""
         self.home.mkdir(parents=True, exist_ok=True)
-        with FileLock(self.home / "server.lock", timeout=self.lock_timeout_s):
+        with self._locked():
             record = self.record() or self._prefect_background_server()
             self._end(record, grace_s)
             return None if record is None else record["pid"]
@@ -406,7 +422,8 @@ class ServerKeeper(threading.Thread):
 
     Args:
         server: the local server the command uses.
-        on_restart: told one line per restart (or failed restart).
+        on_restart: told a line when a death is found, then one when it is started again (or
+            failed to start).
         interval_s: seconds between checks (a record read and a process lookup).
     """
 
@@ -420,6 +437,8 @@ class ServerKeeper(threading.Thread):
         while not self.stopped.wait(self.interval_s):
             if not (self.server.home / RECORD).exists() or self.server.record() is not None:
                 continue  # stopped on purpose, or alive
+            # Said now, not after the start's seconds (trial: the line came 11-16 s late).
+            self.on_restart("the local Prefect server died: starting it again")
             try:
                 api_url, started = self.server.ensure(only_if_recorded=True)
             except ServerError as e:

@@ -81,14 +81,15 @@ def start(work_dir: Annotated[Path, WORK_DIR] = Path("work"),
 def status(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
     """Say whether the local server runs: pid, UI address, log; or that it is still starting.
     Exit codes: 0 running, 1 not (yet) answering."""
-    from stoker.server_database import preparing
+    from stoker.server_database import lock_held, preparing
     from stoker.server_report import not_answering
 
     server = _server(work_dir, create=False)
     record = server.running()
     if record is None:
         said = not_answering(server.record(), server.startup_timeout_s,
-                             preparing=preparing(server.home))
+                             preparing=preparing(server.home),
+                             locked=lock_held(server.home / "server.lock"))
         typer.echo(f"{said}; home {server.home}")
         raise typer.Exit(1)
     typer.echo(f"running: pid {record['pid']}, {record['api_url'].removesuffix('/api')}, "

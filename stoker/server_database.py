@@ -34,6 +34,16 @@ PREPARE_TIMEOUT_S = 600.0  # a loaded 2-core machine took 17 s; a hung one is en
 # What the server's lifespan does before it serves (prefect.server.api.server.create_app:
 # run_migrations, then add_block_types with its memo), and nothing else.
 _PREPARE = """
+# Held for the whole preparation, by this process itself, from before Prefect's imports (seconds:
+# `stoker server status` says "starting" from the first one): one whose command was killed
+# (kill -9) goes on, and the next command's preparation waits for it instead of migrating the
+# same new database beside it (trial).
+import sys
+from filelock import FileLock
+
+_held = FileLock(sys.argv[1])
+_held.acquire()
+
 import asyncio
 from prefect.server.api.server import _memoize_block_auto_registration
 from prefect.server.database import provide_database_interface
@@ -50,14 +60,8 @@ async def prepare():
 
     await register_blocks()
 
-# Held for the whole preparation, by this process itself: one whose command was killed
-# (kill -9) goes on, and the next command's preparation waits for it instead of migrating the
-# same new database beside it (trial).
-import sys
-from filelock import FileLock
-
-with FileLock(sys.argv[1]):
-    asyncio.run(prepare())
+asyncio.run(prepare())
+_held.release()
 print("prepared", flush=True)
 """
 PREPARE_LOCK = "database.lock"
@@ -128,6 +132,9 @@ def prepare_database(home: Path, env: Mapping[str, str], log_path: Path,
         return False
     database = ("the database of PREFECT_API_DATABASE_CONNECTION_URL"
                 if env.get("PREFECT_API_DATABASE_CONNECTION_URL") else str(home / "prefect.db"))
+    if preparing(home):  # an earlier preparation goes on (its command was killed): this waits
+        say("waiting for an earlier preparation of the Prefect database to end (its command "
+            "was stopped; it goes on)")
     say(f"preparing the Prefect database (once): {database}")
     started = time.monotonic()
     offset = log_path.stat().st_size if log_path.exists() else 0
@@ -156,10 +163,14 @@ def prepare_database(home: Path, env: Mapping[str, str], log_path: Path,
 def preparing(home: Path) -> bool:
     """Whether a process prepares the database of ``home`` now (it holds ``database.lock``);
     creates no file (``stoker server status`` of a home without one says no)."""
+    return lock_held(Path(home) / PREPARE_LOCK)
+
+
+def lock_held(lock_path: Path) -> bool:
+    """Whether another process holds the file lock ``lock_path`` now; creates no file."""
     from filelock import FileLock, Timeout
 
-    lock_path = Path(home) / PREPARE_LOCK
-    if not lock_path.exists():
+    if not Path(lock_path).exists():
         return False
     lock = FileLock(lock_path, timeout=0)
     try:

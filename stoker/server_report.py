@@ -70,7 +70,8 @@ def why_not_started(log_path: Path, offset: int, pid_cpu_s: float | None,
 
 
 def not_answering(record: dict | None, startup_timeout_s: float,
-                  now_s: float | None = None, preparing: bool = False) -> str:
+                  now_s: float | None = None, preparing: bool = False,
+                  locked: bool = False) -> str:
     """What ``stoker server status`` says of a local server that does not answer.
 
     Args:
@@ -79,6 +80,9 @@ def not_answering(record: dict | None, startup_timeout_s: float,
         startup_timeout_s: seconds a start may take before it counts as failed.
         now_s: the time now, epoch seconds (default: ``time.time()``).
         preparing: whether a start prepares the database now (before any record exists).
+        locked: whether another command holds the server's lock now (it checks, starts or
+            stops it: between the database's preparation and the server's record, no file
+            says more).
 
     Returns:
         ``not running``; ``starting (for N s of its T s start timeout)`` while a live server is
@@ -89,7 +93,10 @@ def not_answering(record: dict | None, startup_timeout_s: float,
     import time
 
     if record is None:
-        return "starting (preparing the Prefect database, once)" if preparing else "not running"
+        if preparing:
+            return "starting (preparing the Prefect database, once)"
+        return "starting or stopping (another command holds its lock)" if locked \
+            else "not running"
     try:
         since_s = (time.time() if now_s is None else now_s) - float(record.get("started"))
     except (TypeError, ValueError):
