@@ -47,6 +47,7 @@ from stoker.server_report import cpu_seconds, why_not_started
 PORT_FILE = "server.port"  # the port of this home's server: kept when it stops, reused
 DEFAULT_PORT = 4200  # Prefect's own default: the UI address users know; another if taken
 RECORD = "server.json"
+SERVER_LOCK = "server.lock"  # held while a command checks, prepares, starts or stops it
 PREFECT_PID_FILE = "server.pid"  # prefect.cli._server_utils.SERVER_PID_FILE_NAME
 LOG = "server.log"
 START_TRIES = 3  # a port taken by another server between the check and the bind: try another
@@ -196,7 +197,7 @@ class LocalServer:
     def _locked(self):
         """Hold ``server.lock``; a wait for another command that holds it is said first (trial:
         the second of two first runs was silent for 38 s while the first one started it)."""
-        lock = FileLock(self.home / "server.lock", timeout=self.lock_timeout_s)
+        lock = FileLock(self.home / SERVER_LOCK, timeout=self.lock_timeout_s)
         try:
             lock.acquire(timeout=0)
         except Timeout:

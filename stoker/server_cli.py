@@ -81,6 +81,7 @@ def start(work_dir: Annotated[Path, WORK_DIR] = Path("work"),
 def status(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
     """Say whether the local server runs: pid, UI address, log; or that it is still starting.
     Exit codes: 0 running, 1 not (yet) answering."""
+    from stoker.local_server import SERVER_LOCK
     from stoker.server_database import lock_held, preparing
     from stoker.server_report import not_answering
 
@@ -89,7 +90,7 @@ def status(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
     if record is None:
         said = not_answering(server.record(), server.startup_timeout_s,
                              preparing=preparing(server.home),
-                             locked=lock_held(server.home / "server.lock"))
+                             locked=lock_held(server.home / SERVER_LOCK))
         typer.echo(f"{said}; home {server.home}")
         raise typer.Exit(1)
     typer.echo(f"running: pid {record['pid']}, {record['api_url'].removesuffix('/api')}, "
