@@ -303,3 +303,47 @@ def test_registration_prints_nothing_of_mlflow_on_the_terminal(tmp_path, capfd):
     for mlflow_line in ("Successfully registered", "Created version", "Validating input",
                         "pip install -r", "Creating initial"):
         assert mlflow_line not in out + err, (out + err)[-2000:]
+
+
+LOAD_FROM_SHIPPED_CODE = """
+import json, sys
+import mlflow, numpy as np
+mlflow.set_tracking_uri(sys.argv[1])
+model = mlflow.pyfunc.load_model(sys.argv[2])
+out = model.predict(np.zeros((1, 1, 8, 8), np.float32))
+files = sorted({m.__file__ for name, m in sys.modules.items()
+                if name.split(".")[0] == "stoker" and getattr(m, "__file__", None)})
+print(json.dumps({"classes": list(out["class"]), "files": files}))
+"""
+
+
+def test_the_model_ships_the_modules_its_loader_imports_and_serves_from_them_alone(tmp_path):
+    """The model's code is the closure of its loader's ``stoker`` imports, not the whole
+    package (133 files, an upload each on every registration); a fresh interpreter outside the
+    repository loads and serves the model with that code alone."""
+    import json
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    registration, _client = register(uri, 0.5, name="shipped", tmp=tmp_path)
+    mlflow.set_tracking_uri(uri)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=registration.model_uri,
+                                                     dst_path=str(tmp_path / "model")))
+    shipped = {p.relative_to(local / "code").as_posix()
+               for p in (local / "code").rglob("*") if p.is_file()}
+    assert "stoker/tracking/pyfunc.py" in shipped and "stoker/runtime/models.py" in shipped
+    assert not any(p.startswith(("stoker/launch/", "stoker/costguard/", "stoker/jobs/"))
+                   for p in shipped), sorted(shipped)
+    assert "stoker/cli.py" not in shipped and len(shipped) < 30, sorted(shipped)
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", LOAD_FROM_SHIPPED_CODE, uri,
+                           registration.model_uri], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(answer["classes"]) <= {"cat", "dog"}
+    repo = str(Path(__file__).resolve().parents[1] / "stoker")
+    assert answer["files"] and not [f for f in answer["files"] if f.startswith(repo)], \
+        answer["files"]

@@ -237,6 +237,7 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example,
     import stoker
     from stoker.runtime.tracking import quiet_mlflow
     from stoker.tracking import pyfunc
+    from stoker.tracking.model_code import stage_model_code
     from stoker.tracking.pyfunc import ImageClassifier, model_meta
     from stoker.tracking.served_input import served_signature
 
@@ -248,14 +249,16 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example,
         classifier.load_context(type("Context", (), {"artifacts": {
             "meta": str(meta_path), "weights": result["model_path"]}})())
         output = classifier.predict(None, example)
+        loader = Path(pyfunc.__file__).with_name("pyfunc_code.py")
+        code = stage_model_code(loader, Path(stoker.__file__).parent, Path(tmp) / "code")
         with mlflow.start_run(run_id=run_id), _known_packages(), quiet_mlflow():
             info = mlflow.pyfunc.log_model(
-                name="model", python_model=str(Path(pyfunc.__file__).with_name("pyfunc_code.py")),
+                name="model", python_model=str(loader),
                 artifacts={"weights": result["model_path"], "meta": str(meta_path)},
                 signature=served_signature(infer_signature(example, output,
                                                            params={"logits": False})),
                 input_example=example, pip_requirements=pip_requirements(),
-                code_paths=[str(Path(stoker.__file__).parent)], metadata={"stoker": meta},
+                code_paths=[str(code)], metadata={"stoker": meta},
             )
             version = mlflow.register_model(info.model_uri, name, tags=tags or {})
     return str(version.version)
