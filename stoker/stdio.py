@@ -38,6 +38,8 @@ class GuardedStream:
         self._lock = threading.Lock()
         self.redirected = False
         self.line_open = False  # the last text written did not end a line
+        self._opened_by: int | None = None  # the thread that left it open
+        self._write_lock = threading.Lock()
 
     def _redirect(self) -> None:
         with self._lock:
@@ -62,8 +64,20 @@ class GuardedStream:
             return len(args[0]) if name == "write" else None
 
     def write(self, text: str) -> int:
-        if text:
-            self.line_open = not text.endswith("\n")
+        """Write ``text``; a line another thread left unended is ended first.
+
+        Prefect's API log handler writes ``--- Error logging to API ---`` and then the error
+        without a newline, from its own thread: the next log line, from another thread, was
+        glued to it (trial). One thread's pieces of a line (``print(a, end="")``) stay
+        together."""
+        if not text:
+            return self._call("write", text)
+        me = threading.get_ident()
+        with self._write_lock:
+            end_first = self.line_open and self._opened_by != me
+            self.line_open, self._opened_by = not text.endswith("\n"), me
+        if end_first:
+            self._call("write", "\n")
         return self._call("write", text)
 
     def writelines(self, lines) -> None:

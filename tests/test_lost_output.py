@@ -105,3 +105,29 @@ def test_prefect_log_lines_after_the_pipe_broke_go_to_the_file_and_stop_no_threa
     assert code == 0, out
     assert "from a thread" in out and "from the main thread" in out, out
     assert out.endswith("thread done\n"), out
+
+
+def test_a_line_another_thread_left_unended_is_ended_before_the_next_write(tmp_path):
+    """Prefect's API log handler writes its error without a newline, from its own thread; the
+    next log line (another thread) started on the same line. Pieces of one thread's line stay
+    together."""
+    import io
+
+    from stoker.stdio import GuardedStream
+
+    raw = io.StringIO()
+    stream = GuardedStream(raw, tmp_path / "out.log")
+
+    def api_log_worker() -> None:
+        stream.write("--- Error logging to API ---\n")
+        stream.write("All connection attempts failed")
+
+    worker = threading.Thread(target=api_log_worker)
+    worker.start()
+    worker.join()
+    stream.write("00:10:38.181 | INFO    | Flow run 'x' - next line\n")
+    stream.write("partial ")
+    stream.write("and its end\n")
+    assert raw.getvalue().splitlines() == [
+        "--- Error logging to API ---", "All connection attempts failed",
+        "00:10:38.181 | INFO    | Flow run 'x' - next line", "partial and its end"]
