@@ -38,6 +38,7 @@ from benchmarks.common import (  # noqa: E402
     emit,
     log,
     options,
+    run_timed,
 )
 
 TARGET = Target("<=", 240.0)
@@ -46,25 +47,6 @@ MODEL = "stoker-digits"  # what the default job registers
 # A new user's shell has none of these: this process's would point the clone elsewhere.
 NOT_INHERITED = ("PREFECT_HOME", "PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PYTHONPATH",
                  "VIRTUAL_ENV", "XDG_STATE_HOME", "UV_CACHE_DIR")
-
-
-def timed(cmd: list[str], log_path: Path, cwd: Path, extra_env: dict[str, str]) -> float:
-    """Run ``cmd`` in ``cwd`` as a new user's shell would (``NOT_INHERITED`` left out, telemetry
-    off, ``extra_env``) to its exit; returns its wall seconds.
-
-    Raises:
-        RuntimeError: it exited non-zero (the message names ``log_path``).
-    """
-    env = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
-    with open(log_path, "w") as out:
-        started = time.perf_counter()
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, check=False,
-                              env=env | TELEMETRY_OFF | extra_env, timeout=TIMEOUT_S).returncode
-        wall_s = time.perf_counter() - started
-    if code != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"{' '.join(cmd)} exited {code}; log {log_path}:\n{tail}")
-    return wall_s
 
 
 def registered_versions(tracking_uri: str) -> int:
@@ -89,9 +71,10 @@ def first_run(work: Path, i: int, quick: bool) -> dict[str, float]:
     else:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=300)
         parts = {"clone_s": time.perf_counter() - started}
-        parts["install_s"] = timed(["make", "install"], base / "install.log", clone, env)
+        parts["install_s"] = run_timed(["make", "install"], base / "install.log", TIMEOUT_S,
+                                      env, clone, NOT_INHERITED)
         make = ["make", "run"]
-    parts["run_s"] = timed(make, base / "run.log", clone, env)
+    parts["run_s"] = run_timed(make, base / "run.log", TIMEOUT_S, env, clone, NOT_INHERITED)
     parts["total_s"] = time.perf_counter() - started
     work_dir = base / "work" if quick else clone / "work"
     versions = registered_versions(f"sqlite:///{work_dir / 'mlflow.db'}")

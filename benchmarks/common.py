@@ -320,14 +320,23 @@ def log(message: str) -> None:
 
 
 def run_timed(cmd: list[str], log_path: Path, timeout_s: float,
-              extra_env: dict[str, str] | None = None, cwd: Path | None = None) -> float:
+              extra_env: dict[str, str] | None = None, cwd: Path | None = None,
+              leave_out: tuple[str, ...] | None = None) -> float:
     """Run ``cmd`` to its end and return its wall time in seconds (``time.perf_counter``).
 
-    Output goes to ``log_path``. Raises RuntimeError naming the log when it exits non-zero.
+    Output goes to ``log_path``. The environment is :func:`env`'s (this checkout first on the
+    path) or, with ``leave_out``, this process's without those variables, as a new user's
+    shell would have it (telemetry off and ``extra_env`` either way). Raises RuntimeError
+    naming the log when it exits non-zero.
     """
+    if leave_out is None:
+        child_env = env(extra_env)
+    else:
+        child_env = {k: v for k, v in os.environ.items() if k not in leave_out}
+        child_env |= TELEMETRY_OFF | (extra_env or {})
     with open(log_path, "w") as out:
         started = time.perf_counter()
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env(extra_env),
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env,
                               cwd=cwd or ROOT, timeout=timeout_s, check=False).returncode
         wall_s = time.perf_counter() - started
     if code != 0:
