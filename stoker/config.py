@@ -93,7 +93,8 @@ class DataConfig(_Frozen):
         None,
         description="Git URL or path of the data repository; a relative path is resolved "
         "against the directory the config is loaded in. Empty: the demo digits repository "
-        "that Stoker creates (once) inside the work directory.",
+        "that Stoker creates (once) inside the work directory. A value starting with '-' is "
+        "refused (git would read it as an option): a local folder named -x is written ./-x.",
     )
     rev: str = Field("v1", description="Git revision (tag, branch or commit) to pull.")
     path: str = Field("data/digits", description="DVC-tracked directory inside the repository.")

@@ -85,15 +85,15 @@ def test_stoker_run_refuses_it_after_the_pull_before_any_attempt(demo_repo, tmp_
          "train.nproc_per_node=2", "train.epochs=1"], capture_output=True, text=True,
         timeout=400, env={**env, "PREFECT_HOME": str(tmp_path / "prefect"), **mark})
     assert result.returncode == 2, result.stderr[-3000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: train.global_batch_size: 1440 samples per step (world size "
-                           f"2: 720 per process) is more than the {DEMO_TRAIN} samples"), last
-    assert "Traceback" not in result.stderr
     assert list(work.glob("jobs/*/attempts.jsonl")) == []  # no attempt started
     if (work / "mlflow.db").exists():
         client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
         ids = [e.experiment_id for e in client.search_experiments()]
         assert [r.info.status for r in client.search_runs(ids)] == []
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: train.global_batch_size: 1440 samples per step (world size "
+                           f"2: 720 per process) is more than the {DEMO_TRAIN} samples"), last
+    assert "Traceback" not in result.stderr
     left = []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
