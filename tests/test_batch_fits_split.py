@@ -101,3 +101,22 @@ def test_stoker_run_refuses_it_after_the_pull_before_any_attempt(demo_repo, tmp_
                     "uvicorn" not in " ".join(proc.info["cmdline"] or []):
                 left.append(proc.info["cmdline"])
     assert left == []
+
+
+def test_the_ranks_check_again_with_the_same_line(make_spec):
+    """The runtime's own check stays (a world size that changes at launch, a custom dataset
+    factory) and says the same line, with the world size the ranks see."""
+    import torch
+
+    from stoker.runtime.data import DataError
+    from stoker.runtime.distributed import DistEnv
+    from stoker.runtime.preemption import StopFlag
+    from stoker.runtime.spec import RunSpec
+    from stoker.runtime.trainer import Trainer
+
+    spec = RunSpec.load(make_spec(tracking=False, global_batch_size=1440))
+    with pytest.raises(DataError) as refused:
+        Trainer(spec, DistEnv(0, 0, 1, torch.device("cpu"), None), StopFlag())
+    assert str(refused.value).startswith(
+        "train.global_batch_size: 1440 samples per step (world size 1: 1440 per process) is "
+        f"more than the {DEMO_TRAIN} samples of the training split of {spec.data_dir}, ")
