@@ -27,6 +27,8 @@ from stoker.config_base import (  # noqa: F401 - re-exported: stoker.config is t
     _Frozen,
     format_validation_error,
     load_config,
+    refuse_option_like,
+    refuse_option_like_host,
     refuse_url_credentials,
     validate,
 )
@@ -91,7 +93,8 @@ class DataConfig(_Frozen):
         None,
         description="Git URL or path of the data repository; a relative path is resolved "
         "against the directory the config is loaded in. Empty: the demo digits repository "
-        "that Stoker creates (once) inside the work directory.",
+        "that Stoker creates (once) inside the work directory. A value starting with '-' is "
+        "refused (git would read it as an option): a local folder named -x is written ./-x.",
     )
     rev: str = Field("v1", description="Git revision (tag, branch or commit) to pull.")
     path: str = Field("data/digits", description="DVC-tracked directory inside the repository.")
@@ -129,7 +132,21 @@ class DataConfig(_Frozen):
             return None
         refuse_url_credentials(value, "to git: a credential helper (git config --global "
                                "credential.helper store), GIT_ASKPASS, or an SSH key")
+        refuse_option_like(value, "git", "a local folder whose name starts with '-' is "
+                           f"written ./{value.strip()}")
+        refuse_option_like_host(value, "ssh")
         return resolve_repo_url(value.strip())
+
+    @field_validator("rev", "path", "remote")
+    @classmethod
+    def _not_an_option(cls, value: str | None, info) -> str | None:
+        # Refused here, not first in the flow: git and DVC get these on their command lines.
+        instead = {"rev": "no branch or tag name starts with '-': give another name or the "
+                          "commit's hash",
+                   "path": "a tracked directory at the repository's root whose name starts "
+                           "with '-' cannot be pulled: move it into a folder (data/-name)",
+                   "remote": "name a DVC remote whose name does not start with '-'"}
+        return refuse_option_like(value, "git or DVC", instead[info.field_name])
 
     # The value as given, before _absolute_repo resolved it: whether it was a relative path
     # (for the hint of a missing folder). Not a field: not dumped, not in the forms.

@@ -142,6 +142,48 @@ def load_config(model: type[BaseModel], config_file: Path | None = None,
     return validate(model, merged)
 
 
+def refuse_option_like(value: str | None, reader: str, instead: str) -> str | None:
+    """``value`` unchanged, or ValueError when it starts with ``-``: given on a command line
+    (git, DVC, ssh, srun), it would be read as an option, not a value (``--upload-pack=...``).
+    The runtime also passes ``--`` before such values; this names the field at config time.
+
+    Args:
+        value: the user's value (None passes).
+        reader: the program that would read it (``git``).
+        instead: what to write instead (``a folder named -x is written ./-x``).
+
+    Raises:
+        ValueError: one line naming the reader and what to write instead.
+    """
+    if value is not None and value.lstrip().startswith("-"):
+        raise ValueError(f"starts with '-', which {reader} would read as an option; {instead}")
+    return value
+
+
+def refuse_option_like_host(url: str | None, reader: str) -> str | None:
+    """``url`` unchanged, or ValueError when its host (``ssh://-oProxyCommand=x/repo``,
+    ``git@-host:repo``) starts with ``-``: ssh would read it as an option.
+
+    Raises:
+        ValueError: naming the host.
+    """
+    if url is None:
+        return url
+    text = url.strip()
+    if "://" in text:
+        netloc = text.split("://", 1)[1].split("/", 1)[0]
+    elif re.match(r"^[^/:]+@[^/:]+:", text):  # scp-like user@host:path
+        netloc = text.split(":", 1)[0]
+    else:
+        return url
+    user, _, host = netloc.rpartition("@")
+    for part, name in ((user, "user"), (host, "host")):
+        if part.startswith("-"):
+            raise ValueError(f"its {name} {part!r} starts with '-', which {reader} would read "
+                             "as an option; no host or user name starts with '-'")
+    return url
+
+
 # Query parameters that carry a secret (signed URLs, tokens): never stored with the URL.
 _SECRET_PARAMETERS = frozenset({
     "token", "access_token", "auth", "password", "passwd", "pwd", "secret", "api_key", "apikey",

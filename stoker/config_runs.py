@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from stoker.config_base import _Frozen
+from stoker.config_base import _Frozen, refuse_option_like
 from stoker.tracking.pricing import PriceTable
 
 
@@ -46,6 +46,12 @@ class DockerLauncherConfig(_Frozen):
                                     "or the local socket.")
     rdzv_port: int = Field(29400, gt=0, lt=65536, description="c10d rendezvous port (node 0).")
 
+    @field_validator("image")
+    @classmethod
+    def _not_an_option(cls, value: str | None) -> str | None:
+        return refuse_option_like(value, "docker", "an image reference starts with its "
+                                  "registry or repository name (e.g. 127.0.0.1:5000/stoker/train)")
+
 
 class SlurmLauncherConfig(_Frozen):
     """How the slurm launcher submits an attempt: one batch job, one launcher per node."""
@@ -64,6 +70,16 @@ class SlurmLauncherConfig(_Frozen):
                            "job's first node.")
     python: str | None = Field(None, description="Python on the nodes (with Stoker and torch); "
                                "empty: the orchestrator's (a shared filesystem).")
+
+    @field_validator("partition", "account", "qos", "python")
+    @classmethod
+    def _not_an_option(cls, value: str | None, info) -> str | None:
+        # Given to sbatch, scontrol and the nodes' shell (exec <python> ...): never an option.
+        instead = (f"a path whose name starts with '-' is written ./{value.strip()}"
+                   if info.field_name == "python" and value else
+                   "no Slurm partition, account or QoS name starts with '-'")
+        return refuse_option_like(value, "Slurm" if info.field_name != "python" else "the "
+                                  "nodes' shell (exec)", instead)
 
 
 class LauncherConfig(_Frozen):

@@ -17,7 +17,7 @@ from typing import IO, Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from stoker.config import ConfigError, _Frozen, validate
+from stoker.config import ConfigError, _Frozen, refuse_option_like, validate
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 IMAGES_DIR = "images"
@@ -125,6 +125,7 @@ class ImageSpec(_Frozen):
     @field_validator("registry")
     @classmethod
     def _host(cls, value: str) -> str:
+        refuse_option_like(value, "docker", "a registry is host[:port], e.g. 127.0.0.1:5000")
         if not _REGISTRY.match(value):
             raise ValueError("must be host[:port] without scheme or path, e.g. 127.0.0.1:5000")
         return value
@@ -324,6 +325,14 @@ class ImageRequest(_Frozen):
         None, description="Wheelhouse folder, for pip_install_from=wheelhouse.")
     registry_secret_block: str | None = Field(
         None, description="Prefect Secret block holding {\"username\": ..., \"password\": ...}.")
+
+    @field_validator("registry", "base_image")
+    @classmethod
+    def _not_an_option(cls, value: str | None, info) -> str | None:
+        # Named when the form or command line is read, not when the build starts.
+        return refuse_option_like(value, "docker", "a registry is host[:port], e.g. "
+                                  "127.0.0.1:5000" if info.field_name == "registry" else
+                                  "an image reference starts with its registry or name")
 
     def spec(self) -> ImageSpec:
         """The image spec this request resolves to.

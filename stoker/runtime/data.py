@@ -29,6 +29,7 @@ from stoker.runtime.listing import (  # noqa: F401 - re-exported
     image_files,
     visible,
 )
+from stoker.runtime.split import split_sizes, steps_per_epoch
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def load_image_folder(root: Path, channels: int | Literal["auto"] = "auto"
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic train/validation split of ``range(n)``: (train_idx, val_idx), both sorted."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_val = max(1, round(n * val_fraction))
+    _, n_val = split_sizes(n, val_fraction)  # the orchestrator's check counts the same way
     return perm[n_val:].sort().values, perm[:n_val].sort().values
 
 
@@ -181,7 +182,7 @@ class StepBatchSampler(Sampler[list[int]]):
         self.accum = grad_accum_steps
         self.rank = rank
         self.world = world_size
-        self.steps_per_epoch = n // global_batch_size
+        self.steps_per_epoch = steps_per_epoch(n, global_batch_size)
         self.micro = global_batch_size // (world_size * grad_accum_steps)
 
     def __len__(self) -> int:
@@ -226,7 +227,7 @@ class AttemptBatches(Sampler[list[tuple[str, int, int]]]):
         self.start_step, self.global_batch, self.accum = start_step, global_batch_size, \
             grad_accum_steps
         self.rank, self.world = rank, world_size
-        self.steps_per_epoch = n_train // global_batch_size
+        self.steps_per_epoch = steps_per_epoch(n_train, global_batch_size)
         self.val = val_batches(n_val, rank, world_size)
 
     def __len__(self) -> int:

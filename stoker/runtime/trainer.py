@@ -47,6 +47,7 @@ from stoker.runtime.progress import ProgressWriter
 from stoker.runtime.reporting import ReportingMixin
 from stoker.runtime.resume import resume_point
 from stoker.runtime.spec import RunSpec
+from stoker.runtime.split import batch_exceeds_split, steps_per_epoch
 from stoker.runtime.stragglers import StragglerMixin
 from stoker.runtime.training_state import TrainingStateMixin
 
@@ -73,10 +74,13 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin
             crop_scale=cfg.random_resized_crop, hflip=cfg.horizontal_flip, job_dir=spec.job_dir)
         check_divisible(self.cfg.global_batch_size, self.cfg.grad_accum_steps, env.world_size)
         n_train = len(self.splits.train)
-        self.steps_per_epoch = n_train // self.cfg.global_batch_size
-        if self.steps_per_epoch == 0:
-            raise DataError(f"train.global_batch_size={self.cfg.global_batch_size} exceeds the "
-                            f"{n_train} training samples in {spec.data_dir}")
+        # Checked again here: the orchestrator's check (after the pull) knew only its own world
+        # size, and a custom dataset factory's split only here.
+        too_large = batch_exceeds_split(cfg.global_batch_size, cfg.grad_accum_steps, n_train,
+                                        env.world_size, spec.data_dir)
+        if too_large is not None:
+            raise DataError(too_large)
+        self.steps_per_epoch = steps_per_epoch(n_train, self.cfg.global_batch_size)
         self.total_steps = self.cfg.epochs * self.steps_per_epoch
 
         torch.manual_seed(self.cfg.seed)  # same initial weights on every rank
