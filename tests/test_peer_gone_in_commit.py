@@ -107,8 +107,9 @@ def test_rank_0_stops_waiting_for_a_digest_once_the_rank_is_gone_and_says_a_long
     """The digest wait asks ``peer_gone`` every half second: a dead rank ends it at once (was:
     ``commit_timeout_s``, 60 s by default, silent), and a wait past a few seconds is said."""
     import stoker.runtime.checkpoint as checkpoint
+    import stoker.runtime.peers as peers
 
-    monkeypatch.setattr(checkpoint, "PEER_WAIT_SAY_S", 0.3)
+    monkeypatch.setattr(peers, "PEER_WAIT_SAY_S", 0.3)
     ckpt = checkpoint.Checkpointer(str(tmp_path), 0, 2, commit_timeout_s=60)
     asked: list[int] = []
     gone_after = time.monotonic() + 1.0
@@ -119,12 +120,14 @@ def test_rank_0_stops_waiting_for_a_digest_once_the_rank_is_gone_and_says_a_long
 
     ckpt.peer_gone = peer_gone
     started = time.monotonic()
-    with caplog.at_level("WARNING", logger="stoker.runtime.checkpoint"):
+    with caplog.at_level("WARNING", logger="stoker.runtime.peers"):
         ckpt.save(10, {"w": torch.zeros(4)}, {"rng": 0})
-        with pytest.raises(PeerGone, match=r"rank 1 \(pid 4242\) has exited before it wrote"):
+        with pytest.raises(PeerGone, match=r"rank 1 \(pid 4242\) has exited before it wrote "
+                           r"its digest rank-00001.pt.sha256; left uncommitted"):
             ckpt.wait()
     assert time.monotonic() - started < 5 and set(asked) == {1}
-    assert "waiting for rank 1's digest" in caplog.text and "given up after 60 s" in caplog.text
+    assert "waiting 0 s so far for rank 1 to write its digest rank-00001.pt.sha256 (given " \
+           "up after 60 s, or as soon as the rank is gone)" in caplog.text
     assert ckpt.committed_steps() == []
 
 
@@ -184,8 +187,8 @@ def test_a_peer_gone_in_the_digest_wait_ends_the_rank_with_137_and_its_line(
             self.ckpt = Checkpointer(str(tmp_path / "checkpoints"), 0, 1)
 
         def train(self) -> str:
-            raise PeerGone(".../step-000000042: rank 1 (pid 4242) has exited before it wrote "
-                           "its digest; checkpoint left uncommitted")
+            raise PeerGone("checkpoint .../step-000000042: rank 1 (pid 4242) has exited before "
+                           "it wrote its digest rank-00001.pt.sha256; left uncommitted")
 
         def close(self, outcome: str) -> None:
             closed.append(outcome)
@@ -198,5 +201,5 @@ def test_a_peer_gone_in_the_digest_wait_ends_the_rank_with_137_and_its_line(
     with caplog.at_level("WARNING", logger="stoker.runtime"):
         assert run(tmp_path / "spec.yaml", StopFlag()) == EXIT_STOP_LOST == 137
     assert closed == ["infrastructure"]
-    assert "rank 1 (pid 4242) has exited before it wrote its digest; checkpoint left " \
+    assert "rank 1 (pid 4242) has exited before it wrote its digest rank-00001.pt.sha256; left " \
            "uncommitted at step 42: stopping this rank" in caplog.text

@@ -58,7 +58,7 @@ from stoker.runtime.checkpoint_read import (  # noqa: F401 - re-exported
     Loaded,
 )
 from stoker.runtime.lease import LeaseLost
-from stoker.runtime.peers import PEER_CHECK_EVERY_S, PEER_WAIT_SAY_S, PeerGone
+from stoker.runtime.peers import PeerGone, PeerWait
 from stoker.runtime.staging import HostStaging
 
 log = logging.getLogger(__name__)
@@ -337,34 +337,17 @@ class Checkpointer(CheckpointReader):
         waited on like a missing one (it may be a leftover the rank is about to replace).
 
         Raises:
-            PeerGone: a rank is gone (``peer_gone`` says so, checked every
-                ``PEER_CHECK_EVERY_S``) or wrote no record within ``commit_timeout_s``; a wait
-                past ``PEER_WAIT_SAY_S`` is said in one line first.
+            PeerGone: a rank is gone (``peer_gone`` says so) or wrote no record within
+                ``commit_timeout_s``; a long wait is said in one line first (``PeerWait``).
         """
-        started = time.monotonic()
-        digests, said, checked = {}, False, started
+        waiting = PeerWait(f"checkpoint {folder}", self.commit_timeout_s, self.peer_gone)
+        digests = {}
         for r in range(1, self.world_size):
             name = f"rank-{r:05d}.pt"
             path = f"{folder}/{name}{DIGEST_SUFFIX}"
             while (digest := self._read_digest(path, name, step)) is None:
                 self.fs.invalidate_cache(folder)  # an object store's listing is cached
-                now = time.monotonic()
-                if now - checked >= PEER_CHECK_EVERY_S and self.peer_gone is not None:
-                    checked = now
-                    if (gone := self.peer_gone(r)) is not None:
-                        raise PeerGone(f"{folder}: {gone} before it wrote its digest; "
-                                       "checkpoint left uncommitted")
-                if now - started > self.commit_timeout_s:
-                    raise PeerGone(
-                        f"{folder}: rank {r} did not write {path} within "
-                        f"{self.commit_timeout_s:.0f} s; checkpoint left uncommitted"
-                    )
-                if not said and now - started >= PEER_WAIT_SAY_S:
-                    said = True
-                    log.warning("checkpoint %s: waiting for rank %d's digest for %.0f s (it "
-                                "is committed once every rank's is there; given up after "
-                                "%.0f s, or as soon as the rank is gone)", folder, r,
-                                now - started, self.commit_timeout_s)
+                waiting.check(r, f"its digest {name}{DIGEST_SUFFIX}")
                 time.sleep(0.02)
             digests[name] = digest
         return digests
