@@ -364,7 +364,8 @@ class Checkpointer(CheckpointReader):
 
     def wait(self) -> None:
         """Block until the pending async save (if any) is done; re-raise its error (a
-        ``CheckpointWriteError`` when the file system refused it, else ``CheckpointError``)."""
+        ``CheckpointWriteError`` when the file system refused it, ``PeerGone`` as it is, else
+        ``CheckpointError``)."""
         if self._pending is not None:
             self._pending.join()
             self._pending = None
