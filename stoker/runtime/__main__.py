@@ -57,6 +57,7 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     from stoker.runtime.data import DataError, DataStall, data_worker_killed
     from stoker.runtime.distributed import init_distributed, teardown
     from stoker.runtime.lease import watch_lease
+    from stoker.runtime.peers import peer_gone
     from stoker.runtime.spec import RunSpec
     from stoker.runtime.trainer import Trainer
 
@@ -98,6 +99,14 @@ def run(spec_path: Path, stop: StopFlag) -> int:
         outcome = "storage"
         return EXIT_STORAGE
     except CheckpointError as e:
+        if (gone := peer_gone(e)) is not None:
+            # A rank died (or never answered) while rank 0 waited for its checkpoint digest:
+            # infrastructure, as a peer lost in a collective is (issue 45's re-trial: 30 s
+            # silent, then torchrun's SIGKILL).
+            log.warning("%s at step %s: stopping this rank", gone, trainer.step if trainer else 0)
+            outcome = "infrastructure"
+            stop.wait(PEER_LOST_WAIT_S)
+            return EXIT_STOP_LOST
         if caused_by_lost_lease(e):
             # Another node owns the job: stop as a lost local lease does (exit 75).
             log.error("stopping: %s", e)

@@ -58,6 +58,7 @@ from stoker.runtime.checkpoint_read import (  # noqa: F401 - re-exported
     Loaded,
 )
 from stoker.runtime.lease import LeaseLost
+from stoker.runtime.peers import PeerGone, PeerWait
 from stoker.runtime.staging import HostStaging
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,9 @@ class Checkpointer(CheckpointReader):
     Attributes a runtime may set after construction: ``fence`` (called by rank 0 right before
     each ``COMMITTED`` write; raises ``stoker.runtime.lease.LeaseLost`` when this run no
     longer owns the job, so the step stays uncommitted) and ``on_give_up`` (called with the step
-    and the reason when a save to an object store is given up after ``upload_attempts``).
+    and the reason when a save to an object store is given up after ``upload_attempts``),
+    and ``peer_gone`` (called with a rank while rank 0 waits for that rank's digest; returns
+    why the rank is gone, or None: see :func:`stoker.runtime.peers.local_peer_gone`).
     """
 
     def __init__(self, location: str, rank: int, world_size: int, keep_latest_k: int = 3,
@@ -99,6 +102,7 @@ class Checkpointer(CheckpointReader):
         self.upload_attempts = upload_attempts
         self.failed_saves: list[int] = []  # steps given up after upload_attempts (remote only)
         self.fence: Callable[[], None] | None = None
+        self.peer_gone: Callable[[int], str | None] | None = None
         self.on_give_up: Callable[[int, str], None] | None = None
         self.root = self.root.rstrip("/")
         self.rank = rank
@@ -330,19 +334,20 @@ class Checkpointer(CheckpointReader):
     def _rank_digests(self, folder: str, step: int) -> dict[str, str]:
         """{file name: sha256} of ranks 1.. from their digest records, waiting for each up to
         ``commit_timeout_s``. A record that does not parse or names another file or step is
-        waited on like a missing one (it may be a leftover the rank is about to replace)."""
-        deadline = time.monotonic() + self.commit_timeout_s
+        waited on like a missing one (it may be a leftover the rank is about to replace).
+
+        Raises:
+            PeerGone: a rank is gone (``peer_gone`` says so) or wrote no record within
+                ``commit_timeout_s``; a long wait is said in one line first (``PeerWait``).
+        """
+        waiting = PeerWait(f"checkpoint {folder}", self.commit_timeout_s, self.peer_gone)
         digests = {}
         for r in range(1, self.world_size):
             name = f"rank-{r:05d}.pt"
             path = f"{folder}/{name}{DIGEST_SUFFIX}"
             while (digest := self._read_digest(path, name, step)) is None:
                 self.fs.invalidate_cache(folder)  # an object store's listing is cached
-                if time.monotonic() > deadline:
-                    raise CheckpointError(
-                        f"{folder}: rank {r} did not write {path} within "
-                        f"{self.commit_timeout_s:.0f} s; checkpoint left uncommitted"
-                    )
+                waiting.check(r, f"its digest {name}{DIGEST_SUFFIX}")
                 time.sleep(0.02)
             digests[name] = digest
         return digests
@@ -359,12 +364,15 @@ class Checkpointer(CheckpointReader):
 
     def wait(self) -> None:
         """Block until the pending async save (if any) is done; re-raise its error (a
-        ``CheckpointWriteError`` when the file system refused it, else ``CheckpointError``)."""
+        ``CheckpointWriteError`` when the file system refused it, ``PeerGone`` as it is, else
+        ``CheckpointError``)."""
         if self._pending is not None:
             self._pending.join()
             self._pending = None
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, PeerGone):  # as it is: an infrastructure failure, not a save's
+                raise error
             if (refused := self.unwritable(self._error_step, error)) is not None:
                 raise refused from error
             raise CheckpointError(f"checkpoint save failed: {error}") from error

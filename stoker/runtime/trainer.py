@@ -41,6 +41,7 @@ from stoker.runtime.data import (
 )
 from stoker.runtime.distributed import DistEnv, all_reduce_sum
 from stoker.runtime.models import build_model
+from stoker.runtime.peers import local_peer_gone
 from stoker.runtime.preemption import StopFlag, data_worker_init, loader_iter
 from stoker.runtime.profiling import ProfilingMixin
 from stoker.runtime.progress import ProgressWriter
@@ -100,6 +101,7 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin
                                  keep_best=(self.cfg.keep_best_metric,
                                             self.cfg.keep_best_direction)
                                  if self.cfg.keep_best_metric else None)
+        self.ckpt.peer_gone = local_peer_gone  # rank 0's digest wait ends when a rank is gone
         self.step = 0
         self._step_flops: float | None = None
         self.train_time_s = 0.0  # time in committed training steps, summed over attempts
