@@ -172,12 +172,30 @@ def prefect_api(log_path: Path | None = None):
         except Exception as e:  # noqa: BLE001 - bookkeeping of earlier runs never fails this one
             typer.echo(f"warning: could not mark the runs of dead commands Crashed: {e}",
                        err=True)
-        with tags(process_tag()):
+        with tags(process_tag()), _no_flow_heartbeats(local=keeper is not None):
             yield
     finally:
         if keeper is not None:
             keeper.stop()
         drain_prefect_workers()
+
+
+# Prefect's settings for flow run heartbeats; one set by the user is kept.
+HEARTBEAT_SETTINGS = ("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "PREFECT_RUNNER_HEARTBEAT_FREQUENCY")
+
+
+def _no_flow_heartbeats(local: bool):
+    """On the local server, and unless the user set ``HEARTBEAT_SETTINGS``: no flow run
+    heartbeats. They exist for an automation that marks a silent run Crashed; the local
+    server has none (Stoker marks the runs of dead commands Crashed itself, above), and the
+    heartbeat thread sleeps in 1 s steps that the flow's end joins: every run waited up to
+    1 s more (0.9 s measured) after its last task. A ``PREFECT_API_URL`` server (a team's)
+    keeps Prefect's default (180 s)."""
+    if not local or any(os.environ.get(name) for name in HEARTBEAT_SETTINGS):
+        return contextlib.nullcontext()
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
 def _log_text(line: str, level: str = "INFO") -> str:
