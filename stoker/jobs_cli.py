@@ -99,6 +99,8 @@ def status(job: Annotated[str | None, typer.Argument(
     from stoker.jobs.attempts import AttemptLog, describe_interrupted
     from stoker.jobs.status import age
     from stoker.launch.retry import describe_exit
+    from stoker.runtime.progress import read_events
+    from stoker.tracking.cost import attempt_steps_lost
 
     leases = _sync_store(work_dir, checkpoint_dir)
     folder = _job_folder(work_dir, job)
@@ -127,7 +129,8 @@ def status(job: Annotated[str | None, typer.Argument(
     if (line := budget_line(folder)) is not None:  # train.max_cost_usd / max_duration
         typer.echo(f"budget     {line}")
     attempts = AttemptLog(folder)
-    for a in attempts.history():
+    history = attempts.history()
+    for a, lost in zip(history, attempt_steps_lost(history, read_events(folder)), strict=True):
         code = a.get("exit_code")  # none (-1) when the attempt's process was lost
         typer.echo(f"attempt {a.get('number')}: {a.get('outcome')}"
                    + (f" (stopped by {a['stopped_by']})" if a.get("stopped_by") else "")
@@ -136,7 +139,7 @@ def status(job: Annotated[str | None, typer.Argument(
                       else "") + " "
                    f"after {float(a.get('duration_s') or 0):.1f} s on "
                    f"{a.get('capacity_type', '-')} capacity"
-                   + (f", {a['steps_lost']} step(s) lost" if a.get("steps_lost") else ""))
+                   + (f", {lost} step(s) lost" if lost else ""))
         if why := describe_interrupted(a):  # why it was closed, what its ranks did
             typer.echo(f"           {why}")
     for a in attempts.open_attempts():  # `jobs` counts these too

@@ -250,6 +250,9 @@ class TrainingRun:
         request = read_stop_request(job_dir) if attempt.outcome == Outcome.STOPPED else None
         ended = {**attempt.to_dict(), "capacity_type": self.capacities[number],
                  "steps_lost": lost,
+                 # what steps_lost was measured from (stoker.tracking.cost.attempt_steps_lost)
+                 **({"reached_step": reached, "committed_step": committed}
+                    if attempt.outcome != Outcome.COMPLETED else {}),
                  **({"ended_by_rank": self.ended_by[number]}
                     if self.ended_by.get(number) is not None else {}),
                  **({"hang": self.hangs[number]} if self.hangs.get(number) else {}),
