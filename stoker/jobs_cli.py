@@ -82,12 +82,24 @@ def jobs(work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
     header = ("JOB", "STATE", "STEP", "ATTEMPTS", "PREEMPTED", "COST", "MLFLOW RUN",
               "HEARTBEAT")
     table = [header] + [(
-        r.job, r.state, f"{r.step}/{r.total_steps}" if r.total_steps else "-", str(r.attempts),
+        r.job, _state_cell(r), f"{r.step}/{r.total_steps}" if r.total_steps else "-",
+        str(r.attempts),
         str(r.preemptions), "-" if r.cost_usd is None else f"${r.cost_usd:.4f}",
         r.mlflow_run_id or "-", age(r.heartbeat_age_s)) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _state_cell(row) -> str:
+    """A ``stoker jobs`` row's state; ``queued (Resources)`` while its attempt's Slurm job
+    waits in the queue (``PENDING``, with Slurm's reason)."""
+    from stoker.launch.slurm_queue import job_queue_state
+
+    queue = job_queue_state(row.path) if row.state in ("training", "unfinished") else None
+    if queue is None or not queue.pending:
+        return row.state
+    return f"queued ({queue.reason})" if queue.reason else "queued"
 
 
 def status(job: Annotated[str | None, typer.Argument(
@@ -99,6 +111,7 @@ def status(job: Annotated[str | None, typer.Argument(
     from stoker.jobs.attempts import AttemptLog, describe_interrupted
     from stoker.jobs.status import age
     from stoker.launch.retry import describe_exit
+    from stoker.launch.slurm_queue import job_queue_state
     from stoker.runtime.progress import read_events
     from stoker.tracking.cost import attempt_steps_lost
 
@@ -108,6 +121,8 @@ def status(job: Annotated[str | None, typer.Argument(
     typer.echo(f"job        {s.job}")
     typer.echo(f"state      {s.state}" + (f" ({s.owner})" if s.owner else "")
                + (f" ({s.stopped_by})" if s.stopped_by else ""))
+    if (queue := job_queue_state(folder)) is not None:  # queued on Slurm: nothing runs yet
+        typer.echo(f"slurm      {queue.describe()}")
     if s.state == "training":  # its PIDs here (ps -eo args names the job on each of them)
         typer.echo(f"processes  {Job(folder).processes().describe()}")
     if s.progress is not None:
