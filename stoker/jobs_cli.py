@@ -159,6 +159,7 @@ def status(job: Annotated[str | None, typer.Argument(
             typer.echo(f"           {why}")
     for a in attempts.open_attempts():  # `jobs` counts these too
         typer.echo(_open_attempt_line(a, training=s.state == "training",
+                                      queued=queue is not None and queue.pending,
                                       stopped=s.state == "stopped"))
     typer.echo(f"folder     {folder.resolve()}")
     if s.state == "unfinished" or (s.state == "stopped" and not s.stalled):
@@ -168,8 +169,10 @@ def status(job: Annotated[str | None, typer.Argument(
                    f"{folder.resolve() / 'spec.yaml'})")
 
 
-def _open_attempt_line(attempt: dict, training: bool, stopped: bool = False) -> str:
-    """``attempt 2: running for 41 s on spot capacity``, or, for one a dead run left open,
+def _open_attempt_line(attempt: dict, training: bool, stopped: bool = False,
+                       queued: bool = False) -> str:
+    """``attempt 2: running for 41 s on spot capacity`` (``queued``: its Slurm job waits,
+    ``attempt 2: queued on Slurm for 41 s ...``), or, for one a dead run left open,
     ``attempt 1: left open by a run that died (started 300 s ago); ...`` (``stopped``: the run
     was stopped, e.g. by a second Ctrl-C, and did not wait to close it)."""
     import time
@@ -181,7 +184,8 @@ def _open_attempt_line(attempt: dict, training: bool, stopped: bool = False) -> 
     head = f"attempt {attempt.get('number')}:"
     if training:
         ran = f" for {age_s:.0f} s" if age_s is not None else ""
-        return f"{head} running{ran} on {attempt.get('capacity_type', '-')} capacity"
+        doing = "queued on Slurm" if queued else "running"
+        return f"{head} {doing}{ran} on {attempt.get('capacity_type', '-')} capacity"
     ago = f" (started {age_s:.0f} s ago)" if age_s is not None else ""
     how = "that was stopped before it could close it" if stopped else "that died"
     return (f"{head} left open by a run {how}{ago}; it is closed and billed when the job "
