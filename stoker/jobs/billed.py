@@ -18,6 +18,7 @@ from pathlib import Path
 
 from stoker.jobs.attempts import AttemptLog
 from stoker.jobs.budget import job_spend, started_gpu_model
+from stoker.jobs.store import write_through
 from stoker.runtime import private
 from stoker.runtime.records import read_json, real_number
 from stoker.tracking.pricing import PriceTable
@@ -51,6 +52,8 @@ def record_billed(job_dir: Path, devices: int, prices: PriceTable) -> None:
         tmp.replace(path)
     except OSError:
         tmp.unlink(missing_ok=True)
+        return
+    write_through(job_dir, BILLED_FILE)  # a job store's other nodes list it too
 
 
 def billed_cost(job_dir: Path) -> float | None:
