@@ -399,7 +399,8 @@ class TrainingRun:
         if attempts and attempts[-1].outcome == Outcome.STOPPED:
             model = budget.gpu_model_known() or run_gpu_model(self.client, self.run_file)
             log_stopped_cost(self.client, self.run_id, history, self.devices, model, prices,
-                             usd_per_hour(self.config, self.devices, model, self.capacities))
+                             usd_per_hour(self.config, self.devices, model, self.capacities),
+                             read_events(job_dir))
             stopped(self.client, self.run_file, read_stop_request(job_dir), job_dir.name)
         if attempts and attempts[-1].outcome != Outcome.COMPLETED:
             self._failed(attempts, history)
