@@ -4,7 +4,9 @@ trial: COST read `-` for a job `stoker stop` ended, although its attempt was bil
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -36,8 +38,21 @@ def wait_for_a_step(job: Path, process: subprocess.Popen, timeout_s: float = 300
         time.sleep(0.5)
 
 
+def stop_by_user(work: Path, env: dict, process: subprocess.Popen) -> None:
+    stop = subprocess.run([sys.executable, "-m", "stoker.cli", "stop", "stopme", "-w",
+                           str(work)], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert stop.returncode == 0, stop.stderr
+
+
+def ctrl_c(work: Path, env: dict, process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+
+
 @pytest.mark.integration
-def test_a_job_stoker_stop_ended_shows_what_its_attempts_were_billed(tmp_path):
+@pytest.mark.parametrize(("stop", "exit_code", "outcome"), [
+    (stop_by_user, 3, "stopped"), (ctrl_c, 130, "interrupted")], ids=["stoker-stop", "ctrl-c"])
+def test_a_stopped_job_shows_what_its_attempts_were_billed(tmp_path, stop, exit_code, outcome):
     work, config = tmp_path / "work", tmp_path / "prices.yaml"
     config.write_text(yaml.safe_dump({"cost": {"prices": PRICES}}))
     env = {**embedded_env(work), "PYTHONPATH": str(REPO)}
@@ -48,12 +63,9 @@ def test_a_job_stoker_stop_ended_shows_what_its_attempts_were_billed(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         wait_for_a_step(work / "jobs" / "stopme", process)
-        stop = subprocess.run([sys.executable, "-m", "stoker.cli", "stop", "stopme", "-w",
-                               str(work)], env=env, cwd=REPO, capture_output=True, text=True,
-                              timeout=300)
-        assert stop.returncode == 0, stop.stderr
+        stop(work, env, process)
         _, err = process.communicate(timeout=300)
-        assert process.returncode == 3, err[-3000:]
+        assert process.returncode == exit_code, err[-3000:]
     finally:
         if process.poll() is None:
             terminate_tree(process.pid, grace_s=5)
@@ -61,7 +73,7 @@ def test_a_job_stoker_stop_ended_shows_what_its_attempts_were_billed(tmp_path):
     job = work / "jobs" / "stopme"
     [attempt] = AttemptLog(job).history()
     billed = attempt["duration_s"] * 36.0 / 3600  # one CPU worker at $36 per hour
-    assert attempt["outcome"] == "stopped" and billed > 0
+    assert attempt["outcome"] == outcome and billed > 0
     listed = CliRunner().invoke(app, ["jobs", "--work-dir", str(work)]).output
     assert re.search(rf"^stopme +stopped +\S+ +1 +0 +\${billed:.4f} ", listed, re.M), listed
     shown = CliRunner().invoke(app, ["status", "stopme", "--work-dir", str(work)]).output
