@@ -89,3 +89,28 @@ def test_a_damaged_bill_is_no_cost(tmp_path):
     assert billed_cost(tmp_path) is None
     write_json(tmp_path / "billed.json", {"cost_usd": 0.07})
     assert billed_cost(tmp_path) == 0.07
+
+
+def test_a_capacity_the_price_table_lacks_leaves_the_cost_unknown(tmp_path):
+    """An attempt record is untrusted: a capacity type with no price records no bill (and
+    raises nothing into the train task)."""
+    from stoker.jobs.billed import record_billed
+    from stoker.runtime.progress import ProgressWriter
+    from stoker.tracking.pricing import PriceTable
+
+    progress = ProgressWriter(tmp_path, world_size=1)
+    progress.event("start", 0, total_steps=10, gpu_model="cpu")
+    progress.close()
+    log = AttemptLog(tmp_path)
+    log.start(1, "on_demand")
+    log.end(1, {"exit_code": 75, "outcome": "stopped", "duration_s": 10.0,
+                "capacity_type": "barter"})
+    record_billed(tmp_path, 1, PriceTable())
+    assert billed_cost(tmp_path) is None
+    log.start(2, "on_demand")
+    log.end(2, {"exit_code": 75, "outcome": "stopped", "duration_s": 10.0,
+                "capacity_type": "on_demand"})
+    (tmp_path / "attempts.jsonl").write_text((tmp_path / "attempts.jsonl").read_text()
+                                             .replace('"barter"', '"spot"'))
+    record_billed(tmp_path, 2, PriceTable())
+    assert billed_cost(tmp_path) == 0.0  # the default table prices a CPU at 0

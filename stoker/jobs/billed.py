@@ -29,8 +29,8 @@ BILLED_FILE = "billed.json"
 def record_billed(job_dir: Path, devices: int, prices: PriceTable) -> None:
     """Record the billed cost of the job's closed attempts in ``billed.json`` (atomic, 0600).
     Nothing is written before rank 0 named its device (its ``start`` event: the price is not
-    known) or when the job folder cannot be written (the cost stays unknown, nothing else
-    fails).
+    known), when a record's capacity type has no price, or when the job folder cannot be
+    written (the cost stays unknown, nothing else fails).
 
     Args:
         job_dir: the job folder.
@@ -42,7 +42,10 @@ def record_billed(job_dir: Path, devices: int, prices: PriceTable) -> None:
     if gpu_model is None:
         return
     history = AttemptLog(job_dir).history()
-    spend = job_spend(history, time.time(), devices, gpu_model, prices)
+    try:
+        spend = job_spend(history, time.time(), devices, gpu_model, prices)
+    except KeyError:  # a record's capacity type the price table does not price: unknown
+        return
     record = {"cost_usd": spend.cost_usd, "billed_s": spend.billed_s, "attempts": len(history),
               "gpu_model": gpu_model, "devices": devices, "time": time.time()}
     path = job_dir / BILLED_FILE
