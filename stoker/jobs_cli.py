@@ -82,12 +82,24 @@ def jobs(work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
     header = ("JOB", "STATE", "STEP", "ATTEMPTS", "PREEMPTED", "COST", "MLFLOW RUN",
               "HEARTBEAT")
     table = [header] + [(
-        r.job, r.state, f"{r.step}/{r.total_steps}" if r.total_steps else "-", str(r.attempts),
+        r.job, _state_cell(r), f"{r.step}/{r.total_steps}" if r.total_steps else "-",
+        str(r.attempts),
         str(r.preemptions), "-" if r.cost_usd is None else f"${r.cost_usd:.4f}",
         r.mlflow_run_id or "-", age(r.heartbeat_age_s)) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _state_cell(row) -> str:
+    """A ``stoker jobs`` row's state; ``queued (Resources)`` while its attempt's Slurm job
+    waits in the queue (``PENDING``, with Slurm's reason)."""
+    from stoker.launch.slurm_queue import job_queue_state
+
+    queue = job_queue_state(row.path) if row.state in ("training", "unfinished") else None
+    if queue is None or not queue.pending:
+        return row.state
+    return f"queued ({queue.reason})" if queue.reason else "queued"
 
 
 def status(job: Annotated[str | None, typer.Argument(
@@ -99,6 +111,9 @@ def status(job: Annotated[str | None, typer.Argument(
     from stoker.jobs.attempts import AttemptLog, describe_interrupted
     from stoker.jobs.status import age
     from stoker.launch.retry import describe_exit
+    from stoker.launch.slurm_queue import job_queue_state
+    from stoker.runtime.progress import read_events
+    from stoker.tracking.cost import attempt_steps_lost
 
     leases = _sync_store(work_dir, checkpoint_dir)
     folder = _job_folder(work_dir, job)
@@ -106,6 +121,8 @@ def status(job: Annotated[str | None, typer.Argument(
     typer.echo(f"job        {s.job}")
     typer.echo(f"state      {s.state}" + (f" ({s.owner})" if s.owner else "")
                + (f" ({s.stopped_by})" if s.stopped_by else ""))
+    if (queue := job_queue_state(folder)) is not None:  # queued on Slurm: nothing runs yet
+        typer.echo(f"slurm      {queue.describe()}")
     if s.state == "training":  # its PIDs here (ps -eo args names the job on each of them)
         typer.echo(f"processes  {Job(folder).processes().describe()}")
     if s.progress is not None:
@@ -127,7 +144,8 @@ def status(job: Annotated[str | None, typer.Argument(
     if (line := budget_line(folder)) is not None:  # train.max_cost_usd / max_duration
         typer.echo(f"budget     {line}")
     attempts = AttemptLog(folder)
-    for a in attempts.history():
+    history = attempts.history()
+    for a, lost in zip(history, attempt_steps_lost(history, read_events(folder)), strict=True):
         code = a.get("exit_code")  # none (-1) when the attempt's process was lost
         typer.echo(f"attempt {a.get('number')}: {a.get('outcome')}"
                    + (f" (stopped by {a['stopped_by']})" if a.get("stopped_by") else "")
@@ -136,11 +154,12 @@ def status(job: Annotated[str | None, typer.Argument(
                       else "") + " "
                    f"after {float(a.get('duration_s') or 0):.1f} s on "
                    f"{a.get('capacity_type', '-')} capacity"
-                   + (f", {a['steps_lost']} step(s) lost" if a.get("steps_lost") else ""))
+                   + (f", {lost} step(s) lost" if lost else ""))
         if why := describe_interrupted(a):  # why it was closed, what its ranks did
             typer.echo(f"           {why}")
     for a in attempts.open_attempts():  # `jobs` counts these too
         typer.echo(_open_attempt_line(a, training=s.state == "training",
+                                      queued=queue is not None and queue.pending,
                                       stopped=s.state == "stopped"))
     typer.echo(f"folder     {folder.resolve()}")
     if s.state == "unfinished" or (s.state == "stopped" and not s.stalled):
@@ -150,8 +169,10 @@ def status(job: Annotated[str | None, typer.Argument(
                    f"{folder.resolve() / 'spec.yaml'})")
 
 
-def _open_attempt_line(attempt: dict, training: bool, stopped: bool = False) -> str:
-    """``attempt 2: running for 41 s on spot capacity``, or, for one a dead run left open,
+def _open_attempt_line(attempt: dict, training: bool, stopped: bool = False,
+                       queued: bool = False) -> str:
+    """``attempt 2: running for 41 s on spot capacity`` (``queued``: its Slurm job waits,
+    ``attempt 2: queued on Slurm for 41 s ...``), or, for one a dead run left open,
     ``attempt 1: left open by a run that died (started 300 s ago); ...`` (``stopped``: the run
     was stopped, e.g. by a second Ctrl-C, and did not wait to close it)."""
     import time
@@ -163,7 +184,8 @@ def _open_attempt_line(attempt: dict, training: bool, stopped: bool = False) -> 
     head = f"attempt {attempt.get('number')}:"
     if training:
         ran = f" for {age_s:.0f} s" if age_s is not None else ""
-        return f"{head} running{ran} on {attempt.get('capacity_type', '-')} capacity"
+        doing = "queued on Slurm" if queued else "running"
+        return f"{head} {doing}{ran} on {attempt.get('capacity_type', '-')} capacity"
     ago = f" (started {age_s:.0f} s ago)" if age_s is not None else ""
     how = "that was stopped before it could close it" if stopped else "that died"
     return (f"{head} left open by a run {how}{ago}; it is closed and billed when the job "

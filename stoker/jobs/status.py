@@ -165,7 +165,8 @@ class JobSummary:
     Prefect cancel), or ``unfinished`` (no live owner, and its last run died or failed). The
     same command resumes a stopped or unfinished job (a stall the guard stopped needs
     ``--resume-stalled``). ``heartbeat_age_s``
-    is the seconds since rank 0's last heartbeat; ``cost_usd`` is known once the job is done;
+    is the seconds since rank 0's last heartbeat; ``cost_usd``: a done job's cost, or what a
+    stopped or unfinished one's closed attempts were billed (``stoker.jobs.billed``);
     ``steps_lost``: :func:`stoker.tracking.cost.steps_lost` (the figure the job summary and
     MLflow show).
     ``stopped_by`` says who stopped a ``stopped`` job (``stopped by cost-guard: stalled ...``,
@@ -209,6 +210,7 @@ def job_summary(job_dir: Path, now: float | None = None,
     """Summarise one job folder from its records (never raises on a torn or missing record);
     ``bucket_lease``: the job's lease object in the bucket, when it lives in one."""
     from stoker.jobs.attempts import AttemptLog, closed, committed_step, is_closed
+    from stoker.jobs.billed import billed_cost
     from stoker.jobs.job import done_summary
     from stoker.jobs.lease import holder_alive
     from stoker.jobs.stop_request import read_stop_request
@@ -262,6 +264,8 @@ def job_summary(job_dir: Path, now: float | None = None,
         progress = dataclasses.replace(progress, state="idle", eta_s=None, samples_per_s=None,
                                        resume_step=max(committed, default=0))
     cost = (done or {}).get("cost", {}).get("cost_usd") if isinstance(done, dict) else None
+    if done is None and state in ("stopped", "unfinished"):  # its closed attempts' bill
+        cost = billed_cost(job_dir)
     owner = None
     if live:
         owner = f"host {lease.get('host')} pid {lease.get('pid')}"

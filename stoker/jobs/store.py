@@ -8,6 +8,7 @@ keeps, under ``<checkpoint_dir>/<job name>/``:
     mlflow_run_id              the MLflow run the job logs to
     spec.yaml                  the run spec of the last launch
     progress.jsonl, heartbeat.json, result.json, pipeline_done.json
+    billed.json                what the closed attempts were billed (``stoker.jobs.billed``)
     lease.json                 who trains the job now, until when (see ``BucketLease``)
 
 The local ``<work_dir>/jobs/<job name>/`` folder is a cache: ``pull`` fills a fresh one from the
@@ -44,7 +45,7 @@ from stoker.runtime.records import real_number
 log = logging.getLogger(__name__)
 
 RECORDS = ("attempts.jsonl", "mlflow_run_id", "spec.yaml", "progress.jsonl", "heartbeat.json",
-           "result.json", "pipeline_done.json")
+           "result.json", "pipeline_done.json", "billed.json")
 DONE_MARKER = "pipeline_done.json"
 
 

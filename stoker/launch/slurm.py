@@ -57,6 +57,7 @@ from stoker.launch.slurm_jobs import (  # noqa: F401 - re-exported: the launcher
     slurm,
     stop_gracefully,
 )
+from stoker.launch.slurm_queue import record_submitted
 from stoker.runtime.spec import RunSpec
 from stoker.stopping import interrupted
 
@@ -204,6 +205,7 @@ class SlurmLauncher:
         job = Path(RunSpec.load(spec_path).job_dir).name
         self.stop_orphans(job, on_line)
         self.job_id = self.submit(spec_path)
+        record_submitted(job_dir, self.job_id)  # `stoker status` asks the queue about it
         on_line(f"submitted Slurm job {self.job_id} ({self.config.nodes} node(s))")
         output = job_dir / f"slurm-{self.job_id}.out"
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

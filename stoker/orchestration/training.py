@@ -19,6 +19,7 @@ from stoker.config import ConfigError, PipelineConfig
 from stoker.data.pull import DatasetRef
 from stoker.images.build import ImageResult
 from stoker.jobs.attempts import AttemptLog, describe_interrupted, lost_steps
+from stoker.jobs.billed import record_billed
 from stoker.jobs.budget import BudgetWatcher, check_at_start, run_gpu_model, usd_per_hour
 from stoker.jobs.job import check_resumable, completed_training, job_store
 from stoker.jobs.lease import JobBusy, held_lease
@@ -144,6 +145,8 @@ class TrainingRun:
         self.attempts_log = AttemptLog(job_dir)
         self.checkpoints = RunSpec.load(self.spec_path).checkpoint_location
         left = close_left_open(self.attempts_log, self.checkpoints, log.warning)
+        if left:  # billed now: stoker jobs' COST
+            record_billed(job_dir, self.devices, config.cost.prices)
         # The recorded run gone with its store (a lost node's work_dir): a new run, linked.
         continued = continue_lost_run(RunSpec.load(self.spec_path), self.attempts_log.history(),
                                       read_events(job_dir), self.devices)
@@ -250,6 +253,9 @@ class TrainingRun:
         request = read_stop_request(job_dir) if attempt.outcome == Outcome.STOPPED else None
         ended = {**attempt.to_dict(), "capacity_type": self.capacities[number],
                  "steps_lost": lost,
+                 # what steps_lost was measured from (stoker.tracking.cost.attempt_steps_lost)
+                 **({"reached_step": reached, "committed_step": committed}
+                    if attempt.outcome != Outcome.COMPLETED else {}),
                  **({"ended_by_rank": self.ended_by[number]}
                     if self.ended_by.get(number) is not None else {}),
                  **({"hang": self.hangs[number]} if self.hangs.get(number) else {}),
@@ -257,6 +263,7 @@ class TrainingRun:
                  **({"stopped_by": f"{request.by}: {request.reason}"}
                     if request is not None else {})}
         self.attempts_log.end(number, ended)
+        record_billed(job_dir, self.devices, self.config.cost.prices)
         tag_outcome(self.client, self.run_id, ended)  # as attempts.jsonl says, on MLflow
         if lost:
             log.warning("attempt %d lost %d step(s): it reached step %d, the last committed "
@@ -373,6 +380,7 @@ class TrainingRun:
         unfinished); end the MLflow run KILLED."""
         with contextlib.suppress(Exception):
             closed = self.attempts_log.close_interrupted(stopped_by=self.stopped_by(error))
+            record_billed(self.job_dir, self.devices, self.config.cost.prices)
             if closed and (what := describe_interrupted(closed[-1])):
                 note_outcome(f"job {self.job_dir.name}: {what}")  # stoker run's last line
             if closed and closed[-1].get("steps_lost"):  # its stop checkpoint did not commit
@@ -391,7 +399,8 @@ class TrainingRun:
         if attempts and attempts[-1].outcome == Outcome.STOPPED:
             model = budget.gpu_model_known() or run_gpu_model(self.client, self.run_file)
             log_stopped_cost(self.client, self.run_id, history, self.devices, model, prices,
-                             usd_per_hour(self.config, self.devices, model, self.capacities))
+                             usd_per_hour(self.config, self.devices, model, self.capacities),
+                             read_events(job_dir))
             stopped(self.client, self.run_file, read_stop_request(job_dir), job_dir.name)
         if attempts and attempts[-1].outcome != Outcome.COMPLETED:
             self._failed(attempts, history)

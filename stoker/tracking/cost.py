@@ -4,8 +4,9 @@
   start-up, evaluation, checkpoints and work later lost), times the devices the job held.
 * Goodput is the time spent in training steps that count (restored from the last committed
   checkpoint on every resume, so lost steps are excluded) divided by billed wall time.
-* Steps lost: per attempt, the step it reached minus the job's committed checkpoint step when it
-  closed, as its record says (:func:`steps_lost`).
+* Steps lost: per attempt, the highest step its ranks trained minus the step the next attempt
+  resumed at (the last attempt: its record's own figure, written when it closed;
+  :func:`attempt_steps_lost`).
 """
 
 from __future__ import annotations
@@ -51,38 +52,71 @@ def steps_lost(attempts: list[dict], events: list[dict]) -> int:
     figure ``stoker status``, the job summary and the ``steps_lost`` MLflow metric show.
 
     Args:
-        attempts: the job's closed attempt records, oldest first. Each counts its own
-            ``steps_lost``, written when it closed (the step rank 0 reached minus the job's
-            committed checkpoint step; ``stoker.jobs.attempts.lost_steps``).
-        events: the job's progress events (``progress.jsonl``), for a record written before
-            attempts recorded it: the highest step reported between its start and the next
-            attempt's, minus the step the next attempt resumed at (0 for the last attempt).
+        attempts: the job's closed attempt records, oldest first.
+        events: the job's progress events (``progress.jsonl``), oldest first.
 
     Returns:
-        The sum over the attempts (never negative); damaged records and events count 0.
+        The sum of :func:`attempt_steps_lost` (never negative).
     """
-    def started(record: dict) -> float | None:
-        return real_number(record.get("started"))
+    return sum(attempt_steps_lost(attempts, events))
 
+
+def attempt_steps_lost(attempts: list[dict], events: list[dict]) -> list[int]:
+    """Per closed attempt, the steps it trained that no later attempt could load.
+
+    An attempt followed by another whose ranks started: the highest step its own ranks
+    reported (their events carry the runtime's ``attempt`` number, also the ones written after
+    the next run took the job over; and the record's ``reached_step``) minus the step the next
+    ranks started at. A leftover (an
+    owner that lost its lease) may commit its stop checkpoint after the takeover: loaded by the
+    next attempt, those steps are not lost; committed too late, all it trained past the step
+    the next attempt loaded is. Otherwise (the last attempt, or no events to tell) the
+    record's own ``steps_lost``, written when it closed (the step rank 0 reached minus the
+    job's committed checkpoint step; ``stoker.jobs.attempts.lost_steps``), also for a record
+    written before records kept ``reached_step`` beside it.
+
+    Args:
+        attempts: the job's closed attempt records, oldest first (``started``: Unix seconds).
+        events: the job's progress events (``progress.jsonl``), oldest first.
+
+    Returns:
+        Steps lost per attempt, in their order (each >= 0); a damaged record or event counts 0.
+    """
     timed = [e for e in events
              if integer(e.get("step")) is not None and real_number(e.get("time")) is not None]
-    lost = 0
+    starts = [e for e in timed if e.get("event") == "start"]
+    begins = [real_number(r.get("started")) for r in attempts]
+    lost = []
     for i, record in enumerate(attempts):
-        own = record.get("steps_lost")
-        if integer(own) is not None:
-            lost += max(0, own)
+        own, reached = integer(record.get("steps_lost")), integer(record.get("reached_step"))
+        after = next((t for t in begins[i + 1:] if t is not None), None)
+        resumed = None if after is None else next(
+            (e["step"] for e in starts if e["time"] >= after), None)
+        if resumed is None or begins[i] is None or (own is not None and reached is None):
+            lost.append(max(0, own or 0))  # nothing to measure against, or an older record
             continue
-        begin = started(record)
-        after = next((t for r in attempts[i + 1:] if (t := started(r)) is not None), None)
-        if begin is None or after is None:
-            continue  # no window, or the last attempt: no resume to measure against
-        reached = [e["step"] for e in timed if begin <= e["time"] < after
-                   and e.get("event") in ("start", "step", "checkpoint", "end")]
-        resumed = next((e["step"] for e in timed if e["time"] >= after
-                        and e.get("event") == "start"), None)
-        if reached and resumed is not None:
-            lost += max(0, max(reached) - resumed)
+        # The heartbeat (in reached_step) runs ahead of the step events (every N steps).
+        trained = max((s for s in (_trained_step(timed, starts, begins[i], after), reached)
+                       if s is not None), default=None)
+        lost.append(max(0, own or 0) if trained is None else max(0, trained - resumed))
     return lost
+
+
+def _trained_step(timed: list[dict], starts: list[dict], begin: float,
+                  after: float) -> int | None:
+    """The highest step the ranks of the attempt that ran from ``begin`` until the next began
+    (``after``; Unix seconds) reported: every event of the runtime attempts that started in
+    that window, whenever written; without runtime numbers (older files), the events of the
+    window. None when they reported none."""
+    kinds = ("start", "step", "checkpoint", "end")
+    own = {integer(e.get("attempt")) for e in starts if begin <= e["time"] < after} - {None}
+    if own:
+        steps = [e["step"] for e in timed
+                 if e.get("event") in kinds and integer(e.get("attempt")) in own]
+    else:
+        steps = [e["step"] for e in timed if begin <= e["time"] < after
+                 and e.get("event") in kinds and integer(e.get("attempt")) is None]
+    return max(steps, default=None)
 
 
 def cost_report(attempts: list[dict], events: list[dict], useful_train_s: float, devices: int,

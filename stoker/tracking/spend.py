@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from stoker.tracking.cost import CostReport, cost_report
+from stoker.tracking.cost import CostReport, cost_report, steps_lost
 from stoker.tracking.pricing import PriceTable
 
 CAPACITY_TYPES = ("on_demand", "spot", "reserved")
@@ -89,16 +89,20 @@ def log_completed_cost(client, result: dict, history: list[dict], events: list[d
 
 
 def log_stopped_cost(client, run_id: str | None, history: list[dict], devices: int,
-                     gpu_model: str | None, prices: PriceTable, usd_per_hour: float) -> None:
+                     gpu_model: str | None, prices: PriceTable, usd_per_hour: float,
+                     events: list[dict] | None = None) -> None:
     """Log the cost so far of a job a stop request ended (its budget, the cost guard, a user):
-    ``cost_usd``, ``gpu_hours``, ``attempts``, ``preemptions``, ``steps_lost`` (the closed
-    attempts' own), ``usd_per_hour`` (devices x price: what the stop released per hour) and
-    :func:`log_cost_records`, so that ``stoker cost`` counts it. A later completion logs the
-    job's full cost over them. Never raises: tracking must not mask the stop.
+    ``cost_usd``, ``gpu_hours``, ``attempts``, ``preemptions``, ``steps_lost``
+    (:func:`stoker.tracking.cost.steps_lost` over the closed attempts), ``usd_per_hour``
+    (devices x price: what the stop released per hour) and :func:`log_cost_records`, so that
+    ``stoker cost`` counts it. A later completion logs the job's full cost over them. Never
+    raises: tracking must not mask the stop.
 
     Args:
         gpu_model: NVML name or ``cpu``; None (rank 0 never tagged it): nothing is logged.
         usd_per_hour: USD per hour the job's devices cost when it stopped.
+        events: the job's progress events, which settle each attempt's steps lost against
+            the step the next one resumed at (None: the records' own figures).
     """
     if not run_id or gpu_model is None:
         return
@@ -115,7 +119,7 @@ def log_stopped_cost(client, run_id: str | None, history: list[dict], devices: i
         values = {"cost_usd": round(cost, 6), "gpu_hours": round(devices * billed / 3600, 6),
                   "attempts": len(history), "usd_per_hour": usd_per_hour,
                   "preemptions": sum(a.get("outcome") == "preempted" for a in history),
-                  "steps_lost": sum(int(a.get("steps_lost") or 0) for a in history)}
+                  "steps_lost": steps_lost(history, events or [])}
         client.log_batch(run_id, metrics=[Metric(k, float(v), now_ms, step)
                                           for k, v in values.items()])
         log_cost_records(client, run_id, history, devices, gpu_model, prices, step)
