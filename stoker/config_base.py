@@ -176,8 +176,12 @@ def refuse_option_like_host(url: str | None, reader: str) -> str | None:
         netloc = text.split(":", 1)[0]
     else:
         return url
+    from urllib.parse import unquote
+
     user, _, host = netloc.rpartition("@")
     for part, name in ((user, "user"), (host, "host")):
+        # as git reads it: percent-decoded (%2D is '-'), an IPv6-style [host] unbracketed
+        part = unquote(part).lstrip("[")
         if part.startswith("-"):
             raise ValueError(f"its {name} {part!r} starts with '-', which {reader} would read "
                              "as an option; no host or user name starts with '-'")

@@ -98,3 +98,20 @@ def test_a_folder_whose_name_starts_with_a_dash_is_written_dot_slash(tmp_path, m
     for url in ("git@github.com:org/data.git", "ssh://git@github.com/org/data.git",
                 "https://github.com/org/data-set.git", "/srv/git/-data"):
         assert load_pipeline_config(None, [f"data.repo_url={url}"], environ={})
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("ssh://[-oProxyCommand=x]/repo.git", "its host '-oProxyCommand=x]'"),
+    ("ssh://%2DoProxyCommand=x/repo.git", "its host '-oProxyCommand=x'"),
+    ("ssh://git@%2DoProxyCommand=x/repo.git", "its host '-oProxyCommand=x'"),
+    ("ssh://git@[-oProxyCommand=x]:22/repo.git", "its host '-oProxyCommand=x]:22'"),
+    ("ssh://%2Du@host/repo.git", "its user '-u'"),
+])
+def test_a_host_disguised_by_brackets_or_percent_encoding_is_refused_too(url, says):
+    """Trial: a bracketed or percent-encoded host passed the config check; git decodes both,
+    so only its own 'strange hostname' check stopped them, after the flow had started."""
+    with pytest.raises(ConfigError) as refused:
+        load_pipeline_config(None, [f"data.repo_url={url}"], environ={})
+    message = str(refused.value)
+    assert message.startswith("data.repo_url: ") and says in message, message
+    assert len(message.splitlines()) == 1
