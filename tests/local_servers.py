@@ -41,3 +41,18 @@ def stop_local_servers(root: Path) -> list[int]:
         with contextlib.suppress(psutil.Error):
             psutil.Process(pid).kill()
     return list(found)
+
+
+TEST_MARK = "STOKER_TEST_MARK"  # set in a command's env: every process it starts inherits it
+
+
+def marked_processes(mark: str) -> list[list[str]]:
+    """The command lines of live processes whose environment has ``TEST_MARK`` = ``mark``,
+    but for the long-lived local Prefect server (uvicorn)."""
+    left = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(TEST_MARK) == mark and \
+                    "uvicorn" not in " ".join(proc.info["cmdline"] or []):
+                left.append(proc.info["cmdline"])
+    return left

@@ -6,13 +6,13 @@ left RUNNING. The orchestrator and the ranks count the split with the same funct
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from local_servers import marked_processes
 
 from stoker.config import ConfigError, load_pipeline_config
 
@@ -71,7 +71,6 @@ def test_a_split_smaller_than_the_shards_of_a_step_says_so():
 def test_stoker_run_refuses_it_after_the_pull_before_any_attempt(demo_repo, tmp_path):
     """A real `stoker run` (local Prefect server, real pull): exit 2 on the refusal's line;
     no attempt recorded, no MLflow run RUNNING, no training process left."""
-    import psutil
     from mlflow import MlflowClient
     from prefect_server import seed_prefect_home
 
@@ -94,13 +93,7 @@ def test_stoker_run_refuses_it_after_the_pull_before_any_attempt(demo_repo, tmp_
     assert last.startswith("error: train.global_batch_size: 1440 samples per step (world size "
                            f"2: 720 per process) is more than the {DEMO_TRAIN} samples"), last
     assert "Traceback" not in result.stderr
-    left = []
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get("STOKER_TEST_MARK") == str(tmp_path) and \
-                    "uvicorn" not in " ".join(proc.info["cmdline"] or []):
-                left.append(proc.info["cmdline"])
-    assert left == []
+    assert marked_processes(str(tmp_path)) == []
 
 
 def test_the_ranks_check_again_with_the_same_line(make_spec):

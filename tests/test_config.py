@@ -1,6 +1,7 @@
 import os
 
 import pytest
+from local_servers import marked_processes
 
 from stoker.config import ConfigError, PipelineConfig, TrainConfig, load_pipeline_config
 
@@ -287,12 +288,10 @@ def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_pa
     """A repository that cannot be cloned (here: nothing answers on its loopback port; a local
     folder is checked before the flow) fails in the pull task: no traceback in the terminal
     (the Prefect task log keeps it), the last line names it, exit 2."""
-    import contextlib
     import os
     import subprocess
     import sys
 
-    import psutil
     from prefect_server import seed_prefect_home
 
     unreachable = "http://127.0.0.1:9/none.git"  # port 9 (discard): refused at once
@@ -306,13 +305,7 @@ def test_a_data_error_inside_the_flow_ends_in_one_line_without_tracebacks(tmp_pa
     assert result.returncode == 2, result.stderr[-3000:]
     # The launcher started ahead of the flow (the standby) is ended with the command: nothing
     # trained, nothing left running but the long-lived local Prefect server.
-    left = []
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get("STOKER_TEST_MARK") == str(tmp_path) and \
-                    "uvicorn" not in " ".join(proc.info["cmdline"] or []):
-                left.append(proc.info["cmdline"])
-    assert left == []
+    assert marked_processes(str(tmp_path)) == []
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: data.repo_url {unreachable}: cannot clone: fatal: "), last

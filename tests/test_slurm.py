@@ -3,8 +3,6 @@ a low and a high partition for preemption). Skipped without one, failed under CI
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -16,7 +14,7 @@ import psutil
 import pytest
 import torch
 from conftest import events
-from image_support import skip_or_fail
+from slurm_cluster import require_cluster
 
 from stoker.config import RetryConfig, SlurmLauncherConfig, TrainConfig
 from stoker.jobs.stop_request import read_stop_request
@@ -25,7 +23,6 @@ from stoker.launch.slurm import SlurmLauncher, exit_code_for_job, jobs_of, slurm
 from stoker.runtime.spec import RunSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("slurm")]
-DEFAULT_CONF = Path(os.environ.get("STOKER_SLURM_DIR", "/tmp/stoker-slurm")) / "slurm.conf"
 TRAIN = {"epochs": 2, "checkpoint_every_steps": 4, "keep_latest_k": 2}
 
 
@@ -43,19 +40,7 @@ def test_job_ends_map_to_stokers_exit_codes():
 @pytest.fixture(scope="module")
 def cluster():
     """A Slurm that answers (SLURM_CONF, else the one .ci/start-slurm.sh writes)."""
-    if "SLURM_CONF" not in os.environ and DEFAULT_CONF.exists():
-        os.environ["SLURM_CONF"] = str(DEFAULT_CONF)
-    if not shutil.which("sbatch"):
-        skip_or_fail("Slurm's client commands are not installed (.ci/start-slurm.sh)")
-    try:
-        slurm("scontrol", "ping", timeout_s=10)
-        nodes = slurm("sinfo", "-h", "-p", "low", "-o", "%D").split()
-    except Exception as e:
-        skip_or_fail(f"no Slurm answers ({e}); start one with .ci/start-slurm.sh")
-    if not nodes or int(nodes[0]) < 2:
-        skip_or_fail("the Slurm of .ci/start-slurm.sh (partitions low/high, 2 nodes) is not "
-                     "the one answering")
-    return os.environ["SLURM_CONF"]
+    return require_cluster("low")
 
 
 @pytest.fixture(scope="module")

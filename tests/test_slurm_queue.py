@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import threading
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from image_support import skip_or_fail
+from slurm_cluster import require_cluster
 from typer.testing import CliRunner
 
 from stoker.cli import app
@@ -31,25 +30,12 @@ from stoker.launch.slurm_queue import (
 from stoker.runtime.records import write_json
 from stoker.runtime.spec import RunSpec
 
-DEFAULT_CONF = Path(os.environ.get("STOKER_SLURM_DIR", "/tmp/stoker-slurm")) / "slurm.conf"
-
 
 @pytest.fixture
 def cluster():
     """A Slurm that answers (SLURM_CONF, else the one .ci/start-slurm.sh writes), with the
     partitions low and high over 2 nodes."""
-    if "SLURM_CONF" not in os.environ and DEFAULT_CONF.exists():
-        os.environ["SLURM_CONF"] = str(DEFAULT_CONF)
-    if not shutil.which("sbatch"):
-        skip_or_fail("Slurm's client commands are not installed (.ci/start-slurm.sh)")
-    try:
-        slurm("scontrol", "ping", timeout_s=10)
-        nodes = slurm("sinfo", "-h", "-p", "high", "-o", "%D").split()
-    except Exception as e:
-        skip_or_fail(f"no Slurm answers ({e}); start one with .ci/start-slurm.sh")
-    if not nodes or int(nodes[0]) < 2:
-        skip_or_fail("the Slurm of .ci/start-slurm.sh (partitions low/high, 2 nodes) is not "
-                     "the one answering")
+    require_cluster("high")
 
 
 def queued_job(work: Path) -> tuple[Path, Path]:
