@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -92,7 +93,10 @@ def test_a_standby_ends_when_its_input_closes_and_when_its_parent_is_killed(tmp_
          "print(prestart(2).process.pid, flush=True)\n"
          "time.sleep(600)\n"],
         stdout=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        # The repository, not this worker's sys.path: a model loaded in this worker put its
+        # code/ folder (a partial `stoker` package) first there (CI: "No module named
+        # 'stoker.runtime.launch'").
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     child = int(parent.stdout.readline())
     assert psutil.pid_exists(child)
     parent.kill()
