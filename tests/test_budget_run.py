@@ -95,6 +95,9 @@ def test_stoker_run_exits_5_at_its_budget_and_resumes_with_a_higher_one(server, 
     code, output = stoker_run(server, tmp_path, 0.3)
     assert code == 5, output[-3000:]
     assert "max_cost_usd $0.3 reached" in output.rstrip().splitlines()[-1], output[-3000:]
+    # Said in words that it resumes the stopped job, and from where (trial: "attempt 2" only).
+    assert (f"job budget-cli: resuming a stopped job as attempt 2 from its checkpoint of step "
+            f"{first_stop}/") in output, output[-3000:]
     starts = [e for e in events(job) if e["event"] == "start"]
     assert len(starts) == 2 and starts[-1]["resumed"] and starts[-1]["step"] == first_stop
     assert committed_step(RunSpec.load(job / "spec.yaml").checkpoint_location) > first_stop

@@ -266,3 +266,49 @@ def test_the_progress_thread_outlives_a_report_that_raises_system_exit(tmp_path)
     finally:
         watcher.stopped.set()
     assert len(seen) >= 2 and seen[1] == seen[0], seen  # said again once it could be said
+
+
+def _ended_attempt(job, number: int, record: dict) -> None:
+    from stoker.jobs.attempts import AttemptLog
+
+    log = AttemptLog(job)
+    log.start(number, "on_demand")
+    log.end(number, {"exit_code": 75, "duration_s": 3.0, "capacity_type": "on_demand",
+                     "started": time.time() - 3, **record})
+
+
+def _committed(checkpoints, step: int) -> None:
+    folder = checkpoints / f"step-{step:09d}"
+    folder.mkdir(parents=True)
+    (folder / "COMMITTED").write_text("{}")
+
+
+def test_a_resumed_job_says_in_words_that_it_resumes_and_from_where(tmp_path):
+    """Trial: a resumed stopped job said only its id and `attempt 2`. The line names the
+    last attempt's end (who stopped it, at which step) and the checkpoint it goes on from."""
+    from stoker.jobs.status import resuming_line
+    from stoker.runtime.records import append_jsonl
+
+    job, checkpoints = tmp_path / "fruit", tmp_path / "fruit" / "checkpoints"
+    job.mkdir()
+    assert resuming_line(job, str(checkpoints)) is None  # a new job: nothing to resume
+    append_jsonl(job / "progress.jsonl", {"event": "start", "step": 0, "time": time.time(),
+                                          "total_steps": 120})
+    _ended_attempt(job, 1, {"outcome": "stopped", "reached_step": 52,
+                            "stopped_by": "budget: max_cost_usd $0.15\nreached"})
+    _committed(checkpoints, 40)
+    assert resuming_line(job, str(checkpoints)) == (
+        "job fruit: resuming a stopped job as attempt 2 from its checkpoint of step 40/120 "
+        "(attempt 1 was stopped at step 52/120 by budget: max_cost_usd $0.15 reached)")
+
+    _ended_attempt(job, 2, {"outcome": "interrupted", "reached_step": 61,
+                            "stopped_by": "SIGINT (Ctrl-C)"})
+    assert resuming_line(job, str(checkpoints)).endswith(
+        "as attempt 3 from its checkpoint of step 40/120 (attempt 2 was interrupted at step "
+        "61/120 by SIGINT (Ctrl-C))")
+
+    # Untrusted records: values of the wrong type are left out, never raised on.
+    _ended_attempt(job, 3, {"outcome": ["x"], "reached_step": "many", "stopped_by": 7})
+    line = resuming_line(job, str(tmp_path / "none"))
+    assert line.startswith("job fruit: resuming the job as attempt 4 from step 0 (no checkpoint "
+                           "was committed) (attempt 3 ended without a recorded outcome"), line

@@ -205,6 +205,54 @@ def checkpoint_location(job_dir: Path) -> str:
         Path(job_dir) / "checkpoints")
 
 
+_ENDED_AS = {"stopped": "was stopped", "interrupted": "was interrupted",
+             "preempted": "was preempted", "infrastructure_failure": "lost a rank or its node",
+             "user_error": "failed", "storage_error": "could not write a checkpoint"}
+
+
+def resuming_line(job_dir: Path, checkpoint_location: str) -> str | None:
+    """For a run that takes up a job earlier runs left unfinished: one line saying so, from
+    where, and how its last attempt ended, e.g. ``job fruit: resuming a stopped job as attempt
+    3 from its checkpoint of step 40/120 (attempt 2 was stopped at step 52 by budget:
+    max_cost_usd $0.15 reached)``. None for a job with no closed attempt (a new one). The
+    records are read as untrusted data: a value of the wrong type is left out.
+
+    Args:
+        job_dir: the job folder (``attempts.jsonl``, ``progress.jsonl``).
+        checkpoint_location: the job's checkpoints, folder or fsspec URL (the step to resume
+            from is the newest committed one there).
+    """
+    from stoker.jobs.attempts import AttemptLog, committed_step, reached_step
+    from stoker.runtime.records import read_jsonl
+
+    log = AttemptLog(job_dir)
+    history = log.history()
+    if not history:
+        return None
+    last = history[-1]
+    outcome = last.get("outcome") if isinstance(last.get("outcome"), str) else None
+    events = read_jsonl(Path(job_dir) / "progress.jsonl")
+    starts = [e for e in events if e.get("event") == "start"]
+    total = integer(starts[-1].get("total_steps")) if starts else None
+    of_total = f"/{total}" if total else ""
+    resume = committed_step(checkpoint_location)
+    since = real_number(last.get("started"))
+    reached = integer(last.get("reached_step"))
+    if reached is None and since is not None:
+        reached = reached_step(Path(job_dir), since, events)
+    by = last.get("stopped_by") if isinstance(last.get("stopped_by"), str) else None
+    what = "a stopped job" if outcome in ("stopped", "interrupted") else "the job"
+    where = (f"from its checkpoint of step {resume}{of_total}" if resume
+             else "from step 0 (no checkpoint was committed)")
+    ended = _ENDED_AS.get(outcome or "", f"ended {outcome or 'without a recorded outcome'}")
+    if reached is not None:
+        ended += f" at step {reached}{of_total}"
+    if by:
+        ended += f" by {' '.join(by.split())[:200]}"
+    return (f"job {Path(job_dir).name}: resuming {what} as attempt {log.next_number()} "
+            f"{where} (attempt {integer(last.get('number')) or '?'} {ended})")
+
+
 def job_summary(job_dir: Path, now: float | None = None,
                 bucket_lease: dict | None = None) -> JobSummary:
     """Summarise one job folder from its records (never raises on a torn or missing record);

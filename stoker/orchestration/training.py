@@ -24,7 +24,7 @@ from stoker.jobs.budget import BudgetWatcher, check_at_start, run_gpu_model, usd
 from stoker.jobs.job import check_resumable, completed_training, job_store
 from stoker.jobs.lease import JobBusy, held_lease
 from stoker.jobs.mlflow_run import continue_lost_run, open_job_store
-from stoker.jobs.status import JOB_LOG
+from stoker.jobs.status import JOB_LOG, resuming_line
 from stoker.jobs.stop import stop_job
 from stoker.jobs.stop_request import (
     TrainingStopped,
@@ -158,6 +158,8 @@ class TrainingRun:
         if self.finished is None:  # a spent budget launches nothing (one line, exit 5)
             check_at_start(job_dir, config.train.max_cost_usd, config.train.max_duration,
                            config.cost.prices)
+            if (resuming := resuming_line(job_dir, self.checkpoints)) is not None:
+                log.info(resuming)  # in words: a stopped job goes on (trial: "attempt 2" only)
         if self.finished is not None:
             log.info("job %s: training already completed (step %d/%d); going on to "
                      "registration without launching", job_dir.name, self.finished["step"],
