@@ -312,3 +312,54 @@ def test_a_resumed_job_says_in_words_that_it_resumes_and_from_where(tmp_path):
     line = resuming_line(job, str(tmp_path / "none"))
     assert line.startswith("job fruit: resuming the job as attempt 4 from step 0 (no checkpoint "
                            "was committed) (attempt 3 ended without a recorded outcome"), line
+
+
+def test_the_restart_line_names_the_committed_step_and_comes_when_rank_0_died(tmp_path):
+    """Trial: a rank killed in the save of step 165 printed `restarting (attempt 2, resuming
+    at step 165/1200)`, the retry resumed at 160 (the checkpoint event comes before the
+    commit); with rank 0 killed (no end event) no restart line came at all."""
+    from stoker.launch.supervisor import ProgressWatcher
+    from stoker.runtime.records import append_jsonl
+
+    for ended in (True, False):  # the ranks wrote their end event, or rank 0 died first
+        job = tmp_path / f"ended-{ended}"
+        job.mkdir()
+        seen: list[str] = []
+        watcher = ProgressWatcher(job, lambda p, m, seen=seen: seen.append(m))
+        for event in [{"event": "start", "step": 0, "time": 0.0, "total_steps": 1200},
+                      *steps(1, 166, 0.0, 0.01),
+                      {"event": "checkpoint", "step": 160, "time": 1.61},
+                      {"event": "checkpoint", "step": 165, "time": 1.66},
+                      *([{"event": "end", "step": 166, "time": 1.7, "outcome": "infrastructure"}]
+                        if ended else [])]:
+            append_jsonl(job / "progress.jsonl", event)
+        watcher.report_now(1, retrying=True, resume_step=160)
+        assert seen[-1] == "restarting (attempt 2, resuming at step 160/1200)", seen
+
+
+def test_status_resumes_at_the_committed_step_not_the_last_checkpoint_event(tmp_path):
+    """Trial: `stoker status` said `resumes at step 120` and `steps lost 5` of a job whose
+    rank was killed in the save of step 120; the rerun resumed at 115 (its COMMITTED)."""
+    from stoker.jobs.attempts import AttemptLog
+    from stoker.jobs.status import job_summary
+    from stoker.runtime.records import append_jsonl
+
+    started = time.time() - 10
+    for event in [{"event": "start", "step": 0, "time": started, "total_steps": 600},
+                  *steps(1, 121, started, 0.01),
+                  {"event": "checkpoint", "step": 115, "time": started + 1.16},
+                  {"event": "checkpoint", "step": 120, "time": started + 1.21},
+                  {"event": "end", "step": 121, "time": started + 1.3,
+                   "outcome": "infrastructure"}]:
+        append_jsonl(tmp_path / "progress.jsonl", event)
+    log = AttemptLog(tmp_path)
+    log.start(1, "on_demand")
+    log.end(1, {"exit_code": 137, "outcome": "infrastructure_failure", "started": started,
+                "duration_s": 2.0, "reached_step": 121, "committed_step": 115,
+                "steps_lost": 6})
+    _committed(tmp_path / "checkpoints", 115)
+    (tmp_path / "checkpoints" / "step-000000120").mkdir()  # its save began, never committed
+    summary = job_summary(tmp_path)
+    assert summary.state == "unfinished"
+    assert summary.progress.resume_step == 115, summary.progress
+    assert "resumes at step 115 " in summary.progress.describe()

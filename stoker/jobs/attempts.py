@@ -37,15 +37,17 @@ _STEP_DIR = re.compile(r"^step-(\d{9})$")
 _MARKER = "COMMITTED"
 
 
-def committed_step(location: str) -> int:
+def committed_step(location: str, unlisted: int | None = 0) -> int | None:
     """The highest committed checkpoint step under ``location`` (folder or fsspec URL); 0 when
-    there is none (or the store cannot be listed: every step since the start is then lost)."""
+    there is none, ``unlisted`` when the store cannot be listed (default 0: every step since the
+    start is then lost). A step counts once its ``COMMITTED`` marker is there: the ranks'
+    ``checkpoint`` progress event comes when their files are serialized, before the commit."""
     try:
         fs, root = fsspec.core.url_to_fs(location)
         fs.invalidate_cache(root)
         markers = fs.glob(f"{root.rstrip('/')}/step-*/{_MARKER}")
     except (OSError, ValueError):
-        return 0
+        return unlisted
     steps = [int(m.group(1)) for path in markers
              if (m := _STEP_DIR.match(str(path).rstrip("/").rsplit("/", 2)[-2]))]
     return max(steps, default=0)

@@ -302,15 +302,22 @@ def job_summary(job_dir: Path, now: float | None = None,
         state = "stopped"
     else:
         state = "unfinished"
-    if progress is not None and state in ("stopped", "unfinished") and progress.state in (
-            "starting", "training", "restarting"):  # nothing trains it: no ETA, no "restarting"
-        committed = [e["step"] for e in events if e.get("event") == "checkpoint"]
-        # The markers decide where a resume starts: a bucket's COMMITTED is written through,
-        # its progress events only every few seconds.
-        with contextlib.suppress(Exception):  # a store that does not answer: the events
-            committed.append(committed_step(checkpoint_location(job_dir)))
-        progress = dataclasses.replace(progress, state="idle", eta_s=None, samples_per_s=None,
-                                       resume_step=max(committed, default=0))
+    idle = state in ("stopped", "unfinished") and progress is not None and progress.state in (
+        "starting", "training", "restarting")  # nothing trains it: no ETA, no "restarting"
+    if idle or (progress is not None and progress.state == "restarting"):
+        # The markers decide where a resume starts: a checkpoint event comes before its commit
+        # (a rank killed in the save: "resumes at step 120", the resume took 115, trial), and a
+        # bucket's COMMITTED is written through, its progress events only every few seconds.
+        marker = None
+        with contextlib.suppress(Exception):
+            marker = committed_step(checkpoint_location(job_dir), unlisted=None)
+        if marker is None:  # a store that does not answer: the events
+            marker = max((e["step"] for e in events if e.get("event") == "checkpoint"),
+                         default=0)
+        progress = dataclasses.replace(progress, resume_step=marker)
+        if idle:
+            progress = dataclasses.replace(progress, state="idle", eta_s=None,
+                                           samples_per_s=None)
     cost = (done or {}).get("cost", {}).get("cost_usd") if isinstance(done, dict) else None
     if done is None and state in ("stopped", "unfinished"):  # its closed attempts' bill
         cost = billed_cost(job_dir)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -221,6 +222,7 @@ class ProgressWatcher(threading.Thread):
         self._lock = threading.Lock()  # a poll of the thread and report_now never interleave
         self._last: str | None = None
         self._retrying: dict[int, bool] = {}  # attempt number -> retried (report_now)
+        self._resume: dict[int, int] = {}  # attempt number -> committed step (report_now)
         self._since = time.time()  # a stop sender recorded before this run is not this run's
         # Only the new bytes are read at each poll (the file grows by a line per step), and
         # only what job_progress looks at is kept: every start, end and checkpoint event, and
@@ -272,6 +274,16 @@ class ProgressWatcher(threading.Thread):
             return
         if progress.state == "training" and stop_reason() is not None:
             return  # stoker run said "stopping" already: a step line after it reads as going on
+        ended = progress.attempt in self._retrying  # the caller said this attempt ended
+        if ended and progress.state in ("starting", "training"):
+            # Its ranks wrote no end event (rank 0 was killed): it ended all the same (trial:
+            # no "restarting" line when rank 0 was the one killed).
+            progress = dataclasses.replace(progress, state="restarting", eta_s=None,
+                                           samples_per_s=None, outcome="infrastructure")
+        if progress.state == "restarting" and progress.attempt in self._resume:
+            # The committed step, not the last checkpoint event: that event comes before its
+            # commit (a rank killed in the save: "resuming at step 165", it resumed at 160).
+            progress = dataclasses.replace(progress, resume_step=self._resume[progress.attempt])
         message = progress.describe()
         if progress.state == "restarting":  # a stop someone asked for is not a restart
             # ... Ctrl-C to stoker run, or this run's stop request or recorded sender (a Prefect
@@ -297,7 +309,8 @@ class ProgressWatcher(threading.Thread):
         self.stopped.set()
         self._poll_safely()
 
-    def report_now(self, attempt: int | None = None, retrying: bool | None = None) -> None:
+    def report_now(self, attempt: int | None = None, retrying: bool | None = None,
+                   resume_step: int | None = None) -> None:
         """Report what the events say now, from the caller's thread: called as an attempt ends,
         so that its last line comes before the next attempt's (not up to ``every_s`` later,
         after "attempt 2 on ...").
@@ -306,9 +319,13 @@ class ProgressWatcher(threading.Thread):
         retried. Ranks that ended it to be resumed (preempted, an infrastructure failure they
         found) read as ``restarting (attempt N+1, …)`` only once the caller says a retry
         follows; until then the thread's polls leave that line out, and without a retry it
-        reads ``…: infrastructure, no retry left``."""
+        reads ``…: infrastructure, no retry left``. ``resume_step``: the job's last committed
+        checkpoint step as the attempt ended, where the retry resumes (the ranks' last
+        ``checkpoint`` event may name a step whose commit never came)."""
         if attempt is not None and retrying is not None:
             self._retrying[attempt] = retrying
+        if attempt is not None and resume_step is not None:
+            self._resume[attempt] = resume_step
         self._poll_safely()
 
     def _poll_safely(self) -> None:

@@ -284,7 +284,9 @@ class TrainingRun:
         # and before the next attempt starts (the watcher alone could say it up to 5 s later,
         # after "attempt N+1 on").
         self.this_run.append(attempt)
-        self.watcher.report_now(number, will_retry(self.config.retry, self.this_run))
+        self.watcher.report_now(number, will_retry(self.config.retry, self.this_run),
+                                resume_step=None if attempt.outcome == Outcome.COMPLETED
+                                else committed)
         if attempt.outcome == Outcome.INFRASTRUCTURE and self.run_id:
             finish_run(self.client, self.run_id, "KILLED")
 
