@@ -99,43 +99,26 @@ def run(
     Exit codes: 0 done, 1 failed, 2 bad input, 3 stopped on request, 4 the job is owned by
     another live run, 5 stopped by its budget, 130/143 Ctrl-C/SIGTERM (docs:
     reference/exit-codes.md)."""
-    overrides = _with_work_dir(overrides, work_dir)
-    if resume_stalled:
-        overrides = [*overrides, "retry.resume_stalled=true"]
-    config = _config(config_file, overrides)
-    _check_credentials(config)  # before anything is read, created, pulled or started
-    from stoker.jobs.job import check_job_early, new_job_notice
+    # A stop signal from here on ends in one line (trial: a Ctrl-C in the first seconds, the
+    # config read and the job checks, exited 130 without a word).
+    previous = stopping.install()
+    try:
+        config = _before_the_flow(overrides, config_file, resume_stalled, work_dir)
+    except (typer.Exit, SystemExit):  # bad input, a busy or stalled job: one line said
+        stopping.uninstall(previous)
+        raise
+    except KeyboardInterrupt:
+        from stoker.launch.local import discard_standby
+
+        discard_standby()
+        _say_stopped()
+        stopping.exit_now(stopping.stop_exit_code())
+    if config is None:  # the job is done: its summary is printed
+        stopping.uninstall(previous)
+        return
     from stoker.jobs.lease import JobBusy
     from stoker.jobs.stop_request import TrainingStopped
 
-    try:
-        notice = new_job_notice(config)  # a shortened job_id: refused, naming the job
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    try:
-        done = check_job_early(config)  # a busy, done or stalled job_id: before the flow starts
-    except JobBusy as e:  # one line, no traceback: another run owns the job
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(EXIT_BUSY) from None
-    except TrainingStopped as e:  # the guard stopped it for a stall: not resumed by default
-        typer.echo(f"stoker run: {e}", err=True)
-        raise typer.Exit(stopping.stopped_exit_code(e)) from None
-    if done is not None:
-        typer.echo(f"job {config.job_id} is already done; nothing to do", err=True)
-        typer.echo(json.dumps(done, indent=2, default=str))
-        return
-    _check_before_pull(config)
-    if notice:  # said once the input passed: bad input is one line
-        typer.echo(notice, err=True)
-    quiet_telemetry(config.work_dir)
-    from stoker.stdio import guard_stdio
-
-    # A reader that goes away (a killed worker, a closed pipe) fails nothing: the output,
-    # Prefect's log lines and the final summary included, goes on in the work folder's log.
-    guard_stdio(Path(config.work_dir) / "logs" / "output.log")
-    stopping.install()
-    _prestart_launcher(config)
     code = 0
     try:
         with prefect_api(Path(config.work_dir) / "logs" / "output.log"):
@@ -181,6 +164,50 @@ def run(
     # Everything is recorded and the training tree is gone: skip the interpreter's finalizers
     # (Prefect's exit hooks, torch), which held the exit back for seconds.
     stopping.exit_now(code)
+
+
+def _before_the_flow(overrides: list[str] | None, config_file: Path | None,
+                     resume_stalled: bool, work_dir: Path | None) -> PipelineConfig | None:
+    """``stoker run``'s checks before its flow starts (bad input, a busy, done or stalled job:
+    one line and its exit code, ``typer.Exit``), then the output guard and the prestarted
+    launcher. Returns the config, or None for a job already done (its summary printed)."""
+    overrides = _with_work_dir(overrides, work_dir)
+    if resume_stalled:
+        overrides = [*overrides, "retry.resume_stalled=true"]
+    config = _config(config_file, overrides)
+    _check_credentials(config)  # before anything is read, created, pulled or started
+    from stoker.jobs.job import check_job_early, new_job_notice
+    from stoker.jobs.lease import JobBusy
+    from stoker.jobs.stop_request import TrainingStopped
+
+    try:
+        notice = new_job_notice(config)  # a shortened job_id: refused, naming the job
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        done = check_job_early(config)  # a busy, done or stalled job_id: before the flow starts
+    except JobBusy as e:  # one line, no traceback: another run owns the job
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(EXIT_BUSY) from None
+    except TrainingStopped as e:  # the guard stopped it for a stall: not resumed by default
+        typer.echo(f"stoker run: {e}", err=True)
+        raise typer.Exit(stopping.stopped_exit_code(e)) from None
+    if done is not None:
+        typer.echo(f"job {config.job_id} is already done; nothing to do", err=True)
+        typer.echo(json.dumps(done, indent=2, default=str))
+        return None
+    _check_before_pull(config)
+    if notice:  # said once the input passed: bad input is one line
+        typer.echo(notice, err=True)
+    quiet_telemetry(config.work_dir)
+    from stoker.stdio import guard_stdio
+
+    # A reader that goes away (a killed worker, a closed pipe) fails nothing: the output,
+    # Prefect's log lines and the final summary included, goes on in the work folder's log.
+    guard_stdio(Path(config.work_dir) / "logs" / "output.log")
+    _prestart_launcher(config)
+    return config
 
 
 def _prestart_launcher(config: PipelineConfig) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 
@@ -219,14 +220,22 @@ def second_signal_line() -> str:
             "checkpoint; run the same command to resume from the last committed checkpoint")
 
 
-def install() -> None:
+def install() -> dict[int, Any]:
     """Route SIGINT, SIGTERM and SIGHUP of this process to the stop sequence (main thread
-    only)."""
+    only). Returns the handlers it replaced, for :func:`uninstall`."""
     _received.clear()
     _outcome.clear()
     _installed[:] = [True]
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, _handle)
+    return {sig: signal.signal(sig, _handle) for sig in STOP_SIGNALS}
+
+
+def uninstall(previous: dict[int, Any]) -> None:
+    """Give the signals back to the handlers :func:`install` replaced (a command that ends
+    before any stop sequence could matter: bad input, a busy job)."""
+    _installed.clear()
+    for sig, handler in previous.items():
+        with contextlib.suppress(ValueError, TypeError):  # not the main thread; not settable
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def rearm() -> None:

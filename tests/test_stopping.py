@@ -422,3 +422,27 @@ def test_a_prefect_cancel_after_training_finished_stops_nothing_and_ends_cancell
     assert (job_dir / "pipeline_done.json").is_file()
     assert MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_model_version(
         "stoker-digits", "1") is not None
+
+
+@pytest.mark.parametrize(("sig", "code", "reason"), [
+    (signal.SIGINT, 130, "SIGINT (Ctrl-C)"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_stop_signal_during_the_checks_before_the_flow_says_so(tmp_path, sig, code, reason):
+    """Trial: Ctrl-C 2 s or 6 s after `stoker run` started (reading the config, checking the
+    job) exited 130 without a word; a SIGTERM then ended it silently. The signal comes here at
+    a fixed point of those checks (inside the credential check), to the real process."""
+    work = tmp_path / "work"
+    script = (
+        "import os, signal, sys, time\n"
+        "import stoker.cli as cli\n"
+        "def signalled(config):\n"
+        f"    os.kill(os.getpid(), {int(sig)})\n"
+        "    time.sleep(30)\n"
+        "cli._check_credentials = signalled\n"
+        f"cli.app(['run', 'work_dir={work}'])\n")
+    env = {**embedded_env(work), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == code, done.stderr
+    assert done.stderr.splitlines()[-1] == \
+        f"stoker run: stopped by {reason}; run the same command again", done.stderr
+    assert "Traceback" not in done.stderr and not (work / "jobs").exists(), done.stderr
