@@ -68,9 +68,33 @@ def test_a_split_smaller_than_the_shards_of_a_step_says_so():
     assert batch_exceeds_split(8, 1, 8, 2, "dataset d") is None
 
 
-def test_stoker_run_refuses_it_after_the_pull_before_any_attempt(demo_repo, tmp_path):
-    """A real `stoker run` (local Prefect server, real pull): exit 2 on the refusal's line;
-    no attempt recorded, no MLflow run RUNNING, no training process left."""
+def test_a_local_repository_is_checked_before_the_pull_from_its_dvc_file(demo_repo, tmp_path):
+    """Trial: batch 128 on a 90-image repository on this machine was refused only after the
+    pull, behind 30 s of Prefect lines. The `.dvc` file's file count bounds the images: a
+    batch larger than that split is refused before the pull; one that fits it passes on to
+    the check after the pull."""
+    from stoker.launch.factory import check_before_pull
+
+    def config(batch: int):
+        return load_pipeline_config(None, [
+            f"work_dir={tmp_path / 'work'}", f"data.repo_url={demo_repo.repo}",
+            f"train.global_batch_size={batch}", "train.nproc_per_node=2"], environ={})
+
+    with pytest.raises(ConfigError) as refused:
+        check_before_pull(config(1440))
+    line = str(refused.value)
+    assert line.startswith("train.global_batch_size: 1440 samples per step (world size 2: 720 "
+                           f"per process) is more than the {DEMO_TRAIN} samples of the "
+                           f"training split of data/digits@v1 of {demo_repo.repo} (its "
+                           f"{DEMO_IMAGES} files, each counted as an image; "
+                           "train.val_fraction=0.2 holds out 359)"), line
+    check_before_pull(config(DEMO_TRAIN))
+    assert not (tmp_path / "work").exists()  # nothing pulled, nothing written
+
+
+def test_stoker_run_refuses_it_before_the_pull_and_any_attempt(demo_repo, tmp_path):
+    """A real `stoker run` (local Prefect server): exit 2 on the refusal's line; nothing
+    pulled, no attempt recorded, no MLflow run RUNNING, no training process left."""
     from mlflow import MlflowClient
     from prefect_server import seed_prefect_home
 
@@ -85,6 +109,7 @@ def test_stoker_run_refuses_it_after_the_pull_before_any_attempt(demo_repo, tmp_
         timeout=400, env={**env, "PREFECT_HOME": str(tmp_path / "prefect"), **mark})
     assert result.returncode == 2, result.stderr[-3000:]
     assert list(work.glob("jobs/*/attempts.jsonl")) == []  # no attempt started
+    assert not (work / "datasets").exists()  # refused before the pull (trial: after it)
     if (work / "mlflow.db").exists():
         client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
         ids = [e.experiment_id for e in client.search_experiments()]

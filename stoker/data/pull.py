@@ -347,6 +347,22 @@ def check_local_rev(repo_url: str, rev: str, path: str) -> str | None:
     return str(_dvc_out(repo, _commit_of(repo, rev, repo_url), path)["md5"])
 
 
+def local_dataset_files(repo_url: str, rev: str, path: str) -> int | None:
+    """How many files ``<path>.dvc`` at ``rev`` lists (its ``nfiles``), read from a repository
+    on this machine without a pull; None for a remote repository or a ``.dvc`` file without
+    the count. An upper bound of the dataset's images (every file counted).
+
+    Raises:
+        DatasetError: naming ``data.rev`` or ``data.path`` (:func:`check_local_rev`).
+    """
+    repo = Path(repo_url)
+    if "://" in repo_url or not (repo / ".git").exists():
+        return None
+    files = _dvc_out(repo, _commit_of(repo, rev, repo_url), path).get("nfiles")
+    return files if isinstance(files, int) and not isinstance(files, bool) and files >= 0 \
+        else None
+
+
 def _commit_of(repo: Path, rev: str, repo_url: str) -> str:
     """The commit ``rev`` names in the git repository ``repo`` (a clone of ``repo_url``).
 
