@@ -90,7 +90,8 @@ class TrainConfig(_Frozen):
     epochs: int = Field(12, gt=0, description="Passes over the training split.")
     global_batch_size: int = Field(
         64, gt=0, description="Samples per optimizer step, over all ranks and micro-batches; "
-        "at most the dataset's training split (checked right after the pull)."
+        "at most the dataset's training split (checked before the pull for a repository on "
+        "this machine, from its .dvc file's file count, and right after the pull)."
     )
     grad_accum_steps: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate (one-cycle schedule).")
