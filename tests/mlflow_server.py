@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from stoker.launch.local import terminate_tree
+from stoker.ui_cli import NO_SERVER_JOBS
 
 
 def free_port() -> int:
@@ -44,20 +45,32 @@ class MlflowServer:
              "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
              "--artifacts-destination", self.artifacts_destination, *self.args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **self.env},
+            # No job runner and huey consumers (8 more processes importing MLflow, as
+            # `stoker ui` runs it): on 2 busy cores a server took over 120 s to answer (CI).
+            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", **NO_SERVER_JOBS,
+                 **self.env},
         )
-        deadline = time.monotonic() + 120
+        try:
+            self._wait_until_it_answers()
+        except BaseException:  # __exit__ will not run: the server must not outlive the test
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_until_it_answers(self) -> None:
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 log_text = (self.root / 'server.log').read_text()
                 raise RuntimeError(f"mlflow server exited: {log_text}")
             try:
                 if httpx.get(f"{self.uri}/health", timeout=1).status_code == 200:
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"mlflow server did not answer on {self.uri}")
+        raise RuntimeError(f"mlflow server did not answer on {self.uri} within 180 s: "
+                           f"{(self.root / 'server.log').read_text()[-2000:]}")
 
     def __exit__(self, *exc) -> None:
         if self.process is not None:

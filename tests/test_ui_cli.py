@@ -27,6 +27,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _store(work: Path) -> None:
     import mlflow
 
@@ -60,6 +67,10 @@ def test_stoker_ui_answers_and_one_sigterm_ends_it_and_its_workers(tmp_path):
         if ui.poll() is None:
             ui.kill()
     assert body is not None and "ui-check" in body
+    # No MLflow job runner or huey consumers beside the UI (8 processes importing MLflow).
+    jobs = [p for p in tree if "huey" in " ".join(_cmdline(p)) or "_job_runner" in
+            " ".join(_cmdline(p))]
+    assert jobs == [], [_cmdline(p) for p in jobs]
     assert code == 128 + signal.SIGTERM
     _gone, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive, f"left running after SIGTERM: {[p.pid for p in alive]}"
