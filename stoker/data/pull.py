@@ -338,29 +338,25 @@ def check_local_rev(repo_url: str, rev: str, path: str) -> str | None:
     Raises:
         DatasetError: naming ``data.rev`` or ``data.path``, as the pull would.
     """
+    out = local_dvc_out(repo_url, rev, path)
+    return None if out is None else str(out["md5"])
+
+
+def local_dvc_out(repo_url: str, rev: str, path: str) -> dict | None:
+    """The output entry of ``<path>.dvc`` at ``rev`` (``md5``, ``nfiles``: an upper bound of
+    the dataset's images, every file counted), read from a repository on this machine without
+    a pull; None for a remote repository.
+
+    Raises:
+        DatasetError: naming ``data.rev`` or ``data.path``, as the pull would.
+    """
     if (refused := option_like({"data.repo_url": repo_url, "data.rev": rev,
                                 "data.path": path})) is not None:
         raise DatasetError(refused)
     repo = Path(repo_url)
     if "://" in repo_url or not (repo / ".git").exists():
         return None
-    return str(_dvc_out(repo, _commit_of(repo, rev, repo_url), path)["md5"])
-
-
-def local_dataset_files(repo_url: str, rev: str, path: str) -> int | None:
-    """How many files ``<path>.dvc`` at ``rev`` lists (its ``nfiles``), read from a repository
-    on this machine without a pull; None for a remote repository or a ``.dvc`` file without
-    the count. An upper bound of the dataset's images (every file counted).
-
-    Raises:
-        DatasetError: naming ``data.rev`` or ``data.path`` (:func:`check_local_rev`).
-    """
-    repo = Path(repo_url)
-    if "://" in repo_url or not (repo / ".git").exists():
-        return None
-    files = _dvc_out(repo, _commit_of(repo, rev, repo_url), path).get("nfiles")
-    return files if isinstance(files, int) and not isinstance(files, bool) and files >= 0 \
-        else None
+    return _dvc_out(repo, _commit_of(repo, rev, repo_url), path)
 
 
 def _commit_of(repo: Path, rev: str, repo_url: str) -> str:

@@ -121,23 +121,24 @@ def tracking_environment(config: PipelineConfig) -> dict[str, str]:
     return {k: os.environ[k] for k in TRACKING_ENV if k in os.environ}
 
 
-def _check_batch_fits_files(config: PipelineConfig, repo: str) -> None:
+def _check_batch_fits_files(config: PipelineConfig, repo: str, files: object) -> None:
     """A global batch larger than the training split even if every file the dataset's ``.dvc``
     lists were an image: refused before the pull and before the flow starts (trial: batch 128
     on 90 images was refused only after the pull, behind 30 s of Prefect lines). The check
     after the pull (:mod:`stoker.orchestration.batch_fit`) counts the images themselves.
 
+    ``files``: the ``nfiles`` of the ``.dvc`` file (read as data: anything but a count > 0
+    checks nothing).
+
     Raises:
         ConfigError: the line of :func:`stoker.runtime.split.batch_exceeds_split`.
     """
-    from stoker.data.pull import local_dataset_files
     from stoker.launch.supervisor import nodes, nproc
     from stoker.runtime.split import batch_exceeds_split, split_sizes
 
-    data, train = config.data, config.train
-    files = local_dataset_files(repo, data.rev, data.path)
-    if not files:
+    if not isinstance(files, int) or isinstance(files, bool) or files <= 0:
         return
+    data, train = config.data, config.train
     n_train, n_val = split_sizes(files, train.val_fraction)
     problem = batch_exceeds_split(
         train.global_batch_size, train.grad_accum_steps, n_train, nproc(config) * nodes(config),
@@ -181,21 +182,22 @@ def check_before_pull(config: PipelineConfig) -> None:
                 f"{Path.cwd()}: give an absolute path)" if config.data.repo_url_was_relative
                 else "")
         raise ConfigError(f"data.repo_url: {repo} is not a folder{hint}")
+    out: dict = {}  # the .dvc file's entry, for a repository on this machine
     if repo and is_local(repo):  # a revision or path that is not there: named before the pull
-        from stoker.data.pull import check_local_rev, is_git_repository
+        from stoker.data.pull import is_git_repository, local_dvc_out
 
         if not is_git_repository(Path(repo)):
             raise ConfigError(f"data.repo_url: {repo} is not a git repository (no .git in it, "
                               "not a bare repository)")
 
-        check_local_rev(repo, config.data.rev, config.data.path)
+        out = local_dvc_out(repo, config.data.rev, config.data.path) or {}
     train = config.train
     try:
         check_batch(train.global_batch_size, train.grad_accum_steps, nproc(config))
     except ValueError as e:
         raise ConfigError(f"train.{e}") from None
-    if repo and is_local(repo) and train.dataset == "image_folder":
-        _check_batch_fits_files(config, repo)
+    if out and train.dataset == "image_folder":
+        _check_batch_fits_files(config, repo, out.get("nfiles"))
     if config.launcher.kind == "local":  # the ranks start here, as this variable says
         from stoker.runtime.launch import worker_start
 
