@@ -20,7 +20,7 @@ candidate / baseline; target <= 1.05 on CPU at a 150 MB state. The CPU time besi
 process's, every thread included (the save's background thread too), over the same steps, so the
 CPU ratio is like for like. Time to durable, per save: from the save call until its background
 thread ended (files fsynced, ``COMMITTED`` written and fsynced, old steps purged), informative.
-The last save's step is read back from the store (``COMMITTED`` and the files' sha256).
+The last save's step is read back from the store (``COMMITTED`` and the files' digests).
 
     python benchmarks/bench_checkpoint_e2e.py [--quick] [--repeats N] [--size-mb 150]
         [--batch 32] [--width 1024] [--every-steps 50] [--periods 3] [--device cpu]
@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import fsspec  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -61,6 +62,8 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.stats import per_pair  # noqa: E402
 from stoker.config import TrainConfig  # noqa: E402
 from stoker.runtime.checkpoint import Checkpointer  # noqa: E402
+from stoker.runtime.checkpoint_files import discard, serialize  # noqa: E402
+from stoker.runtime.staging import HashingWriter  # noqa: E402
 
 TARGET = Target("<=", 1.05)  # issue 45: saves at a realistic frequency cost <= 5 % of step time
 DEFAULTS = TrainConfig()
@@ -135,7 +138,7 @@ class Saver:
     def settle(self) -> dict:
         """Wait for every save and its watcher (raises a failed save's error), then read the
         last one back with a fresh reader, as a resumed attempt would (``COMMITTED`` and every
-        file's sha256).
+        file's digest).
 
         Returns:
             ``committed_steps`` (ascending) and ``latest_step`` (the step loaded).
@@ -200,6 +203,33 @@ def _extra_options(p: argparse.ArgumentParser) -> None:
                         "what that setting would cost here")
 
 
+def serialization_cpu(job: Job, folder: Path, repeats: int = 5) -> dict:
+    """CPU-seconds of the training thread to serialize the state into one file, the least of
+    ``repeats`` (``time.thread_time``): as a save does it (``checkpoint_files.serialize``:
+    xxh3-128 while writing, no zip CRC-32), and torch.save into a sha256-hashing writer with
+    torch's CRC-32 (how a save serialized before issue 45), informative."""
+    shared = {"model": job.model.state_dict(), "optimizer": job.optimizer.state_dict()}
+    folder.mkdir(parents=True, exist_ok=True)
+    fs = fsspec.filesystem("file")
+
+    def stoker() -> None:
+        discard(fs, [serialize(fs, str(folder / "now.pt"), shared)])
+
+    def before() -> None:
+        with open(folder / "before.pt", "wb") as f:
+            torch.save(shared, HashingWriter(f, "sha256"))
+
+    figures = {}
+    for name, run in (("now", stoker), ("sha256_and_crc", before)):
+        spent = []
+        for _ in range(repeats):
+            started = time.thread_time()
+            run()
+            spent.append(time.thread_time() - started)
+        figures[name] = round(min(spent), 4)
+    return figures
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the result (also printed as the last line)."""
     args = parse_args(argv)
@@ -221,7 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
                           decided=until_decided(ratio_of, TARGET))
         read_back = saver.settle()
         other_read_back = other.settle() if other else None
-    return emit_result(args, pairs, saver, size_bytes, read_back, other, other_read_back)
+        serialization = serialization_cpu(job, work / "serialization")
+    return emit_result(args, pairs, saver, size_bytes, read_back, other, other_read_back,
+                       serialization)
 
 
 def save_figures(pairs: Pairs, arm: str, saver: Saver, warmups: int,
@@ -252,9 +284,17 @@ def save_notes(label: str, figures: dict, period_s: float, mb: float) -> list[st
             f"{cpu['max']:.3f}]"]
 
 
+def serialization_note(cpu: dict) -> str:
+    return (f"serializing the state into one file costs the training thread {cpu['now']:.3f} "
+            f"CPU-s (xxh3-128 while writing, no zip CRC-32); torch.save into a sha256 writer "
+            f"with torch's CRC-32, as before issue 45: {cpu['sha256_and_crc']:.3f} CPU-s "
+            "(least of 5 each, informative)")
+
+
 def emit_result(args: argparse.Namespace, pairs: Pairs, saver: Saver, size_bytes: int,
                 read_back: dict, other: Saver | None = None,
-                other_read_back: dict | None = None) -> dict:
+                other_read_back: dict | None = None,
+                serialization: dict | None = None) -> dict:
     """The result line: the per-pair ratio and its verdict, the notes and the details."""
     every, periods = args.every_steps, args.periods
     figures = save_figures(pairs, "candidate", saver, args.warmups, periods)
@@ -271,14 +311,16 @@ def emit_result(args: argparse.Namespace, pairs: Pairs, saver: Saver, size_bytes
              f"{DEFAULTS.checkpoint_every_steps}",
              *save_notes("default", figures, period_s, mb),
              f"read back from the store: committed steps {read_back['committed_steps']}, the "
-             f"latest ({read_back['latest_step']}) verified against its sha256"]
+             f"latest ({read_back['latest_step']}) verified against its digest"]
+    if serialization is not None:
+        notes.append(serialization_note(serialization))
     details = {"size_bytes": size_bytes, "device": args.device, "batch": args.batch,
                "every_steps": every, "periods": periods,
                "async_checkpoint": DEFAULTS.async_checkpoint,
                "seconds_between_saves": round(period_s, 4), "plain_step_s": plain, **figures,
                "saves": len(saver.durable_s),
                "median_held_share": round(figures["held_per_save_s"]["median"] / period_s, 4),
-               "read_back": read_back}
+               "read_back": read_back, "serialization_cpu_s": serialization}
     if other is not None:
         arm = save_figures(pairs, OTHER, other, args.warmups, periods)
         arm["ratio"] = ratio_summary(pairs.values("baseline"), pairs.values(OTHER), ratio_of)

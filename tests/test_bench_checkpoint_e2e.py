@@ -54,6 +54,10 @@ def test_quick_run_times_the_default_saves_and_reads_them_back_from_the_store(tm
     assert all(v > 0 for v in details["durable_s"]["values"])
     assert details["held_per_save_s"]["median"] > 0
     assert details["read_back"] == {"committed_steps": [1, 2], "latest_step": 2}
+    cpu = details["serialization_cpu_s"]
+    assert set(cpu) == {"now", "sha256_and_crc"} and all(v > 0 for v in cpu.values())
+    assert any(n.startswith("serializing the state into one file costs the training thread")
+               for n in result["notes"])
     # What the store holds, read by a fresh reader as a resumed attempt would.
     folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert folders == ["step-000000001", "step-000000002"]

@@ -62,7 +62,7 @@ def test_corrupt_committed_checkpoint_falls_back_with_reason(tmp_path):
     warnings = []
     loaded = Checkpointer(str(tmp_path), 0, 2).load_latest(warn=warnings.append)
     assert loaded.step == 10  # every rank rejects step 20, not only rank 1
-    assert "sha256 does not match" in warnings[0]
+    assert "rank-00001.pt: its bytes do not match their xxh3_128 digest in COMMITTED" in warnings[0]
 
 
 def test_other_world_size_gets_no_rank_state(tmp_path):
@@ -223,3 +223,60 @@ def test_retention_also_keeps_the_best_by_metric(tmp_path):
     assert ckpt.best_step() == 20
     low = Checkpointer(str(tmp_path), 0, 1, keep_best=("val_accuracy", "min"))
     assert low.best_step() == 50
+
+
+def test_files_are_hashed_with_xxh3_128_and_written_without_the_zip_crc(tmp_path):
+    """Issue 45: a save's digest is xxh3-128 (named in COMMITTED and in each rank's record) and
+    torch's zip writer skips its per-record CRC-32 (the digest covers every byte); the files
+    load as before, and torch's process-wide CRC option is left as it was."""
+    import zipfile
+
+    from stoker.runtime import digest
+
+    save_all_ranks(str(tmp_path), 10)
+    folder = tmp_path / "step-000000010"
+    marker = json.loads((folder / MARKER).read_text())
+    assert marker["hash"] == "xxh3_128"
+    for name, recorded in marker["files"].items():
+        assert len(recorded) == 32 and digest.of((folder / name).read_bytes()) == recorded
+        with zipfile.ZipFile(folder / name) as archive:
+            assert [i.CRC for i in archive.infolist()] == [0] * len(archive.infolist()), name
+    record = json.loads((folder / "rank-00001.pt.digest").read_text())
+    assert record == {"file": "rank-00001.pt", "hash": "xxh3_128",
+                      "digest": marker["files"]["rank-00001.pt"], "step": 10}
+    assert torch.serialization.get_crc32_options() is True
+    loaded = Checkpointer(str(tmp_path), 1, 2).load_latest()
+    assert loaded.step == 10 and loaded.rank_state == {"rng": 1}
+    assert torch.equal(loaded.shared["model"]["w"], torch.full((4,), 10.0))
+
+
+def test_a_checkpoint_written_with_sha256_before_still_loads(tmp_path):
+    """A COMMITTED without ``hash`` (every checkpoint before xxh3-128) is read as sha256: a job
+    resumes from it after an upgrade."""
+    import hashlib
+
+    save_all_ranks(str(tmp_path), 10)
+    folder = tmp_path / "step-000000010"
+    marker = json.loads((folder / MARKER).read_text())
+    del marker["hash"]
+    marker["files"] = {n: hashlib.sha256((folder / n).read_bytes()).hexdigest()
+                       for n in marker["files"]}
+    (folder / MARKER).write_text(json.dumps(marker))
+    loaded = Checkpointer(str(tmp_path), 0, 2).load_latest()
+    assert loaded.step == 10 and loaded.rank_state == {"rng": 0}
+
+
+@pytest.mark.parametrize("name", ["md5", "x'; rm -rf /", 7])
+def test_an_unknown_digest_in_committed_sets_the_step_aside_by_name(tmp_path, name):
+    """The digest's name comes from a file in a shared folder: anything but a known one is an
+    unusable step, set aside with the name in its reason, and the previous one is loaded."""
+    save_all_ranks(str(tmp_path), 10)
+    save_all_ranks(str(tmp_path), 20)
+    path = tmp_path / "step-000000020" / MARKER
+    marker = json.loads(path.read_text())
+    marker["hash"] = name
+    path.write_text(json.dumps(marker))
+    warnings = []
+    loaded = Checkpointer(str(tmp_path), 0, 2).load_latest(warn=warnings.append)
+    assert loaded.step == 10
+    assert f"COMMITTED: unknown digest {str(name)!r} (known: sha256, xxh3_128)" in warnings[0]

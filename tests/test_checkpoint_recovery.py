@@ -4,7 +4,6 @@ from zero, and a runtime whose orchestrator is gone stops with a checkpoint."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import sys
@@ -19,6 +18,7 @@ from conftest import events
 from mlflow import MlflowClient
 
 from stoker.launch.local import LocalLauncher
+from stoker.runtime import digest
 from stoker.runtime.checkpoint import MARKER, Checkpointer
 from stoker.runtime.spec import RunSpec
 
@@ -94,7 +94,7 @@ def test_all_ranks_resume_from_the_step_rank0_chose(make_spec):
     shard = folder(spec, newest) / "rank-00001.pt"
     shard.write_bytes(b"not a checkpoint")
     marker = json.loads((folder(spec, newest) / MARKER).read_text())
-    marker["files"]["rank-00001.pt"] = hashlib.sha256(b"not a checkpoint").hexdigest()
+    marker["files"]["rank-00001.pt"] = digest.of(b"not a checkpoint", marker["hash"])
     (folder(spec, newest) / MARKER).write_text(json.dumps(marker))
 
     code, output = run(spec, timeout_s=180)

@@ -5,7 +5,6 @@ during a background copy still committing."""
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import signal
@@ -15,6 +14,7 @@ import time
 import pytest
 import torch
 
+from stoker.runtime import digest
 from stoker.runtime.checkpoint import MARKER, Checkpointer, CheckpointError
 from stoker.runtime.distributed import DistEnv
 from stoker.runtime.preemption import StopFlag
@@ -145,13 +145,13 @@ def test_commit_marker_takes_the_ranks_digests_without_reading_their_files(tmp_p
 
     folder = tmp_path / "step-000000007"
     marker = json.loads((folder / MARKER).read_text())
-    for name, digest in marker["files"].items():
-        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
+    for name, recorded in marker["files"].items():
+        assert digest.of((folder / name).read_bytes(), marker["hash"]) == recorded, name
     assert set(marker["files"]) == {"shared.pt", "rank-00000.pt", "rank-00001.pt"}
     rank0_reads = [p for who, p, mode in opened
                    if who in ("rank-0", "ckpt-7-rank-0") and "r" in mode]
     assert not [p for p in rank0_reads if p.endswith(".pt")], rank0_reads
-    assert any(p.endswith("rank-00001.pt.sha256") for p in rank0_reads)
+    assert any(p.endswith("rank-00001.pt.digest") for p in rank0_reads)
 
 
 def train_job(make_spec, monkeypatch, job: str, delay_s: float = 0.0, **train):
@@ -218,13 +218,13 @@ def test_a_torn_or_foreign_digest_record_is_not_committed(tmp_path):
     another step, is waited on like a missing one and the step stays uncommitted."""
     folder = tmp_path / "step-000000009"
     folder.mkdir()
-    record = folder / "rank-00001.pt.sha256"
+    record = folder / "rank-00001.pt.digest"
     for content in ('{"file": "rank-00001.pt", "sha2', json.dumps(
-            {"file": "rank-00001.pt", "sha256": "0" * 64, "step": 8})):
+            {"file": "rank-00001.pt", "hash": "xxh3_128", "digest": "0" * 32, "step": 8})):
         record.write_text(content)
         ckpt = Checkpointer(str(tmp_path), 0, 2, commit_timeout_s=0.3)
         ckpt.save(9, {"w": torch.ones(3)}, {"rng": 0})
-        with pytest.raises(CheckpointError, match="rank 1 did not write .*rank-00001.pt.sha256"):
+        with pytest.raises(CheckpointError, match="rank 1 did not write .*rank-00001.pt.digest"):
             ckpt.wait()
         assert ckpt.committed_steps() == []
     for rank, shared in ((1, None), (0, {"w": torch.ones(3)})):  # rank 1's record replaces it

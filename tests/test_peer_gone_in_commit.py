@@ -123,10 +123,10 @@ def test_rank_0_stops_waiting_for_a_digest_once_the_rank_is_gone_and_says_a_long
     with caplog.at_level("WARNING", logger="stoker.runtime.peers"):
         ckpt.save(10, {"w": torch.zeros(4)}, {"rng": 0})
         with pytest.raises(PeerGone, match=r"rank 1 \(pid 4242\) has exited before it wrote "
-                           r"its digest rank-00001.pt.sha256; left uncommitted"):
+                           r"its digest rank-00001.pt.digest; left uncommitted"):
             ckpt.wait()
     assert time.monotonic() - started < 5 and set(asked) == {1}
-    assert "waiting 0 s so far for rank 1 to write its digest rank-00001.pt.sha256 (given " \
+    assert "waiting 0 s so far for rank 1 to write its digest rank-00001.pt.digest (given " \
            "up after 60 s, or as soon as the rank is gone)" in caplog.text
     assert ckpt.committed_steps() == []
 
@@ -188,7 +188,7 @@ def test_a_peer_gone_in_the_digest_wait_ends_the_rank_with_137_and_its_line(
 
         def train(self) -> str:
             raise PeerGone("checkpoint .../step-000000042: rank 1 (pid 4242) has exited before "
-                           "it wrote its digest rank-00001.pt.sha256; left uncommitted")
+                           "it wrote its digest rank-00001.pt.digest; left uncommitted")
 
         def close(self, outcome: str) -> None:
             closed.append(outcome)
@@ -201,5 +201,5 @@ def test_a_peer_gone_in_the_digest_wait_ends_the_rank_with_137_and_its_line(
     with caplog.at_level("WARNING", logger="stoker.runtime"):
         assert run(tmp_path / "spec.yaml", StopFlag()) == EXIT_STOP_LOST == 137
     assert closed == ["infrastructure"]
-    assert "rank 1 (pid 4242) has exited before it wrote its digest rank-00001.pt.sha256; left " \
+    assert "rank 1 (pid 4242) has exited before it wrote its digest rank-00001.pt.digest; left " \
            "uncommitted at step 42: stopping this rank" in caplog.text

@@ -28,13 +28,17 @@ class Payload:
 
 
 def plant(step_dir: Path, name: str, marker: Path, legacy: bool = False) -> None:
-    """Replace ``name`` by a payload and record its sha256 in the marker, as an attacker with
-    write access to the shared folder would (``legacy``: in torch's pre-zip format)."""
+    """Replace ``name`` by a payload and record its digest in the marker, as an attacker with
+    write access to the shared folder would (``legacy``: in torch's pre-zip format). The digest
+    is sha256, which a reader still accepts (checkpoints written before xxh3-128): the attacker
+    picks it, and the loader refuses the payload all the same."""
     buffer = io.BytesIO()
     torch.save({"model": Payload(marker)}, buffer, _use_new_zipfile_serialization=not legacy)
     (step_dir / name).write_bytes(buffer.getvalue())
     record = json.loads((step_dir / MARKER).read_text())
-    record["files"][name] = hashlib.sha256(buffer.getvalue()).hexdigest()
+    record["hash"] = "sha256"
+    record["files"] = {n: hashlib.sha256((step_dir / n).read_bytes()).hexdigest()
+                       for n in record["files"]}
     (step_dir / MARKER).write_text(json.dumps(record))
 
 

@@ -4,10 +4,12 @@ Layout::
 
     <location>/step-000000120/shared.pt         model, optimizer, scheduler, scaler, step, config
     <location>/step-000000120/rank-00000.pt     per-rank state (RNG), one file per rank
-    <location>/step-000000120/COMMITTED         JSON: step, world size, sha256 of every file
+    <location>/step-000000120/COMMITTED         JSON: step, world size, digest of every file
 
-Every file is written under a temporary name, fsynced and renamed, hashed while it is written; each
-rank > 0 then publishes its file's sha256 in ``rank-<r>.pt.sha256``, and ``COMMITTED`` is
+Every file is written under a temporary name, fsynced and renamed, hashed while it is written
+(xxh3-128, :mod:`stoker.runtime.digest`; ``COMMITTED`` names the digest in ``hash``, and one
+without it, written before, is read as sha256); each rank > 0 then publishes its file's digest
+in ``rank-<r>.pt.digest``, and ``COMMITTED`` is
 written last, by rank 0, from those records (it never reads another rank's file). A step folder
 without it (killed mid-write, disk full) is never loaded. "latest" is the highest committed step
 whose files match their recorded hashes; a corrupt one is skipped with a warning naming the
@@ -42,7 +44,7 @@ import fsspec
 from tenacity import Retrying, stop_after_attempt, wait_exponential
 
 # Defined there: the orchestrator names them without importing torch.
-from stoker.runtime import CheckpointError, CheckpointWriteError, private
+from stoker.runtime import CheckpointError, CheckpointWriteError, digest, private
 from stoker.runtime.checkpoint_files import (
     Written,
     discard,
@@ -63,7 +65,7 @@ from stoker.runtime.staging import HostStaging
 
 log = logging.getLogger(__name__)
 
-DIGEST_SUFFIX = ".sha256"  # rank-00001.pt.sha256: that rank's own digest of its file, for rank 0
+DIGEST_SUFFIX = ".digest"  # rank-00001.pt.digest: that rank's own digest of its file, for rank 0
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 
 
@@ -314,13 +316,15 @@ class Checkpointer(CheckpointReader):
             raise
         if self.rank != 0:
             # Rank 0 commits from this record: it never reads this rank's file.
-            record = {"file": rank_file, "sha256": digests[0], "step": step}
+            record = {"file": rank_file, "hash": digest.WRITTEN, "digest": digests[0],
+                      "step": step}
             write_bytes(self.fs, f"{folder}/{rank_file}{DIGEST_SUFFIX}",
                         json.dumps(record).encode())
             return
         hashes = {"shared.pt": digests[1], rank_file: digests[0],
                   **self._rank_digests(folder, step)}
-        marker = {"step": step, "world_size": self.world_size, "files": hashes,
+        marker = {"step": step, "world_size": self.world_size, "hash": digest.WRITTEN,
+                  "files": hashes,
                   "metrics": metrics or {}, "time": time.time()}
         if self.fence is not None:  # a node that lost the job commits nothing more
             try:
@@ -332,7 +336,7 @@ class Checkpointer(CheckpointReader):
         self._purge(step)
 
     def _rank_digests(self, folder: str, step: int) -> dict[str, str]:
-        """{file name: sha256} of ranks 1.. from their digest records, waiting for each up to
+        """{file name: digest} of ranks 1.. from their digest records, waiting for each up to
         ``commit_timeout_s``. A record that does not parse or names another file or step is
         waited on like a missing one (it may be a leftover the rank is about to replace).
 
@@ -359,8 +363,9 @@ class Checkpointer(CheckpointReader):
         except (FileNotFoundError, ValueError):
             return None
         ok = (isinstance(record, dict) and record.get("file") == name
-              and record.get("step") == step and isinstance(record.get("sha256"), str))
-        return record["sha256"] if ok else None
+              and record.get("step") == step and record.get("hash") == digest.WRITTEN
+              and isinstance(record.get("digest"), str))
+        return record["digest"] if ok else None
 
     def wait(self) -> None:
         """Block until the pending async save (if any) is done; re-raise its error (a

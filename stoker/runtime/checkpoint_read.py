@@ -3,7 +3,6 @@ data only, set an unusable step aside, and pick the best step by a metric."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -13,7 +12,7 @@ from typing import Any
 
 import torch
 
-from stoker.runtime import CheckpointError, private
+from stoker.runtime import CheckpointError, digest, private
 from stoker.runtime.safe_load import UnsafeCheckpointError, load_data_only
 
 log = logging.getLogger("stoker.runtime.checkpoint")
@@ -89,11 +88,16 @@ class CheckpointReader:
             marker = json.loads(f.read())
         blobs = {}
         # Every rank verifies every file, so all ranks reach the same verdict on the same step.
-        for name, digest in marker["files"].items():
+        try:
+            algorithm = digest.known(marker.get("hash", digest.LEGACY))
+        except ValueError as e:
+            raise CheckpointError(f"{folder}/{MARKER}: {e}") from e
+        for name, recorded in marker["files"].items():
             with self.fs.open(f"{folder}/{name}", "rb") as f:
                 blobs[name] = f.read()
-            if hashlib.sha256(blobs[name]).hexdigest() != digest:
-                raise CheckpointError(f"{folder}/{name}: sha256 does not match {MARKER}")
+            if digest.of(blobs[name], algorithm) != recorded:
+                raise CheckpointError(f"{folder}/{name}: its bytes do not match their {algorithm} "
+                                      f"digest in {MARKER}")
         return marker, blobs
 
     def load_step(self, step: int, map_location: str | torch.device = "cpu") -> Loaded:

@@ -40,7 +40,7 @@ def load_data_only(blob: bytes, name: str, map_location: str | torch.device = "c
     """Unpickle one checkpoint file with ``weights_only=True`` (tensors and plain types only).
 
     Args:
-        blob: the file's bytes (already sha256-verified by the caller).
+        blob: the file's bytes (already verified against its recorded digest by the caller).
         name: the file's path, for the message.
         map_location: where tensors go (``torch.load``'s argument).
 

@@ -17,12 +17,13 @@ first waits for the compute stream (so it sees the weights after the step), and 
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from typing import IO, Any
 
 import torch
+
+from stoker.runtime import digest
 
 
 def _state_dict_stager(pin_memory: bool):
@@ -48,21 +49,24 @@ def to_cpu(obj: Any) -> Any:
 
 
 class HashingWriter:
-    """A write-only file object that passes every chunk to ``file`` and to sha256, so a file is
-    hashed while it is written (``torch.save`` writes its zip sequentially, never seeking back).
+    """A write-only file object that passes every chunk to ``file`` and to a digest
+    (:mod:`stoker.runtime.digest`), so a file is hashed while it is written (``torch.save``
+    writes its zip sequentially, never seeking back).
 
     Attributes:
-        sha256: hex digest of the bytes written so far.
+        algorithm: the digest's name (``digest.WRITTEN`` unless given).
+        hexdigest: hex digest of the bytes written so far.
         size_bytes: how many bytes were written.
     """
 
-    def __init__(self, file: IO[bytes]):
+    def __init__(self, file: IO[bytes], algorithm: str = digest.WRITTEN):
         self._file = file
-        self._hash = hashlib.sha256()
+        self.algorithm = algorithm
+        self._hash = digest.new(algorithm)
         self.size_bytes = 0
 
     def write(self, data: bytes | memoryview) -> int:
-        self._hash.update(data)  # releases the GIL for large chunks
+        self._hash.update(data)
         self.size_bytes += len(data)
         self._file.write(data)
         return len(data)
@@ -71,7 +75,7 @@ class HashingWriter:
         self._file.flush()
 
     @property
-    def sha256(self) -> str:
+    def hexdigest(self) -> str:
         return self._hash.hexdigest()
 
 
