@@ -22,7 +22,12 @@ CONSTRAINTS ?= .ci/constraints.txt
 # UV= (empty), or a uv that cannot be installed, falls back to pip with the same lock.
 UV ?= uv==0.13.9
 PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar on
-UV_PIP := $(VENV)/bin/uv pip install --python $(PY)
+# --compile-bytecode: uv writes no .pyc by default, leaving it to the first import, and where
+# PYTHONDONTWRITEBYTECODE is set (this project's CI machines; many container images) no import
+# ever writes one: every process compiled MLflow, Prefect and the rest from source again
+# (`stoker predict`: 9.9 CPU-s of which 5.5 compiling, 5.1 with the .pyc files; pip compiles by
+# default). Stoker's own modules are compiled after the install for the same reason.
+UV_PIP := $(VENV)/bin/uv pip install --compile-bytecode --python $(PY)
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export MLFLOW_DISABLE_TELEMETRY ?= true
@@ -45,6 +50,7 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	  echo "installing Stoker and its dependencies with pip$(if $(CONSTRAINTS), (lock: $(CONSTRAINTS)))"; \
 	  $(PIP) $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS)) -e ".[$(EXTRAS)]"; \
 	fi
+	$(PY) -m compileall -q stoker flows tasks >/dev/null
 	touch $@
 
 install: $(VENV)/.installed
