@@ -70,7 +70,9 @@ def test_make_install_uses_the_lock_by_default_with_progress(tmp_path):
     plan = subprocess.run(["make", "-n", "install", f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60, check=True).stdout
     assert plan.count("--constraint .ci/constraints.txt") == 2, plan  # uv, and pip's fallback
-    assert re.search(r"/uv pip install --python \S+ --constraint \.ci/constraints\.txt -e", plan)
+    assert re.search(r"/uv pip install --compile-bytecode --python \S+ --constraint "
+                     r"\.ci/constraints\.txt -e", plan)
+    assert "-m compileall -q stoker flows tasks" in plan
     install_lines = [line for line in plan.splitlines() if "-e \".[" in line]
     assert install_lines and all("--quiet" not in line for line in install_lines), plan
 
@@ -92,3 +94,17 @@ def test_the_tests_of_a_module_scoped_fixture_share_one_xdist_worker(module_reso
                                                                  "loadgroup", False):
         pytest.skip("runs under pytest-xdist --dist loadgroup only (as `make test` runs it)")
     assert request.node.nodeid.endswith("@test_constraints.py"), request.node.nodeid
+
+
+@pytest.mark.parametrize("module", ["mlflow", "prefect", "typer", "pydantic", "dvc",
+                                    "stoker.cli"])
+def test_make_install_leaves_bytecode_for_what_every_stoker_process_imports(module):
+    """`make install` compiles the environment (uv --compile-bytecode, compileall for Stoker):
+    where PYTHONDONTWRITEBYTECODE is set (this project's CI), a module without its .pyc is
+    compiled from source by every process that imports it (stoker predict spent 5.5 of its 9.9
+    CPU-s so). Run on the environment `make install` made, as CI's is."""
+    import importlib.util
+
+    origin = importlib.util.find_spec(module).origin
+    cached = Path(importlib.util.cache_from_source(origin))
+    assert cached.is_file(), f"{origin}: no bytecode at {cached} (make install compiles it)"
