@@ -25,7 +25,7 @@ PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar on
 # --compile-bytecode: uv writes no .pyc by default, leaving it to the first import, and where
 # PYTHONDONTWRITEBYTECODE is set (this project's CI machines; many container images) no import
 # ever writes one: every process compiled MLflow, Prefect and the rest from source again
-# (`stoker predict`: 9.9 CPU-s of which 5.5 compiling, 5.1 with the .pyc files; pip compiles by
+# (`stoker predict`: 9.9 CPU-s of which 5.5 compiling, about 6 with the .pyc files; pip compiles by
 # default). Stoker's own modules are compiled after the install for the same reason.
 UV_PIP := $(VENV)/bin/uv pip install --compile-bytecode --python $(PY)
 
