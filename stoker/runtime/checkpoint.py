@@ -324,8 +324,7 @@ class Checkpointer(CheckpointReader):
         hashes = {"shared.pt": digests[1], rank_file: digests[0],
                   **self._rank_digests(folder, step)}
         marker = {"step": step, "world_size": self.world_size, "hash": digest.WRITTEN,
-                  "files": hashes,
-                  "metrics": metrics or {}, "time": time.time()}
+                  "files": hashes, "metrics": metrics or {}, "time": time.time()}
         if self.fence is not None:  # a node that lost the job commits nothing more
             try:
                 self.fence()

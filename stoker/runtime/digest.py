@@ -25,7 +25,7 @@ import xxhash
 
 WRITTEN = "xxh3_128"  # the digest new checkpoints record (COMMITTED's "hash")
 LEGACY = "sha256"  # what a COMMITTED without "hash" used (every checkpoint before it)
-_NEW = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+_HASHERS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 
 
 class Hasher(Protocol):
@@ -39,8 +39,9 @@ def known(name: object) -> str:
     Raises:
         ValueError: anything else (the value comes from a file in a shared folder: untrusted).
     """
-    if not isinstance(name, str) or name not in _NEW:
-        raise ValueError(f"unknown digest {str(name)[:40]!r} (known: {', '.join(sorted(_NEW))})")
+    if not isinstance(name, str) or name not in _HASHERS:
+        raise ValueError(f"unknown digest {str(name)[:40]!r} "
+                         f"(known: {', '.join(sorted(_HASHERS))})")
     return name
 
 
@@ -50,7 +51,7 @@ def new(name: str = WRITTEN) -> Hasher:
     Raises:
         ValueError: ``name`` is not a known digest.
     """
-    return _NEW[known(name)]()
+    return _HASHERS[known(name)]()
 
 
 def of(data: bytes | memoryview, name: str = WRITTEN) -> str:

@@ -54,14 +54,12 @@ class HashingWriter:
     writes its zip sequentially, never seeking back).
 
     Attributes:
-        algorithm: the digest's name (``digest.WRITTEN`` unless given).
         hexdigest: hex digest of the bytes written so far.
         size_bytes: how many bytes were written.
     """
 
     def __init__(self, file: IO[bytes], algorithm: str = digest.WRITTEN):
         self._file = file
-        self.algorithm = algorithm
         self._hash = digest.new(algorithm)
         self.size_bytes = 0
 
