@@ -342,9 +342,10 @@ def log_and_register(tracking_uri: str, run_id: str, registered_model: str, resu
 
 # What registration imports that nothing before it in the orchestrator needs: torch (the model
 # is loaded to infer the signature, and MLflow loads it again to validate the serving input),
-# MLflow's pyfunc flavor and the plotting library (about 3 CPU-s in all on 2 cores).
+# MLflow's pyfunc flavor and the plotting library's figure and Agg canvas (about 3 CPU-s in all
+# on 2 cores).
 REGISTRATION_IMPORTS = ("torch", "stoker.runtime.data", "stoker.tracking.pyfunc",
-                        "mlflow.models", "matplotlib.pyplot")
+                        "mlflow.models", "matplotlib.figure", "matplotlib.backends.backend_agg")
 
 
 def warm_up_registration() -> threading.Thread:
@@ -362,9 +363,6 @@ def warm_up_registration() -> threading.Thread:
 
         with contextlib.suppress(OSError, AttributeError):  # not Linux: normal priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        import matplotlib
-
-        matplotlib.use("Agg")  # as plot_curves does: no display, no GUI toolkit import
         for name in REGISTRATION_IMPORTS:
             try:
                 importlib.import_module(name)
