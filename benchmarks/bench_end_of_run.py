@@ -5,9 +5,10 @@ train.epochs=N data.repo_url=<demo> tracking.tracking_uri=<sqlite>`` on the long
 Prefect server (started once, untimed) and a warm MLflow store; the tail is cut into parts by
 the marks the run leaves:
 
-* ``checkpoint``, ``data``, ``mlflow``, ``process group``: rank 0's ``end:`` line (the wait for
-  the last checkpoint, the data workers' end, closing the MLflow run, the process-group
-  teardown), after its last ``step``/``eval``/``checkpoint`` event in ``progress.jsonl``;
+* ``checkpoint``, ``data``, ``mlflow``, ``model``, ``process group``: rank 0's ``end:`` line
+  (the wait for the last checkpoint, the data workers' end, closing the MLflow run, logging the
+  model to it, the process-group teardown), after its last ``step``/``eval``/``checkpoint``
+  event in ``progress.jsonl``;
 * ``last step to end event``: what the runtime does between the last step and its ``end``
   event (final evaluation, final checkpoint, ``result.json``, the wait for MLflow to open);
 * ``ranks exit``: the ``end:`` line to torchrun's exit (the attempt's end in ``attempts.jsonl``);
@@ -42,7 +43,7 @@ TARGET = Target("<=", 5.0)
 TIMEOUT_S = 900
 _STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d\.\d{3}) \| ")
 _END = re.compile(r"end: checkpoint ([\d.]+) s, data ([\d.]+) s, mlflow ([\d.]+) s, "
-                  r"process group ([\d.]+) s")
+                  r"model ([\d.]+) s, process group ([\d.]+) s")
 MARKS = (("train wrap up", r"Task run 'train-[^']*' - Finished"),
          ("register", r"Task run 'register-model-[^']*' - Finished"),
          ("report and flow end", r"Flow run '[^']*' - Finished"))
@@ -79,7 +80,7 @@ def tail(job_dir: Path, log_text: str, started: float, ended: float) -> dict[str
     if not ended_attempt or parts is None:
         return {}
     out = {"last step to end event": end_event - last_step}
-    out |= dict(zip(("checkpoint", "data", "mlflow", "process group"),
+    out |= dict(zip(("checkpoint", "data", "mlflow", "model", "process group"),
                     map(float, parts.groups()), strict=True))
     ranks_exit = ended_attempt[-1]["started"] + ended_attempt[-1]["duration_s"]
     out["ranks exit"] = ranks_exit - end_event - sum(map(float, parts.groups()[2:]))

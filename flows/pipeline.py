@@ -13,6 +13,7 @@ from stoker.config import PipelineConfig
 from stoker.forms import DockerPipelineForm, PipelineForm, SlurmPipelineForm
 from stoker.images.spec import ImageRequest
 from stoker.jobs.job import JobClaim, mark_done
+from stoker.launch.supervisor import rank_0_logs_model
 from stoker.server_auth import check_mlflow_server
 from stoker.stdio import guard_stdio
 from stoker.tracking.registry import warm_up_registration
@@ -67,8 +68,10 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
     check_mlflow_server(config.tracking_uri())  # a refused credential: one line, nothing written
     guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
     with cancelled_promptly(), untagged_task_runs(), JobClaim(config, flow_run.get_id()) as job:
-        # Registration's imports load while the launcher starts (one core is idle then).
-        pulled = pull_and_train(config, image, job, on_train_start=warm_up_registration)
+        # Registration's imports load while the launcher starts (one core is idle then); those
+        # of logging the model too, where the ranks run in an image and do not log it.
+        pulled = pull_and_train(config, image, job, on_train_start=lambda: warm_up_registration(
+            logs_model=not rank_0_logs_model(config)))
         if not isinstance(pulled, tuple):
             return pulled
         dataset, trained = pulled

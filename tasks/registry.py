@@ -15,7 +15,7 @@ from stoker.data.pull import DatasetRef
 from stoker.launch.supervisor import TrainResult
 from stoker.tracking.events import model_event
 from stoker.tracking.plots import plot_curves
-from stoker.tracking.registry import Registration, input_example, log_and_register
+from stoker.tracking.registry import Registration, input_example, log_and_register, logged_model
 
 
 @task(name="register-model", cache_policy=NO_CACHE)
@@ -31,8 +31,9 @@ def register(config: PipelineConfig, dataset: DatasetRef, trained: TrainResult) 
     tags["mlflow.run_id"] = trained.run_id
     registration = log_and_register(
         config.tracking_uri(), trained.run_id, config.registered_model(),
-        trained.result, input_example(dataset, trained.result), tags, metric,
+        trained.result, lambda: input_example(dataset, trained.result), tags, metric,
         float(trained.metrics[metric]), config.tracking.promote_direction,
+        logged_model_uri=logged_model(trained.job_dir, trained.run_id),
     )
     with tempfile.TemporaryDirectory() as tmp:
         curves = plot_curves(config.tracking_uri(), trained.run_id, Path(tmp) / "curves.png")

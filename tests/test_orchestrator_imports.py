@@ -4,7 +4,8 @@
 checks imported torch and MLflow (about 5 s before the Prefect server was even reached, on
 every run and before every one-line error about a bad value) for a constant, a GPU count on a
 machine without GPUs, a type annotation and a torchvision check of a model that needs none.
-Registration still needs torch: it is imported in the background while training starts.
+Registration needs torch only where the ranks run in an image (rank 0 logs the model
+elsewhere): it is imported in the background while training starts.
 """
 
 from __future__ import annotations

@@ -102,6 +102,14 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     assert version.tags["dvc.md5"] == first["dataset"]["md5"]
     assert version.tags["stoker.git_commit"] == tags["stoker.git_commit"]
     assert version.run_id == first["run_id"]
+    # Rank 0 logged the model as the job ended (torch and the weights were loaded there); the
+    # flow registered that one, and logged none of its own.
+    record = json.loads((tmp_path / "jobs" / job / "final" / "mlflow_model.json").read_text())
+    assert record["run_id"] == first["run_id"]
+    assert version.source == record["model_uri"]
+    logged_models = client.search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{first['run_id']}'")
+    assert [f"models:/{m.model_id}" for m in logged_models] == [record["model_uri"]]
 
     with get_client(sync_client=True) as prefect:
         artifacts = prefect.read_artifacts(

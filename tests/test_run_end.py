@@ -14,7 +14,8 @@ from stoker.launch.retry import Outcome
 pytestmark = pytest.mark.integration
 
 END_LINE = re.compile(r"\[rank0\].* end: checkpoint (\d+\.\d\d) s, data (\d+\.\d\d) s, "
-                      r"mlflow (\d+\.\d\d) s, process group (\d+\.\d\d) s$", re.M)
+                      r"mlflow (\d+\.\d\d) s, model (\d+\.\d\d) s, process group (\d+\.\d\d) s$",
+                      re.M)
 
 
 def test_rank_0_names_the_seconds_of_each_part_of_its_end(make_spec):

@@ -277,3 +277,38 @@ def test_an_error_out_of_the_launcher_leaves_no_process_waiting_forever(tmp_path
     assert process.returncode == 1, process.stderr
     assert "BrokenPipeError" in process.stderr
     assert _gone(int((tmp_path / "child").read_text()), timeout_s=10)
+
+
+def test_torchruns_timer_joining_itself_is_not_printed_and_other_errors_are():
+    """torchrun's rendezvous keep-alive timer, freed by a garbage collection in its own thread,
+    runs its finalizer there and fails to join itself (a CI run printed that traceback as a
+    budget stop ended the launcher). The launcher leaves that one out of stderr; any other
+    error in a finalizer is still printed."""
+    probe = (
+        "import gc, sys, threading, weakref\n"
+        "from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer\n"
+        "from stoker.runtime.launch import quiet_timer_self_join\n"
+        "if sys.argv[1] == 'quiet': quiet_timer_self_join()\n"
+        "holder, done = {}, threading.Event()\n"
+        "def tick():\n"
+        "    if holder.pop('timer', None) is not None:\n"
+        "        gc.collect()\n"
+        "        done.set()\n"
+        "timer = _PeriodicTimer(__import__('datetime').timedelta(seconds=0.01), tick)\n"
+        "timer.start()\n"
+        "holder['timer'] = timer\n"
+        "del timer\n"
+        "done.wait(10)\n"
+        "class Box: pass\n"
+        "box = Box()\n"
+        "weakref.finalize(box, lambda: 1 / 0)\n"  # another finalizer's error: still printed
+        "del box\n"
+        "print('done', flush=True)\n")
+    quiet = subprocess.run([sys.executable, "-c", probe, "quiet"], capture_output=True,
+                           text=True, timeout=120)
+    loud = subprocess.run([sys.executable, "-c", probe, "loud"], capture_output=True,
+                          text=True, timeout=120)
+    assert quiet.stdout.strip() == loud.stdout.strip() == "done"
+    assert "cannot join current thread" in loud.stderr  # the error is real without the filter
+    assert "cannot join current thread" not in quiet.stderr, quiet.stderr
+    assert "ZeroDivisionError" in quiet.stderr and "ZeroDivisionError" in loud.stderr

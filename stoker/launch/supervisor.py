@@ -165,6 +165,18 @@ def run_description(config: PipelineConfig, dataset: DatasetRef, world_size: int
             f"process(es) per node, launcher `{config.launcher.kind}`.")
 
 
+HOST_ENVIRONMENT_LAUNCHERS = ("local", "slurm")  # their ranks run this Python environment
+
+
+def rank_0_logs_model(config: PipelineConfig) -> bool:
+    """Whether rank 0 logs the completed job's model (``RunSpec.log_model``): where its ranks
+    run this Python environment (the local and Slurm launchers), which installs Stoker's hook
+    for a completed job (``stoker.tracking.registry.log_completed_model``). A training image
+    holds the runtime's packages only (MLflow's skinny client, no pandas for the pyfunc):
+    there the orchestrator logs the model."""
+    return config.launcher.kind in HOST_ENVIRONMENT_LAUNCHERS
+
+
 def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
                world_size: int, tags: dict[str, str], lease_token: str | None = None) -> Path:
     """Write ``<job_dir>/spec.yaml`` for the runtime (rewritten each run with current lineage).
@@ -184,6 +196,7 @@ def write_spec(config: PipelineConfig, dataset: DatasetRef, job_dir: Path,
         run_name=run_name(config, dataset, job_dir), tags=tags,
         system_metrics_interval_s=config.tracking.system_metrics_interval_s,
         lease_token=lease_token,
+        log_model=rank_0_logs_model(config),
     )
     private.make_dir(job_dir)
     if spec.artifact_location:  # the local store's artifacts: the owner's only, as the job's

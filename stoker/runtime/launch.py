@@ -162,7 +162,46 @@ def standby(stdin=None, stdout=None) -> int:
         print(f"{PARKED_MARKER}{token} exit {code}", file=stdout, flush=True)
 
 
+_TIMER_MODULE = "torch/distributed/elastic/rendezvous/utils.py"
+
+
+def _from_torch_timer_stop(unraisable) -> bool:
+    """Whether ``unraisable`` is torchrun's rendezvous keep-alive timer failing to join itself:
+    its ``weakref.finalize`` (``_PeriodicTimer._stop_thread``: set the stop event, then join
+    the thread) ran in the timer's own thread, when a garbage collection there freed the
+    timer. The stop event is already set, so the thread ends all the same; only the join
+    raises ``RuntimeError("cannot join current thread")``, which Python prints as ``Exception
+    ignored in ...`` with a traceback (a CI run saw it as a budget stop ended the launcher)."""
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "cannot join current thread"):
+        return False
+    frame = unraisable.exc_traceback
+    while frame is not None:
+        code = frame.tb_frame.f_code
+        if code.co_name == "_stop_thread" and code.co_filename.replace(os.sep, "/").endswith(
+                _TIMER_MODULE):
+            return True
+        frame = frame.tb_next
+    return False
+
+
+def quiet_timer_self_join() -> None:
+    """Leave out of stderr the one harmless error of :func:`_from_torch_timer_stop`; every
+    other unraisable exception goes to the hook installed before (Python's: printed)."""
+    previous = sys.unraisablehook
+    if getattr(previous, "stoker_timer_filter", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not _from_torch_timer_stop(unraisable):
+            previous(unraisable)
+
+    hook.stoker_timer_filter = True
+    sys.unraisablehook = hook
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_timer_self_join()
     try:
         start = worker_start()
     except ValueError as e:

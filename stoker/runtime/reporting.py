@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from stoker.runtime.tracking import RunTracker, flatten
 
 log = logging.getLogger("stoker.runtime")
 
+# Entry points called by rank 0 once a job completes: (spec, result.json fields, MLflow run id).
+COMPLETED_JOB_HOOKS = "stoker.runtime.completed"
 RUN_OPEN_TIMEOUT_S = 300.0  # the result names the run: wait this long for MLflow at the end
 # A stopping attempt waits this long for MLflow, no longer: what it has not confirmed is in the
 # stop checkpoint (tracking_backlog) and is sent by the attempt that resumes from it.
@@ -158,6 +161,7 @@ class ReportingMixin:
                   "classes": list(self.splits.classes), "model_path": str(job / "final/model.pt"),
                   "world_size": self.env.world_size, "gpu_model": self.gpu_model(),
                   "train_time_s": self.train_time_s, "profile": profile}
+        self.result = result
         private.write_text(job / "result.json.tmp", json.dumps(result, indent=2))
         (job / "result.json.tmp").replace(job / "result.json")
         if self.tracker is not None:
@@ -182,11 +186,36 @@ class ReportingMixin:
             self.progress.heartbeat(self.step, outcome=outcome, force=True)
         try:
             self._close_tracking(outcome, status)
+            marks.append(time.monotonic())
+            if outcome == "completed":
+                self._log_model()
         finally:
             marks.append(time.monotonic())
-            self.end_s = dict(zip(("checkpoint", "data", "mlflow"),
+            self.end_s = dict(zip(("checkpoint", "data", "mlflow", "model"),
                                   (b - a for a, b in zip(marks, marks[1:], strict=False)),
                                   strict=False))
+
+    def _log_model(self) -> None:
+        """Hand the completed job to the hooks installed for it (the entry points of group
+        ``COMPLETED_JOB_HOOKS``): with Stoker installed, ``stoker.tracking.registry.
+        log_completed_model`` logs the model to the job's MLflow run and records its URI, where
+        torch, MLflow, the store and the weights are already loaded, so the orchestrator
+        registers it without importing torch. Only with ``spec.log_model`` and tracking on.
+        A training image has no entry points (plain sources) and the spec says off there:
+        the orchestrator logs the model. A failing hook is one warning, never the job's
+        outcome."""
+        result, run_id = getattr(self, "result", None), self._run_id()
+        if not (self.spec.log_model and self.spec.tracking_uri and result and run_id):
+            return
+        # One call per hook, also where an environment holds two records of one install.
+        hooks = {hook.value: hook for hook in entry_points(group=COMPLETED_JOB_HOOKS)}
+        for hook in hooks.values():
+            try:
+                hook.load()(self.spec, result, run_id)
+            except Exception as e:  # noqa: BLE001 - the job is done: the orchestrator logs it
+                log.warning("the completed-job hook %s failed for MLflow run %s (%s: %s); the "
+                            "orchestrator logs the model", hook.value, run_id, type(e).__name__,
+                            " ".join(str(e).split())[:300])
 
     def _close_tracking(self, outcome: str, status: str) -> None:
         """End the MLflow run with ``status``, close the progress log, raise a tracking error."""

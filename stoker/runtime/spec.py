@@ -40,6 +40,10 @@ class RunSpec(_Frozen):
         10.0, gt=0, description="Sample MLflow system metrics (CPU, memory, GPU via NVML) this "
         "often; empty: off.")
     tags: dict[str, str] = Field(default_factory=dict, description="Lineage tags for the run.")
+    log_model: bool = Field(
+        True, description="With tracking: rank 0 logs the completed job's model to its MLflow "
+        "run as a pyfunc (registered by the pipeline); off (training in a container image): "
+        "the orchestrator logs it.")
     lease_token: str | None = Field(
         None, description="Token of the job lease this run trains under; the runtime stops "
         "(checkpoint, exit 75) once <job_dir>/lease.json no longer holds it. Empty: no watch.")

@@ -227,10 +227,22 @@ def promotion_lock(tracking_uri: str, name: str):
     return FileLock(str(where / f".promote-{key}.lock"), timeout=600)
 
 
-def _log_pyfunc(run_id: str, name: str, result: dict, example,
-                tags: dict[str, str] | None = None) -> str:
-    """Log the pyfunc to ``run_id`` and register it as a new version of ``name`` carrying
-    ``tags`` (one write with the version, not one per tag); returns the new version."""
+def log_model(tracking_uri: str, run_id: str, result: dict, example) -> str:
+    """Log the trained model of ``result`` to MLflow run ``run_id`` as a pyfunc (its signature
+    inferred from ``example`` and the model's answer to it; MLflow loads the logged model once
+    to check that it serves ``example``). Returns the logged model's URI (``models:/m-...``).
+
+    Rank 0 calls it as a completed job ends (torch, MLflow and the store are loaded there), so
+    the orchestrator registers that URI without importing torch; the orchestrator calls it
+    itself when the job has none (tracking was off in the attempt, or logging failed there).
+
+    Args:
+        result: the job's ``result.json`` fields (``model_path``: the final weights).
+        example: float32 [N, C, H, W] in [0, 1] (:func:`input_example`).
+
+    Raises:
+        mlflow.exceptions.MlflowException: the store refused the run's artifacts.
+    """
     import mlflow
     from mlflow.models import infer_signature
 
@@ -241,6 +253,7 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example,
     from stoker.tracking.pyfunc import ImageClassifier, model_meta
     from stoker.tracking.served_input import served_signature
 
+    mlflow.set_tracking_uri(tracking_uri)
     meta = model_meta(result)
     classifier = ImageClassifier()
     with tempfile.TemporaryDirectory() as tmp:
@@ -260,8 +273,70 @@ def _log_pyfunc(run_id: str, name: str, result: dict, example,
                 input_example=example, pip_requirements=pip_requirements(),
                 code_paths=[str(code)], metadata={"stoker": meta},
             )
-            version = mlflow.register_model(info.model_uri, name, tags=tags or {})
-    return str(version.version)
+    return str(info.model_uri)
+
+
+LOGGED_MODEL_FILE = "final/mlflow_model.json"  # in the job folder: what rank 0 logged
+
+
+def log_completed_model(spec, result: dict, run_id: str) -> None:
+    """Rank 0's hook for a completed job (entry point ``stoker.runtime.completed``, see
+    ``stoker.runtime.reporting``): log the model to run ``run_id`` (:func:`log_model`, with the
+    first images of ``spec.data_dir`` as the input example) and record its URI in
+    ``<job>/final/mlflow_model.json`` for the orchestrator (:func:`logged_model`).
+
+    Args:
+        spec: the job's ``stoker.runtime.spec.RunSpec``.
+        result: the ``result.json`` fields rank 0 just wrote.
+
+    Raises:
+        mlflow.exceptions.MlflowException, OSError: the model could not be logged (the runtime
+            warns; the orchestrator then logs it).
+    """
+    uri = log_model(spec.tracking_uri, run_id, result, input_example(Path(spec.data_dir), result))
+    write_logged_model(spec.job_dir, run_id, uri)
+
+
+def write_logged_model(job_dir: str | Path, run_id: str, model_uri: str) -> None:
+    """Record (atomically) that ``model_uri`` was logged to ``run_id`` for the job."""
+    from stoker.runtime.records import write_json
+
+    write_json(Path(job_dir) / LOGGED_MODEL_FILE, {"run_id": run_id, "model_uri": model_uri})
+
+
+def logged_model(job_dir: str | Path, run_id: str) -> str | None:
+    """The model URI rank 0 logged to ``run_id`` for the job (``models:/...``), or None: no
+    record, a torn or foreign one (another run's, a value that is not a models URI)."""
+    from stoker.runtime.records import read_json
+
+    record = read_json(Path(job_dir) / LOGGED_MODEL_FILE)
+    if not isinstance(record, dict) or record.get("run_id") != run_id:
+        return None
+    uri = record.get("model_uri")
+    return uri if isinstance(uri, str) and uri.startswith("models:/") else None
+
+
+def _logged_by(client, model_uri: str, run_id: str) -> bool:
+    """Whether the store holds logged model ``model_uri`` (``models:/m-...``) from ``run_id``:
+    a record in the job folder names the model, the store vouches for it."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        model = client.get_logged_model(model_uri.removeprefix("models:/"))
+    except MlflowException:
+        return False
+    return model.source_run_id == run_id
+
+
+def _register(model_uri: str, name: str, tags: dict[str, str]) -> str:
+    """Register ``model_uri`` as a new version of ``name`` carrying ``tags`` (one write with
+    the version, not one per tag); returns the new version."""
+    import mlflow
+
+    from stoker.runtime.tracking import quiet_mlflow
+
+    with quiet_mlflow():
+        return str(mlflow.register_model(model_uri, name, tags=tags).version)
 
 
 def _versions(client, name: str) -> list:
@@ -295,18 +370,23 @@ def _settle(client, name: str, metric: str, direction: str, lineage: Lineage,
 
 def log_and_register(tracking_uri: str, run_id: str, registered_model: str, result: dict,
                      input_example, tags: dict[str, str], metric: str, value: float,
-                     direction: str = "max") -> Registration:
-    """Log the trained model of ``result`` as a pyfunc, register it, tag it, apply the gate.
+                     direction: str = "max", logged_model_uri: str | None = None
+                     ) -> Registration:
+    """Register the trained model of ``result`` (logging it first as a pyfunc unless rank 0
+    did: ``logged_model_uri``), tag the version, apply the gate.
 
     Args:
         result: the job's ``result.json`` fields: ``model``, ``classes``, ``input_shape``
             ([C, H, W]) and ``model_path`` (final weights).
-        input_example: float32 [N, C, H, W] in [0, 1]; the signature is inferred from it.
+        input_example: float32 [N, C, H, W] in [0, 1], the signature is inferred from it; or
+            a callable returning it, called only when the model is logged here.
         tags: lineage tags set on the model version.
         metric, value, direction: promotion metric, the new model's value, "max" or "min".
+        logged_model_uri: the model rank 0 logged to ``run_id`` (:func:`logged_model`), or None.
 
     Raises:
-        LineageError: the champion has other classes or another input shape (nothing logged).
+        LineageError: the champion has other classes or another input shape (nothing
+            registered).
         mlflow.exceptions.MlflowException: the tracking server or registry rejected a call.
     """
     import mlflow
@@ -323,7 +403,14 @@ def log_and_register(tracking_uri: str, run_id: str, registered_model: str, resu
         for key, tag in version_tags.items():
             client.set_model_version_tag(registered_model, version, key, tag)
     else:
-        version = _log_pyfunc(run_id, registered_model, result, input_example, version_tags)
+        if logged_model_uri is not None and not _logged_by(client, logged_model_uri, run_id):
+            log.warning("%s was not logged by MLflow run %s: logging the model again",
+                        logged_model_uri, run_id)
+            logged_model_uri = None
+        model_uri = logged_model_uri or log_model(
+            tracking_uri, run_id, result,
+            input_example() if callable(input_example) else input_example)
+        version = _register(model_uri, registered_model, version_tags)
     # Only completed training is registered: reopening the run must leave it FINISHED, also
     # when an earlier interrupted registration left it FAILED.
     client.set_terminated(run_id, status="FINISHED")
@@ -340,16 +427,19 @@ def log_and_register(tracking_uri: str, run_id: str, registered_model: str, resu
                         previous_value, f"models:/{registered_model}/{version}")
 
 
-# What registration imports that nothing before it in the orchestrator needs: torch (the model
-# is loaded to infer the signature, and MLflow loads it again to validate the serving input),
-# MLflow's pyfunc flavor and the plotting library's figure and Agg canvas (about 3 CPU-s in all
-# on 2 cores).
-REGISTRATION_IMPORTS = ("torch", "stoker.runtime.data", "stoker.tracking.pyfunc",
-                        "mlflow.models", "matplotlib.figure", "matplotlib.backends.backend_agg")
+# What registration imports that nothing before it in the orchestrator needs: the plotting
+# library's figure and Agg canvas (about 0.6 CPU-s on 2 cores); and, when the orchestrator logs
+# the model itself (rank 0 did not: a training image, see ``log_model``), torch (the model is
+# loaded to infer the signature, and MLflow loads it again to validate the serving input) and
+# MLflow's pyfunc flavor (about 2.5 CPU-s more).
+REGISTRATION_IMPORTS = ("matplotlib.figure", "matplotlib.backends.backend_agg")
+MODEL_LOGGING_IMPORTS = ("torch", "stoker.runtime.data", "stoker.tracking.pyfunc",
+                         "mlflow.models")
 
 
-def warm_up_registration() -> threading.Thread:
-    """Import ``REGISTRATION_IMPORTS`` in a daemon thread and return it.
+def warm_up_registration(logs_model: bool = False) -> threading.Thread:
+    """Import ``REGISTRATION_IMPORTS`` (and ``MODEL_LOGGING_IMPORTS`` when ``logs_model``: the
+    orchestrator will log the model itself) in a daemon thread and return it.
 
     The pipeline starts it as training starts, so that these imports are not paid after the
     last step. The thread runs at the lowest CPU priority (nice 19, this thread only: Linux
@@ -363,7 +453,7 @@ def warm_up_registration() -> threading.Thread:
 
         with contextlib.suppress(OSError, AttributeError):  # not Linux: normal priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        for name in REGISTRATION_IMPORTS:
+        for name in REGISTRATION_IMPORTS + (MODEL_LOGGING_IMPORTS if logs_model else ()):
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - registration imports it again and says why
@@ -386,15 +476,17 @@ def load_trained_model(result: dict):
     return model.eval()
 
 
-def input_example(dataset: DatasetRef, result: dict, count: int = 4):
-    """The first ``count`` images of the dataset, preprocessed as the model expects them:
+def input_example(dataset: DatasetRef | Path, result: dict, count: int = 4):
+    """The first ``count`` images of the dataset (a pulled dataset or its folder),
+    preprocessed as the model expects them:
     float32 [count, C, H, W]. Reads only those files (and lists only the class folders they
     are in), whatever the size of the dataset."""
     from stoker.runtime.data import class_folders, image_files
     from stoker.tracking.pyfunc import model_meta, preprocess_images
 
     paths: list[Path] = []
-    for folder in class_folders(Path(dataset.local_path)):
+    root = dataset if isinstance(dataset, Path) else Path(dataset.local_path)
+    for folder in class_folders(root):
         paths += image_files(folder)[:count - len(paths)]
         if len(paths) == count:
             break
