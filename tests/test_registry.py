@@ -417,7 +417,7 @@ def test_rank_0_that_cannot_log_the_model_warns_and_leaves_no_record(tmp_path, c
     trainer = type("Trainer", (ReportingMixin,), {"_run_id": lambda self: "abc123"})()
     trainer.result = trained_result(job / "final")
     (tmp_path / "mlflow.db").write_text("not a database\n" * 100)
-    trainer.spec = RunSpec(data_dir=str(data), job_dir=str(job),
+    trainer.spec = RunSpec(data_dir=str(data), job_dir=str(job), log_model=True,
                            tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     with caplog.at_level("WARNING", logger="stoker.runtime"):
         trainer._log_model()

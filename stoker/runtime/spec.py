@@ -41,9 +41,9 @@ class RunSpec(_Frozen):
         "often; empty: off.")
     tags: dict[str, str] = Field(default_factory=dict, description="Lineage tags for the run.")
     log_model: bool = Field(
-        True, description="With tracking: rank 0 logs the completed job's model to its MLflow "
-        "run as a pyfunc (registered by the pipeline); off (training in a container image): "
-        "the orchestrator logs it.")
+        False, description="With tracking: rank 0 logs the completed job's model to its MLflow "
+        "run as a pyfunc (registered by the pipeline). The orchestrator turns it on where the "
+        "ranks run its own Python environment (local, Slurm); off: the orchestrator logs it.")
     lease_token: str | None = Field(
         None, description="Token of the job lease this run trains under; the runtime stops "
         "(checkpoint, exit 75) once <job_dir>/lease.json no longer holds it. Empty: no watch.")
