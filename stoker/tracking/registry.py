@@ -234,7 +234,8 @@ def log_model(tracking_uri: str, run_id: str, result: dict, example) -> str:
 
     Rank 0 calls it as a completed job ends (torch, MLflow and the store are loaded there), so
     the orchestrator registers that URI without importing torch; the orchestrator calls it
-    itself when the job has none (tracking was off in the attempt, or logging failed there).
+    itself when the job has no record it can trust (ranks in a training image, or logging
+    failed in rank 0).
 
     Args:
         result: the job's ``result.json`` fields (``model_path``: the final weights).
