@@ -427,6 +427,20 @@ def test_rank_0_that_cannot_log_the_model_warns_and_leaves_no_record(tmp_path, c
                            "failed for MLflow run abc123 (")
     assert line.endswith("the orchestrator logs the model")
     caplog.clear()
+    import stoker.tracking.registry as registry
+
+    def refused(*_args):  # an MLflow error that quotes a tracking URI with its password
+        raise RuntimeError("POST http://alice:s3cret@mlflow.example/api failed")
+
+    registry.log_completed_model, real = refused, registry.log_completed_model
+    try:
+        with caplog.at_level("WARNING", logger="stoker.runtime"):
+            trainer._log_model()
+    finally:
+        registry.log_completed_model = real
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "s3cret" not in line and "http://alice:***@mlflow.example" in line
+    caplog.clear()
     trainer.spec = trainer.spec.model_copy(update={"log_model": False})  # a training image's
     trainer._log_model()
     assert caplog.records == [] and not (job / LOGGED_MODEL_FILE).exists()

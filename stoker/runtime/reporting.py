@@ -18,7 +18,7 @@ from stoker.runtime import private
 from stoker.runtime.background_tracking import BackgroundTracker
 from stoker.runtime.checkpoint import CheckpointError
 from stoker.runtime.records import read_text
-from stoker.runtime.tracking import RunTracker, flatten
+from stoker.runtime.tracking import URL_PASSWORD, RunTracker, flatten
 
 log = logging.getLogger("stoker.runtime")
 
@@ -215,7 +215,7 @@ class ReportingMixin:
             except Exception as e:  # noqa: BLE001 - the job is done: the orchestrator logs it
                 log.warning("the completed-job hook %s failed for MLflow run %s (%s: %s); the "
                             "orchestrator logs the model", hook.value, run_id, type(e).__name__,
-                            " ".join(str(e).split())[:300])
+                            URL_PASSWORD.sub(r"\1***@", " ".join(str(e).split()))[:300])
 
     def _close_tracking(self, outcome: str, status: str) -> None:
         """End the MLflow run with ``status``, close the progress log, raise a tracking error."""
