@@ -212,9 +212,9 @@ def test_a_standby_imports_rank_0s_tracking_before_the_fork_and_opens_nothing():
     there, so nothing is shared across the fork."""
     code = (
         "import sys, threading, gc\n"
-        "from stoker.runtime.launch import TRACKING_IMPORTS, _warm_up, _warm_up_tracking\n"
+        "from stoker.runtime.launch import TRACKING_IMPORTS, _warm_up, warm_up_tracking\n"
         "_warm_up()\n"
-        "_warm_up_tracking()\n"
+        "warm_up_tracking()\n"
         "import sqlalchemy.engine\n"
         "engines = sum(isinstance(o, sqlalchemy.engine.Engine) for o in gc.get_objects())\n"
         "print([m for m in TRACKING_IMPORTS if m not in sys.modules],\n"

@@ -17,11 +17,23 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 
-from stoker.runtime.launch import ATTEMPT_TMP_ENV, PARKED_MARKER, attempt_folder, exit_code_for
-from stoker.runtime.preemption import STOP_COMMITTED_ENV, STOP_COMMITTED_FILE, die_with_parent
+from stoker.runtime.launch import (
+    ATTEMPT_TMP_ENV,
+    PARKED_MARKER,
+    STANDBY_FLAG,
+    attempt_folder,
+    exit_code_for,
+)
+from stoker.runtime.preemption import (
+    STOP_COMMITTED_ENV,
+    STOP_COMMITTED_FILE,
+    die_with_parent,
+    title_process,
+)
 from stoker.stopping import interrupted
 
 
@@ -61,10 +73,160 @@ def _import_time(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
 
 
+class ForkedStandby:
+    """A ``subprocess.Popen``-like handle (``pid``, ``args``, ``stdin``, ``stdout``,
+    ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``) on a standby launcher
+    forked from this process rather than started as a new interpreter (see
+    :func:`can_fork_standby`).
+
+    The child is set up as ``Popen(..., start_new_session=True, preexec_fn=die_with_parent)``
+    sets up ``python -m stoker.runtime.launch --standby``: its own session, SIGTERM when this
+    process dies, stdin and merged stdout/stderr on pipes, ``env`` as its whole environment,
+    default signal dispositions, no log handler or stream wrapper of this process. It then
+    runs :func:`stoker.runtime.launch.standby` and ends with ``os._exit``. What it inherits
+    is the modules this process imported: MLflow's client and store, which a forked rank 0
+    needs, are imported once (here) instead of once here and once in the launcher: about
+    2 CPU-s of the default job's ``stoker run`` on 2 cores (``bench_goodput``).
+    """
+
+    def __init__(self, env: dict[str, str]):
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+            with contextlib.suppress(Exception):
+                stream.flush()
+        ready_r, ready_w = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            os.close(ready_r)
+            _become_standby(stdin_r, stdout_w, (stdin_w, stdout_r), env, parent, ready_w)
+        for fd in (stdin_r, stdout_w, ready_w):
+            os.close(fd)
+        # Returned once the child leads its session and dies with this process, as Popen
+        # returns after the exec: no signal to this process group reaches it after this.
+        os.read(ready_r, 1)  # b"" if it died first
+        os.close(ready_r)
+        self.pid, self.returncode = pid, None
+        self.args = [sys.executable, "-m", "stoker.runtime.launch", "--standby"]
+        self.stdin = open(stdin_w, "w", encoding="utf-8")  # noqa: SIM115 - closed by its owner
+        self.stdout = open(stdout_r, encoding="utf-8", errors="replace")  # noqa: SIM115
+
+    def poll(self) -> int | None:
+        """The exit code (-N for a death by signal N) once it ended, else None."""
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: as Popen, say 0
+                self.returncode = 0
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the end and return the exit code.
+
+        Raises:
+            subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def _become_standby(stdin_fd: int, stdout_fd: int, parent_ends: tuple[int, int],
+                    env: dict[str, str], parent: int, ready_fd: int) -> NoReturn:
+    """In a child just forked by :class:`ForkedStandby`: become the standby launcher."""
+    try:
+        os.setsid()
+        die_with_parent()
+        if os.getppid() != parent:  # the parent died before PR_SET_PDEATHSIG was set
+            os._exit(1)
+        for fd in parent_ends:  # else its own input would never reach its end
+            os.close(fd)
+        os.dup2(stdin_fd, 0)
+        os.dup2(stdout_fd, 1)
+        os.dup2(stdout_fd, 2)
+        os.close(stdin_fd)
+        os.close(stdout_fd)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                    signal.SIGUSR2, signal.SIGALRM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter's
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
+        # setproctitle moves the environment out of the way on its first call, which it cannot
+        # once os.environ was cleared: first the line an exec'd standby shows, then the
+        # environment.
+        title_process(" ".join(["python", "-m", "stoker.runtime.launch", STANDBY_FLAG]))
+        os.environ.clear()
+        os.environ.update(env)
+        import io
+        import logging
+
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+        sys.stdout, sys.stderr = (  # unbuffered, as PYTHONUNBUFFERED=1 makes them
+            io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                             errors="backslashreplace", write_through=True)
+            for fd in (1, 2))
+        sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+        for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+            if isinstance(logger, logging.Logger):
+                logger.handlers.clear()
+        sys.argv = [sys.argv[0], STANDBY_FLAG]
+        from stoker.runtime.launch import exit_after, standby
+
+        exit_after(standby)
+    except BaseException:  # noqa: BLE001 - said where it can be; the child never returns
+        with contextlib.suppress(Exception):
+            import traceback
+
+            traceback.print_exc()
+    os._exit(1)
+
+
+def can_fork_standby(python: str, env: dict[str, str]) -> bool:
+    """Whether :func:`prestart` may fork the standby from this process
+    (:class:`ForkedStandby`) instead of starting a new interpreter: the ranks are forked too
+    (``STOKER_WORKER_START``: no GPU device, or ``fork``), the attempt's interpreter is this
+    one, the interpreter-level variables (``PYTHON*``, ``LD_*``, ...) are this process's
+    (PYTHONUNBUFFERED aside, which the fork reproduces), and this process runs no other thread
+    yet (a fork copies no thread, and a lock one held would stay held in the child)."""
+    from stoker.runtime.launch import worker_start
+
+    try:
+        forked_ranks = worker_start(env) == "fork"
+    except ValueError:  # the attempt says it in one line
+        return False
+    def interpreter(environ) -> dict[str, str]:
+        return {k: v for k, v in environ.items()
+                if k.startswith(("PYTHON", "LD_", "MALLOC_")) and k != "PYTHONUNBUFFERED"}
+
+    return (forked_ranks and hasattr(os, "fork") and python == sys.executable
+            and threading.active_count() == 1 and interpreter(env) == interpreter(os.environ))
+
+
 class Standby:
     """A launcher process started ahead of its attempt: ``python -m stoker.runtime.launch
     --standby`` imports torch, torchrun and (for forked ranks) the runtime while the
     orchestrator still pulls data and checks lineage, then waits for its command line.
+    :func:`prestart` forks it from ``stoker run`` where it can (:class:`ForkedStandby`).
 
     ``stoker run`` starts one before its flow (:func:`prestart`); the first local attempt of
     the same interpreter, working directory and import-time environment (``IMPORT_TIME_ENV``)
@@ -80,12 +242,20 @@ class Standby:
     ``train`` task discards a parked one that no retry takes.
     """
 
-    def __init__(self, python: str, env: dict[str, str]):
+    def __init__(self, python: str, env: dict[str, str], fork: bool = False):
         self.python, self.env, self.cwd = python, dict(env), os.getcwd()
-        self.process = subprocess.Popen(
-            [python, "-m", "stoker.runtime.launch", "--standby"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
-            start_new_session=True, preexec_fn=die_with_parent)
+        if fork:
+            # What a forked rank 0 imports to track (the launcher's warm-up would import it
+            # in the child): here, once, for this process's own tracking and the child's.
+            from stoker.runtime.launch import warm_up_tracking
+
+            warm_up_tracking()
+            self.process: subprocess.Popen | ForkedStandby = ForkedStandby(self.env)
+        else:
+            self.process = subprocess.Popen(
+                [python, "-m", "stoker.runtime.launch", "--standby"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
+                start_new_session=True, preexec_fn=die_with_parent)
 
     def fits(self, python: str, env: dict[str, str]) -> bool:
         """Whether an attempt of ``python`` with ``env`` may take this standby: it is alive
@@ -145,7 +315,8 @@ def prestart(nproc_per_node: int, python: str = sys.executable) -> Standby:
     with _standby_lock:
         if _standby is not None:
             _standby.discard()
-        _standby = Standby(python, LocalLauncher(nproc_per_node, python=python).environment())
+        env = LocalLauncher(nproc_per_node, python=python).environment()
+        _standby = Standby(python, env, fork=can_fork_standby(python, env))
         return _standby
 
 

@@ -139,7 +139,7 @@ def standby(stdin=None, stdout=None) -> int:
     with contextlib.suppress(ValueError):  # main() reports a bad value once the attempt arrives
         if worker_start() == "fork":
             _warm_up()
-            _warm_up_tracking()
+            warm_up_tracking()
     from stoker.runtime.preemption import title_process
 
     title_process()  # now: each attempt below replaces the environment, then names its job
@@ -296,7 +296,7 @@ TRACKING_IMPORTS = ("mlflow", "mlflow.store.tracking.sqlalchemy_store",
                     "mlflow.system_metrics.system_metrics_monitor", "stoker.runtime.tracking")
 
 
-def _warm_up_tracking() -> None:
+def warm_up_tracking() -> None:
     """A standby's warm-up, after :func:`_warm_up`: import ``TRACKING_IMPORTS`` (and configure
     MLflow's SQLAlchemy models) before the fork. Even when an attempt is already waiting this
     is the cheaper place: rank 0 importing them beside 2 training ranks on 2 cores slowed the
