@@ -59,6 +59,7 @@ from benchmarks.common import (  # noqa: E402
     torchrun,
 )
 from benchmarks.jobs import demo_dataset, write_spec  # noqa: E402
+from benchmarks.stats import UNDECIDED, median_interval, per_pair  # noqa: E402
 from stoker.jobs.attempts import AttemptLog  # noqa: E402
 from stoker.local_server import LocalServer  # noqa: E402
 from stoker.runtime.progress import read_events  # noqa: E402
@@ -183,7 +184,8 @@ def main() -> None:
         log("the local Prefect server: started once, untimed (the runs reuse it)")
         server.ensure()
         try:
-            pairs = alternate(baseline, candidate, args.repeats, args.warmups)
+            pairs = alternate(baseline, candidate, args.repeats, args.warmups,
+                              decided=lambda so_far: decided(so_far, timed["server_cpu_s"]))
         finally:
             server.stop()
         pairs = with_server_cpu(pairs, timed["server_cpu_s"])
@@ -201,6 +203,20 @@ def main() -> None:
          checks=[cpu, goodput], **result,
          **explain(timed, world, dataset.nfiles, args, first, statistics.median(
              s / w for s, w in zip(bare_steps, pairs.values("baseline"), strict=True))))
+
+
+def decided(pairs: Pairs, server_cpu: dict[int, float]) -> bool:
+    """For ``alternate(decided=...)``: whether the wall ratio's and the CPU check's intervals
+    both decide their targets (the goodput check is far from its own). Until they do, more
+    pairs run (up to 3 x ``--repeats``)."""
+    if len(pairs.baseline) < 2:
+        return False
+    pairs = with_server_cpu(pairs, server_cpu)
+    return all(
+        target.verdict(median_interval(per_pair(
+            pairs.values("baseline", field), pairs.values("candidate", field),
+            lambda b, c: c / b))) != UNDECIDED
+        for field, target in (("value", WALL_TARGET), ("cpu_s", CPU_TARGET)))
 
 
 def with_server_cpu(pairs: Pairs, server_cpu: dict[int, float]) -> Pairs:
