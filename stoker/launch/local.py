@@ -169,6 +169,9 @@ def _become_standby(stdin_fd: int, stdout_fd: int, parent_ends: tuple[int, int],
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as a new interpreter's
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)  # an event loop's, if the command had started one
+        sys.excepthook, sys.unraisablehook = sys.__excepthook__, sys.__unraisablehook__
         os.write(ready_fd, b"1")
         os.close(ready_fd)
         # setproctitle moves the environment out of the way on its first call, which it cannot
