@@ -31,7 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 COMMAND = """
 import json, os, sys
 from stoker.launch.local import ForkedStandby, LocalLauncher, prestart
+from stoker.runtime.preemption import name_process
 assert "mlflow" not in sys.modules
+name_process("stoker")  # as the `stoker` console script is named
 standby = prestart(2)
 print(json.dumps({"forked": isinstance(standby.process, ForkedStandby),
                   "pid": standby.process.pid}), flush=True)
@@ -107,6 +109,8 @@ def test_a_forked_standby_is_its_own_session_and_dies_with_its_command(tmp_path)
         time.sleep(0.05)
     assert " ".join(psutil.Process(pid).cmdline()).strip() == \
         "python -m stoker.runtime.launch --standby"
+    # Named as a new interpreter is, not as the command (`pgrep -x stoker` finds the command).
+    assert psutil.Process(pid).name() == Path(sys.executable).name[:15]
     command.send_signal(signal.SIGKILL)
     command.wait()
     assert _gone(pid), "the forked standby outlived its SIGKILLed command"

@@ -32,6 +32,7 @@ from stoker.runtime.preemption import (
     STOP_COMMITTED_ENV,
     STOP_COMMITTED_FILE,
     die_with_parent,
+    name_process,
     title_process,
 )
 from stoker.stopping import interrupted
@@ -178,6 +179,7 @@ def _become_standby(stdin_fd: int, stdout_fd: int, parent_ends: tuple[int, int],
         # once os.environ was cleared: first the line an exec'd standby shows, then the
         # environment.
         title_process(" ".join(["python", "-m", "stoker.runtime.launch", STANDBY_FLAG]))
+        name_process(Path(sys.executable).name)  # not the command's (`stoker`): pgrep -x stoker
         os.environ.clear()
         os.environ.update(env)
         import io
