@@ -130,6 +130,21 @@ def events(job_dir: Path) -> list[dict]:
     return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
 
+def process_gone(pid: int, timeout_s: float = 30.0) -> bool:
+    """Whether process ``pid`` ends (gone, or a zombie) within ``timeout_s`` seconds."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def rank_of(proc) -> int | None:
     """The rank a training process runs, from the name it gives itself (``stoker-rank<N>``,
     both when exec'd and when forked from the launcher), else None (torchrun, data workers,

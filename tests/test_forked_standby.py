@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import process_gone
 
 from stoker.launch import local
 from stoker.launch.local import LocalLauncher, can_fork_standby
@@ -54,18 +55,6 @@ def _command(arg: str, cwd: Path) -> subprocess.Popen:
         env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-def _gone(pid: int, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 needs_forked_ranks = pytest.mark.skipif(
     gpu_device_present(), reason="a GPU device file: ranks and standby start as new interpreters")
 
@@ -83,7 +72,7 @@ def test_a_forked_standby_runs_the_attempt_and_rank_0_tracks_to_the_store(make_s
     assert started["forked"] is True
     assert ended["code"] == 0 and ended["took"] is True, "\n".join(ended["lines"])
     assert any(line.startswith("[rank0] ") for line in ended["lines"])
-    assert _gone(started["pid"], 10)
+    assert process_gone(started["pid"], 10)
 
     from mlflow import MlflowClient
 
@@ -113,7 +102,7 @@ def test_a_forked_standby_is_its_own_session_and_dies_with_its_command(tmp_path)
     assert psutil.Process(pid).name() == Path(sys.executable).name[:15]
     command.send_signal(signal.SIGKILL)
     command.wait()
-    assert _gone(pid), "the forked standby outlived its SIGKILLed command"
+    assert process_gone(pid), "the forked standby outlived its SIGKILLed command"
 
 
 def test_the_standby_is_forked_only_where_a_new_interpreter_would_be_the_same(monkeypatch):

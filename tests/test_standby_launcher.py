@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import events, rank_processes
+from conftest import events, process_gone, rank_processes
 
 from stoker.launch import local
 from stoker.launch.local import LocalLauncher, discard_standby, prestart, take_standby
@@ -28,18 +28,6 @@ from stoker.runtime.launch import PARKED_MARKER
 def no_standby_left():
     yield
     discard_standby()
-
-
-def _gone(pid: int, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.integration
@@ -70,7 +58,7 @@ def test_a_standby_of_another_import_time_environment_is_not_taken():
     pid = standby.process.pid
     env = LocalLauncher(2, env={"OMP_NUM_THREADS": "2"}).environment()
     assert take_standby(sys.executable, env) is None
-    assert _gone(pid, 10) and local._standby is None
+    assert process_gone(pid, 10) and local._standby is None
     # Variables read later (Prefect's, MLflow's, Stoker's) do not matter: they are handed over.
     standby = prestart(2)
     env = LocalLauncher(2, env={"MLFLOW_TRACKING_URI": "sqlite:///x.db",
@@ -85,7 +73,7 @@ def test_a_standby_ends_when_its_input_closes_and_when_its_parent_is_killed(tmp_
     standby = prestart(2)
     pid = standby.process.pid
     discard_standby()
-    assert _gone(pid, 5)
+    assert process_gone(pid, 5)
 
     parent = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\n"
@@ -101,7 +89,7 @@ def test_a_standby_ends_when_its_input_closes_and_when_its_parent_is_killed(tmp_
     assert psutil.pid_exists(child)
     parent.kill()
     parent.wait()
-    assert _gone(child), "the standby outlived its SIGKILLed parent"
+    assert process_gone(child), "the standby outlived its SIGKILLed parent"
 
 
 def test_end_of_input_before_an_attempt_runs_nothing(tmp_path, monkeypatch):
@@ -161,7 +149,7 @@ def test_a_preempted_attempt_parks_its_launcher_and_the_retry_resumes_in_it(make
     assert launcher.run(spec, on_line=lines.append, timeout_s=600) == 0, "\n".join(lines[-30:])
     assert launcher.process is first  # the retry took the parked launcher
     assert any("resumed from" in line for line in lines), lines[-20:]
-    assert _gone(first.pid, 10) and local._standby is None
+    assert process_gone(first.pid, 10) and local._standby is None
     before = torch.load(straight.parent / "final" / "model.pt")
     after = torch.load(spec.parent / "final" / "model.pt")
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -200,7 +188,7 @@ def test_a_parked_launcher_that_dies_or_is_discarded_leaves_nothing(make_spec):
     assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 75
     first = launcher.process
     first.send_signal(signal.SIGTERM)
-    assert _gone(first.pid, 10)
+    assert process_gone(first.pid, 10)
     assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 0
     assert launcher.process is not first
 
@@ -209,7 +197,7 @@ def test_a_parked_launcher_that_dies_or_is_discarded_leaves_nothing(make_spec):
     assert launcher.run(spec, on_line=lambda _line: None, timeout_s=600) == 75
     pid = launcher.process.pid
     discard_standby()
-    assert _gone(pid, 5) and local._standby is None
+    assert process_gone(pid, 5) and local._standby is None
 
 
 @pytest.mark.integration
@@ -276,7 +264,7 @@ def test_an_error_out_of_the_launcher_leaves_no_process_waiting_forever(tmp_path
                              timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert process.returncode == 1, process.stderr
     assert "BrokenPipeError" in process.stderr
-    assert _gone(int((tmp_path / "child").read_text()), timeout_s=10)
+    assert process_gone(int((tmp_path / "child").read_text()), timeout_s=10)
 
 
 def test_torchruns_timer_joining_itself_is_not_printed_and_other_errors_are():

@@ -76,9 +76,9 @@ def _import_time(env: dict[str, str]) -> dict[str, str]:
 
 class ForkedStandby:
     """A ``subprocess.Popen``-like handle (``pid``, ``args``, ``stdin``, ``stdout``,
-    ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``) on a standby launcher
-    forked from this process rather than started as a new interpreter (see
-    :func:`can_fork_standby`).
+    ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``: what a standby's owner
+    uses) on a standby launcher forked from this process rather than started as a new
+    interpreter (see :func:`can_fork_standby`).
 
     The child is set up as ``Popen(..., start_new_session=True, preexec_fn=die_with_parent)``
     sets up ``python -m stoker.runtime.launch --standby``: its own session, SIGTERM when this
@@ -145,9 +145,6 @@ class ForkedStandby:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
 
 def _become_standby(stdin_fd: int, stdout_fd: int, parent_ends: tuple[int, int],
