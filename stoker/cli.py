@@ -116,43 +116,22 @@ def run(
     if config is None:  # the job is done: its summary is printed
         stopping.uninstall(previous)
         return
-    from stoker.jobs.lease import JobBusy
-    from stoker.jobs.stop_request import TrainingStopped
-
     code = 0
+    # The command's last lines (the summary, why it stopped) are said once the Prefect API
+    # context has ended: its exit sends Prefect's queued events and logs, and their workers'
+    # own lines ("EventsWorker - Still processing items") came after them (trial).
+    last_lines: list[tuple[str, bool]] = []
+
+    def say(text: str, err: bool = True) -> None:
+        last_lines.append((text, err))
+
     try:
-        with prefect_api(Path(config.work_dir) / "logs" / "output.log"):
-            from flows.pipeline import pipeline
-
-            if not debug:
-                quiet_console_tracebacks()
-
-            from prefect.exceptions import CancelledRun
-
-            from stoker.tracking.command_goodput import record_command_goodput
-
-            try:
-                summary = record_command_goodput(pipeline(config), config.tracking_uri())
-                typer.echo(json.dumps(summary, indent=2, default=str))
-            except CancelledRun:  # the flow recorded a stop signal as its Cancelled end
-                from stoker.orchestration.flow_runs import prefect_cancel
-
-                if stopping.stop_reason() is not None:
-                    _say_stopped()
-                    code = stopping.stop_exit_code()
-                elif (cancel := prefect_cancel()) is not None:  # from the Prefect UI or API
-                    if cancel.get("summary") is not None:
-                        typer.echo(json.dumps(cancel["summary"], indent=2, default=str))
-                    typer.echo(f"stoker run: {cancel['message']}", err=True)
-                    code = stopping.EXIT_STOPPED if cancel["stopped"] else 0
-                else:
-                    raise
-            except TrainingStopped as e:  # the cost guard or a user stopped the job
-                typer.echo(f"stoker run: {e}", err=True)
-                code = stopping.stopped_exit_code(e)
-            except JobBusy as e:  # found after the pull (no job_id): still one line
-                typer.echo(f"error: {e}", err=True)
-                code = EXIT_BUSY
+        try:
+            with prefect_api(Path(config.work_dir) / "logs" / "output.log"):
+                code = _run_flow(config, debug, say)
+        finally:
+            for text, err in last_lines:
+                typer.echo(text, err=err)
     except KeyboardInterrupt:
         _say_stopped()
         code = stopping.stop_exit_code()
@@ -164,6 +143,43 @@ def run(
     # Everything is recorded and the training tree is gone: skip the interpreter's finalizers
     # (Prefect's exit hooks, torch), which held the exit back for seconds.
     stopping.exit_now(code)
+
+
+def _run_flow(config: PipelineConfig, debug: bool, say) -> int:
+    """Run the pipeline flow of ``stoker run`` (inside its Prefect API context) and return the
+    command's exit code; the summary and a stop's line go to ``say(text, err=True)``, said by
+    the caller after that context ends."""
+    from prefect.exceptions import CancelledRun
+
+    from flows.pipeline import pipeline
+    from stoker.jobs.lease import JobBusy
+    from stoker.jobs.stop_request import TrainingStopped
+    from stoker.tracking.command_goodput import record_command_goodput
+
+    if not debug:
+        quiet_console_tracebacks()
+    try:
+        summary = record_command_goodput(pipeline(config), config.tracking_uri())
+        say(json.dumps(summary, indent=2, default=str), err=False)
+    except CancelledRun:  # the flow recorded a stop signal as its Cancelled end
+        from stoker.orchestration.flow_runs import prefect_cancel
+
+        if stopping.stop_reason() is not None:
+            say(stopping.stopped_line())
+            return stopping.stop_exit_code()
+        if (cancel := prefect_cancel()) is not None:  # from the Prefect UI or API
+            if cancel.get("summary") is not None:
+                say(json.dumps(cancel["summary"], indent=2, default=str), err=False)
+            say(f"stoker run: {cancel['message']}")
+            return stopping.EXIT_STOPPED if cancel["stopped"] else 0
+        raise
+    except TrainingStopped as e:  # the cost guard or a user stopped the job
+        say(f"stoker run: {e}")
+        return stopping.stopped_exit_code(e)
+    except JobBusy as e:  # found after the pull (no job_id): still one line
+        say(f"error: {e}")
+        return EXIT_BUSY
+    return 0
 
 
 def _before_the_flow(overrides: list[str] | None, config_file: Path | None,

@@ -337,6 +337,59 @@ def test_the_stop_line_starts_a_new_line_only_after_a_terminals_echo():
             os.close(fd)
 
 
+@pytest.mark.parametrize("outcome", ["stopped", "done"])
+def test_the_commands_last_lines_follow_what_prefect_says_as_its_api_context_ends(
+        monkeypatch, tmp_path, outcome):
+    """Trial: after an early Ctrl-C, `EventsWorker - Still processing items` came after `stoker
+    run: stopped by ...`, the line that should end the command. Prefect's workers send what is
+    queued as the API context ends; whatever they say then now comes before the command's own
+    last lines (the summary on stdout, a stop's line on stderr)."""
+    import contextlib
+    import sys
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    import flows.pipeline
+    import stoker.cli
+    import stoker.tracking.command_goodput
+    from stoker import stopping
+    from stoker.jobs.stop_request import TrainingStopped
+
+    @contextlib.contextmanager
+    def api(log_path=None):
+        yield
+        print("WARNING | EventsWorker - Still processing items: 2 items remaining...",
+              file=sys.stderr, flush=True)
+
+    def pipeline(config):
+        if outcome == "stopped":
+            raise TrainingStopped("stopped by a stop request (stoker stop)")
+        return {"run_id": "r", "cost": {}}
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    config = SimpleNamespace(work_dir=str(tmp_path), tracking_uri=lambda: "sqlite:///x.db")
+    monkeypatch.setattr(stoker.cli, "_before_the_flow", lambda *args: config)
+    monkeypatch.setattr(stoker.cli, "prefect_api", api)
+    monkeypatch.setattr(flows.pipeline, "pipeline", pipeline)
+    monkeypatch.setattr(stoker.tracking.command_goodput, "record_command_goodput",
+                        lambda summary, uri: summary)
+    monkeypatch.setattr(stopping, "install", lambda: None)
+    monkeypatch.setattr(stopping, "exit_now", exit_now)
+    result = CliRunner().invoke(stoker.cli.app, ["run"])
+    if outcome == "stopped":
+        assert result.exit_code == stopping.EXIT_STOPPED, result.output
+        assert result.stderr.splitlines()[-1] == (
+            "stoker run: stopped by a stop request (stoker stop)"), result.stderr
+    else:
+        assert result.exit_code == 0, result.output
+        # CliRunner's output interleaves stdout and stderr in the order they were written.
+        assert result.output.splitlines()[0].startswith("WARNING | EventsWorker"), result.output
+        assert json.loads(result.stdout) == {"run_id": "r", "cost": {}}
+
+
 def test_a_retried_infrastructure_failure_is_logged_as_a_warning_on_the_server(harness):
     """New-user trial: besides "Finished in state InfrastructureFailure(...)", Prefect logs
     "Task run failed with state: InfrastructureFailure(...)" as an ERROR with an empty
