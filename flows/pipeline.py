@@ -9,6 +9,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.train import pull_and_train
+from stoker import stopping
 from stoker.config import PipelineConfig
 from stoker.forms import DockerPipelineForm, PipelineForm, SlurmPipelineForm
 from stoker.images.spec import ImageRequest
@@ -81,4 +82,5 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
                    "metrics": trained.metrics, "cost": trained.cost,
                    "registration": registration.to_dict()}
         mark_done(Path(trained.job_dir), summary)
+        stopping.note_done()  # a stop signal from here on has nothing to stop (stoker run)
     return summary

@@ -132,6 +132,7 @@ def run(
         finally:
             for text, err in last_lines:
                 typer.echo(text, err=err)
+            stopping.summary_said()
     except KeyboardInterrupt:
         _say_stopped()
         code = stopping.stop_exit_code()
@@ -159,8 +160,11 @@ def _run_flow(config: PipelineConfig, debug: bool, say) -> int:
     if not debug:
         quiet_console_tracebacks()
     try:
-        summary = record_command_goodput(pipeline(config), config.tracking_uri())
-        say(json.dumps(summary, indent=2, default=str), err=False)
+        summary = pipeline(config)
+        stopping.note_done(json.dumps(summary, indent=2, default=str))
+        summary = record_command_goodput(summary, config.tracking_uri())
+        say(text := json.dumps(summary, indent=2, default=str), err=False)
+        stopping.note_done(text)
     except CancelledRun:  # the flow recorded a stop signal as its Cancelled end
         from stoker.orchestration.flow_runs import prefect_cancel
 

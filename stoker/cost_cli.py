@@ -51,7 +51,7 @@ def cost(
         help="MLflow tracking URI [default: the store of --work-dir]", show_default=False)] =
         None,
     work_dir: Annotated[Path, typer.Option("--work-dir", "-w", help="The work folder whose "
-                                           "MLflow store (<work-dir>/mlflow.db) is read")] =
+                                           "MLflow store (`<work-dir>/mlflow.db`) is read")] =
         Path("work"),
     prices: Annotated[Path | None, typer.Option(
         help="YAML price table for the advice (the shape of cost.prices: usd_per_gpu_hour: "

@@ -194,7 +194,7 @@ def _open_attempt_line(attempt: dict, training: bool, stopped: bool = False,
 
 def stop(job: Annotated[str, typer.Argument(help="Job folder name (or a unique prefix)")],
          reason: Annotated[str | None, typer.Option(
-             help="Why, recorded with the request [default: stoker stop by <user>]")] = None,
+             help="Why, recorded with the request [default: `stoker stop by <user>`]")] = None,
          timeout_s: Annotated[float, typer.Option(
              "--timeout", min=0, help="Seconds to wait for the job to stop")] = 120.0,
          work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work")) -> None:

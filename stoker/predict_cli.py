@@ -27,7 +27,7 @@ def predict(
         "MLFLOW_TRACKING_URI when set, else sqlite:///work/mlflow.db]",
         show_default=False)] = None,
     work_dir: Annotated[Path | None, typer.Option(
-        "--work-dir", "-w", help="The work folder whose MLflow store (<work-dir>/mlflow.db, "
+        "--work-dir", "-w", help="The work folder whose MLflow store (`<work-dir>/mlflow.db`, "
         "where `stoker run` logs by default) is read when --tracking-uri is not given "
         "[default: work]", show_default=False)] = None,
     logits: Annotated[bool, typer.Option(help="Also print the logits per class")] = False,

@@ -29,6 +29,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _received: list[int] = []
 _installed: list[bool] = []  # install() was called in this process (``stoker run``)
 _outcome: list[str] = []  # what the stop left of the job (note_outcome)
+_done: list[str] = []  # the job is done (note_done): its summary, while not yet said
+_after_done: list[int] = []  # stop signals received once the job was done
 _hooks: list[Callable[[str], None]] = []  # on_stop: run before the training tree is signalled
 _interrupt_hooks: list[Callable[[BaseException], None]] = []  # on_interrupt
 _probes: list[Callable[[], str | None]] = []  # outcome_probe: asked after a second signal
@@ -59,6 +61,31 @@ def note_outcome(what: str) -> None:
     """Record what the stop left of the job (``"job digits-3f2a: its ranks committed a stop
     checkpoint at step 120"``): ``stoker run``'s last line says it (:func:`stopped_line`)."""
     _outcome[:] = [what]
+
+
+def note_done(summary: str = "") -> None:
+    """The job is done and recorded (marked done, its model registered): from here on a stop
+    signal has nothing left to stop or to resume, and rerunning the command would train a new
+    job (trial: SIGTERM right after the flow run's Completed said "stopped ...; run the same
+    command again", and the rerun trained and registered another version). The first signal is
+    said and otherwise ignored: the command ends as done (exit 0, its summary last); a second
+    one ends it at once, exit 0, after writing ``summary`` (the command's summary, JSON) when
+    :func:`summary_said` has not been called since. Call again with the summary once known."""
+    _done[:] = [summary]
+
+
+def summary_said() -> None:
+    """The done job's summary is on stdout: a second signal need not write it."""
+    if _done:
+        _done[:] = [""]
+
+
+def done_line(signum: int) -> str:
+    """What ``stoker run`` says for a stop signal once its job is done (:func:`note_done`)."""
+    name = signal.Signals(signum).name
+    name = {"SIGINT": "SIGINT (Ctrl-C)", "SIGHUP": "SIGHUP (terminal closed)"}.get(name, name)
+    return (f"stoker run: {name} after the job was done: nothing to stop and nothing to run "
+            "again; ending as done")
 
 
 def stopped_line() -> str:
@@ -162,6 +189,16 @@ def interrupted(error: BaseException) -> None:
 
 
 def _handle(signum: int, _frame) -> None:
+    if _done and not _received:  # nothing left to stop (note_done)
+        _after_done.append(signum)
+        if len(_after_done) == 1:
+            with contextlib.suppress(OSError):
+                os.write(2, f"{_after_echo(signum)}{done_line(signum)}\n".encode())
+            return
+        if _done[0]:
+            with contextlib.suppress(OSError):
+                os.write(1, f"{_done[0]}\n".encode())
+        os._exit(0)
     _received.append(signum)
     if len(_received) == 1:
         # At once: the stop checkpoint can take a while (a slow save, a stalled rank), and a
@@ -225,6 +262,8 @@ def install() -> dict[int, Any]:
     only). Returns the handlers it replaced, for :func:`uninstall`."""
     _received.clear()
     _outcome.clear()
+    _done.clear()
+    _after_done.clear()
     _installed[:] = [True]
     return {sig: signal.signal(sig, _handle) for sig in STOP_SIGNALS}
 

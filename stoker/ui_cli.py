@@ -27,10 +27,10 @@ STOP_GRACE_S = 10.0
 
 def ui(
     work_dir: Annotated[Path, typer.Option(
-        "--work-dir", "-w", help="The work folder whose MLflow store (<work-dir>/mlflow.db) "
+        "--work-dir", "-w", help="The work folder whose MLflow store (`<work-dir>/mlflow.db`) "
         "is shown when --tracking-uri is not given")] = Path("work"),
     tracking_uri: Annotated[str | None, typer.Option(
-        help="MLflow tracking URI [default: sqlite:///<work-dir>/mlflow.db]",
+        help="MLflow tracking URI [default: `sqlite:///<work-dir>/mlflow.db`]",
         show_default=False)] = None,
     host: Annotated[str, typer.Option(help="Interface to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port of the UI")] = 5050,

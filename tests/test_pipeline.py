@@ -65,9 +65,13 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from flows.pipeline import pipeline
+    from stoker import stopping
 
     config = load_pipeline_config(None, [f"work_dir={tmp_path}", "train.epochs=8"])
+    stopping._done.clear()
     first = pipeline(config)
+    # Once marked done, a stop signal to `stoker run` has nothing left to stop (note_done).
+    assert stopping._done == [""]
     assert first["metrics"]["val_accuracy"] >= 0.95
     assert first["registration"]["version"] == "1" and first["registration"]["promoted"]
 

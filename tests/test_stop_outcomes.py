@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -388,6 +389,76 @@ def test_the_commands_last_lines_follow_what_prefect_says_as_its_api_context_end
         # CliRunner's output interleaves stdout and stderr in the order they were written.
         assert result.output.splitlines()[0].startswith("WARNING | EventsWorker"), result.output
         assert json.loads(result.stdout) == {"run_id": "r", "cost": {}}
+
+
+def test_a_stop_signal_once_the_job_is_done_ends_the_command_as_done(monkeypatch, tmp_path,
+                                                                     capfd):
+    """Trial: SIGTERM right after `Flow run ... Finished in state Completed()` exited 143 with
+    `stoker run: stopped by SIGTERM; run the same command again`, and that rerun trained and
+    registered another version. Once the job is done a stop signal is said and the command
+    ends as done: exit 0, the summary last."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    import flows.pipeline
+    import stoker.cli
+    import stoker.tracking.command_goodput
+    from stoker import stopping
+
+    @contextlib.contextmanager
+    def api(log_path=None):
+        yield
+        os.kill(os.getpid(), signal.SIGTERM)  # while Prefect sends what it queued
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    config = SimpleNamespace(work_dir=str(tmp_path), tracking_uri=lambda: "sqlite:///x.db")
+    monkeypatch.setattr(stoker.cli, "_before_the_flow", lambda *args: config)
+    monkeypatch.setattr(stoker.cli, "prefect_api", api)
+    monkeypatch.setattr(flows.pipeline, "pipeline", lambda config: {"run_id": "r", "cost": {}})
+    monkeypatch.setattr(stoker.tracking.command_goodput, "record_command_goodput",
+                        lambda summary, uri: summary)
+    monkeypatch.setattr(stopping, "exit_now", exit_now)
+    handlers = {sig: signal.getsignal(sig) for sig in stopping.STOP_SIGNALS}
+    try:
+        result = CliRunner().invoke(stoker.cli.app, ["run"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    said = capfd.readouterr().err  # the signal handler writes to fd 2 itself
+    assert result.exit_code == 0, result.output + said
+    assert said.splitlines()[-1] == (
+        "stoker run: SIGTERM after the job was done: nothing to stop and nothing to run again; "
+        "ending as done"), said
+    assert json.loads(result.stdout) == {"run_id": "r", "cost": {}}
+
+
+def test_a_second_stop_signal_once_the_job_is_done_exits_0_with_its_summary(tmp_path):
+    """A second signal after the job is done ends the process at once, as done: exit 0, the
+    summary on stdout unless it was said already."""
+    script = (
+        "import os, signal, time\n"
+        "from stoker import stopping\n"
+        "stopping.install()\n"
+        "stopping.note_done('{\"run_id\": \"r\"}')\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(0.2)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"run_id": "r"}
+    assert done.stderr.splitlines() == [
+        "stoker run: SIGINT (Ctrl-C) after the job was done: nothing to stop and nothing to run "
+        "again; ending as done"]
+    said = subprocess.run([sys.executable, "-c", script.replace(
+        "os.kill(os.getpid(), signal.SIGINT)", "stopping.summary_said(); "
+        "os.kill(os.getpid(), signal.SIGINT)")], capture_output=True, text=True, timeout=60)
+    assert said.returncode == 0 and said.stdout == "", said.stderr
 
 
 def test_a_retried_infrastructure_failure_is_logged_as_a_warning_on_the_server(harness):
