@@ -91,6 +91,49 @@ def test_a_stop_that_does_not_commit_is_not_a_preemption(make_spec):
     assert "training failed" not in text, text[-3000:]
 
 
+def test_a_stop_signal_after_the_ranks_completed_training_loses_nothing(make_spec):
+    """Trial: SIGTERM to `stoker run` just after the ranks' `end` line; the launcher warned that
+    the workers "ended before their stop checkpoint committed (a rank failed while stopping,
+    see its error above ...)": no rank had failed, training had completed. The ranks are held
+    (SIGSTOP) once training completed, the launcher gets SIGTERM, then the ranks go on."""
+    from stoker.runtime.preemption import STOP_COMMITTED_FILE
+
+    spec = make_spec(epochs=2, tracking=False)
+    launcher = LocalLauncher(2, shutdown_grace_s=20, python=sys.executable)
+    marker = spec.parent / STOP_COMMITTED_FILE
+    held: list[psutil.Process] = []
+
+    def completed() -> bool:
+        try:
+            if marker.read_text().endswith(" completed\n"):
+                return True
+        except OSError:
+            pass
+        return any(e["event"] == "end" for e in events(spec.parent))
+
+    def stop_after_completion() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not completed():
+            time.sleep(0.005)
+        for rank in ranks(launcher).values():
+            rank.suspend()
+            held.append(rank)
+        psutil.Process(launcher.process.pid).send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        for rank in held:
+            rank.resume()
+
+    threading.Thread(target=stop_after_completion, daemon=True).start()
+    output: list[str] = []
+    code = launcher.run(spec, on_line=output.append)
+    text = "\n".join(output)
+    assert len(held) == 2, "the ranks had ended before they could be held"
+    assert [e["outcome"] for e in events(spec.parent) if e["event"] == "end"] == ["completed"]
+    assert "before their stop checkpoint committed" not in text, text[-3000:]
+    assert "SIGTERM after the workers completed training: nothing to stop" in text, text[-3000:]
+    assert code == 0 and classify_exit(code) is Outcome.COMPLETED
+
+
 def test_a_lost_peer_is_named_in_the_backends_words_not_its_raw_message():
     """New-user trial: the survivor's warning printed gloo's whole message (source path, remote
     address, `GLHF!`); it now gives the backend's phrase alone."""

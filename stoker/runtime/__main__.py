@@ -91,6 +91,9 @@ def run(spec_path: Path, stop: StopFlag) -> int:
         if outcome == "preempted":
             record_stop_committed(trainer.step)
             return EXIT_PREEMPTED
+        # A stop signal to the launcher while the ranks exit now loses nothing (trial: it said
+        # the workers "ended before their stop checkpoint committed").
+        record_stop_committed(trainer.step, completed=outcome == "completed")
         return EXIT_OK
     except CheckpointWriteError as e:
         # The storage refused the write (a full disk): neither a bug nor bad input, and a retry

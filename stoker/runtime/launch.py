@@ -58,7 +58,7 @@ from stoker.runtime.attempt_tmp import (  # noqa: F401 - re-exported: the local 
     attempt_temporaries,
 )
 from stoker.runtime.hang import HEARTBEAT_DIR_ENV
-from stoker.runtime.preemption import STOP_COMMITTED_ENV, STOP_COMMITTED_FILE
+from stoker.runtime.preemption import STOP_COMMITTED_ENV, STOP_COMMITTED_FILE, completed_at
 
 RANK_ENDED = re.compile(r"stoker\.runtime\.launch: rank (\d+) ended the attempt itself")
 
@@ -390,6 +390,10 @@ def _run_torchrun(argv: list[str], marker: Path, start: str = "exec") -> int:
             _signalled.append(int(e.sigval))
         if e.sigval not in (signal.SIGTERM, signal.SIGINT):
             return 128 + int(e.sigval)
+        if completed_at(marker):  # the ranks had completed training: nothing was stopped
+            print(f"stoker.runtime.launch: {signal.Signals(e.sigval).name} after the workers "
+                  "completed training: nothing to stop", file=sys.stderr, flush=True)
+            return 0
         if marker.exists():
             return EXIT_PREEMPTED
         # No marker: a rank failed while stopping (its error is in the lines above), or the

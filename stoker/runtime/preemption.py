@@ -143,12 +143,26 @@ STOP_COMMITTED_ENV = "STOKER_STOP_COMMITTED_FILE"
 STOP_COMMITTED_FILE = "stop-committed"  # its name in a job folder (the local launcher's choice)
 
 
-def record_stop_committed(step: int) -> None:
-    """Note that the stop checkpoint at ``step`` committed (no-op outside the launch wrapper)."""
+def record_stop_committed(step: int, completed: bool = False) -> None:
+    """Note that the stop checkpoint at ``step`` committed, or with ``completed`` that training
+    completed at ``step`` (its last checkpoint committed): a stop signal to the launcher while
+    the ranks exit then loses nothing (no-op outside the launch wrapper)."""
     path = os.environ.get(STOP_COMMITTED_ENV)
     if path:
         with contextlib.suppress(OSError), private.open_file(path, "w") as f:
-            f.write(f"{step}\n")
+            f.write(f"{step}{COMPLETED_MARK if completed else ''}\n")
+
+
+COMPLETED_MARK = " completed"  # after the step in the marker: training completed
+
+
+def completed_at(marker: Path) -> bool:
+    """Whether ``marker`` (:func:`record_stop_committed`'s file) says training completed; a
+    missing, unreadable or torn one does not."""
+    try:
+        return marker.read_text().endswith(f"{COMPLETED_MARK}\n")
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 STOP_SENDER_FILE = "stop-sender.json"  # stoker run's record of why it signalled the ranks
