@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -188,8 +189,25 @@ def interrupted(error: BaseException) -> None:
             hook(error)
 
 
+# The same signal again within this many seconds of the first is the same stop, delivered
+# twice: GNU ``timeout`` sends its signal to the command and then to its whole process group
+# (trial: ``timeout 300 stoker run`` got one SIGINT as two, and the second one's "stopped at
+# once" gave up the stop checkpoint). A person's second Ctrl-C comes later than this.
+DUPLICATE_WINDOW_S = 0.1
+_first_at: list[float] = []  # time.monotonic() of the first stop signal
+
+
+def _duplicate(signum: int, first: int) -> bool:
+    """Whether ``signum`` repeats the first stop signal ``first`` within DUPLICATE_WINDOW_S."""
+    return (signum == first and bool(_first_at)
+            and time.monotonic() - _first_at[0] < DUPLICATE_WINDOW_S)
+
+
 def _handle(signum: int, _frame) -> None:
     if _done and not _received:  # nothing left to stop (note_done)
+        if _after_done and _duplicate(signum, _after_done[0]):
+            return
+        _first_at[:] = _first_at or [time.monotonic()]
         _after_done.append(signum)
         if len(_after_done) == 1:
             with contextlib.suppress(OSError):
@@ -199,8 +217,11 @@ def _handle(signum: int, _frame) -> None:
             with contextlib.suppress(OSError):
                 os.write(1, f"{_done[0]}\n".encode())
         os._exit(0)
+    if _received and _duplicate(signum, _received[0]):
+        return
     _received.append(signum)
     if len(_received) == 1:
+        _first_at[:] = [time.monotonic()]
         # At once: the stop checkpoint can take a while (a slow save, a stalled rank), and a
         # user who sees nothing presses Ctrl-C again, which gives it up.
         training = ": the ranks commit a stop checkpoint first (up to " \
@@ -264,6 +285,7 @@ def install() -> dict[int, Any]:
     _outcome.clear()
     _done.clear()
     _after_done.clear()
+    _first_at.clear()
     _installed[:] = [True]
     return {sig: signal.signal(sig, _handle) for sig in STOP_SIGNALS}
 

@@ -461,6 +461,34 @@ def test_a_second_stop_signal_once_the_job_is_done_exits_0_with_its_summary(tmp_
     assert said.returncode == 0 and said.stdout == "", said.stderr
 
 
+def test_one_signal_delivered_twice_is_one_stop_and_a_later_one_a_second(tmp_path):
+    """Trial: `timeout 300 stoker run ...` got one SIGINT as two (GNU timeout sends its signal to
+    the command, then to its whole process group) and said "stopped at once (second signal)",
+    giving up the stop checkpoint. The same signal again within DUPLICATE_WINDOW_S is the same
+    stop; one later is a second signal. (Each delivery runs the handler, as two deliveries do
+    when the first one's handler has run in between.)"""
+    script = (
+        "import signal, time\n"
+        "from stoker import stopping\n"
+        "stopping.install()\n"
+        "try:\n"
+        "    stopping._handle(signal.SIGINT, None)\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "stopping._handle(signal.SIGINT, None)  # the same delivery again\n"
+        "print('one stop', flush=True)\n"
+        "time.sleep(stopping.DUPLICATE_WINDOW_S + 0.1)\n"
+        "stopping._handle(signal.SIGINT, None)  # a person's second Ctrl-C\n"
+        "print('not reached', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout == "one stop\n", done.stdout + done.stderr
+    assert done.returncode == 130, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == "stoker run: stopping (SIGINT (Ctrl-C))", done.stderr
+    assert lines[-1].startswith("stoker run: stopped at once (second signal)"), done.stderr
+
+
 def test_a_retried_infrastructure_failure_is_logged_as_a_warning_on_the_server(harness):
     """New-user trial: besides "Finished in state InfrastructureFailure(...)", Prefect logs
     "Task run failed with state: InfrastructureFailure(...)" as an ERROR with an empty
