@@ -69,10 +69,11 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
     check_mlflow_server(config.tracking_uri())  # a refused credential: one line, nothing written
     guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
     with cancelled_promptly(), untagged_task_runs(), JobClaim(config, flow_run.get_id()) as job:
-        # Registration's imports load while the launcher starts (one core is idle then); those
-        # of logging the model too, where the ranks run in an image and do not log it.
+        # Registration's imports load while the launcher starts (one core is idle then): the
+        # plotting library's with tracking.plot_curves; those of logging the model where the
+        # ranks run in an image and do not log it.
         pulled = pull_and_train(config, image, job, on_train_start=lambda: warm_up_registration(
-            logs_model=not rank_0_logs_model(config)))
+            logs_model=not rank_0_logs_model(config), plots=config.tracking.plot_curves))
         if not isinstance(pulled, tuple):
             return pulled
         dataset, trained = pulled

@@ -76,13 +76,13 @@ Train = _pick("Train", TrainConfig,
 TrainOnly = Train
 Tracking = _pick("Tracking", TrackingConfig,
                  ["tracking_uri", "experiment", "registered_model", "promote_metric",
-                  "promote_direction", "ui_url"],
+                  "promote_direction", "ui_url", "plot_curves"],
                  "Where runs and models are recorded (MLflow), and how a new model is promoted.")
 TrainTracking = _pick("Tracking", TrackingConfig, ["tracking_uri", "experiment", "ui_url"],
                       "Where runs are recorded (MLflow).")
 ServerTracking = _pick(
     "ServerTracking", TrackingConfig, ["experiment", "registered_model", "promote_metric",
-                                       "promote_direction", "ui_url"],
+                                       "promote_direction", "ui_url", "plot_curves"],
     "Where runs and models are recorded (MLflow), and how a new model is promoted.",
     tracking_uri=(str, Field(description="MLflow tracking server URL (http://host:port) that the "
                              "training containers log to.", pattern=r"^https?://")))

@@ -35,9 +35,10 @@ def register(config: PipelineConfig, dataset: DatasetRef, trained: TrainResult) 
         float(trained.metrics[metric]), config.tracking.promote_direction,
         logged_model_uri=logged_model(trained.job_dir, trained.run_id),
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        curves = plot_curves(config.tracking_uri(), trained.run_id, Path(tmp) / "curves.png")
-        MlflowClient(config.tracking_uri()).log_artifact(trained.run_id, str(curves), "plots")
+    if config.tracking.plot_curves:
+        with tempfile.TemporaryDirectory() as tmp:
+            curves = plot_curves(config.tracking_uri(), trained.run_id, Path(tmp) / "curves.png")
+            MlflowClient(config.tracking_uri()).log_artifact(trained.run_id, str(curves), "plots")
     job = Path(trained.job_dir).name
     details = {"metric": metric, "value": registration.value,
                "previous_champion": registration.previous_champion,

@@ -24,7 +24,8 @@ def report(dataset: DatasetRef, trained: TrainResult, registration: Registration
     losses = [m.value for m in sorted(client.get_metric_history(trained.run_id, "train_loss"),
                                       key=lambda m: m.step)]
     markdown = render(dataset, trained, registration, tracking_uri,
-                      ui_base(tracking, tracking_uri), experiment_id, losses)
+                      ui_base(tracking, tracking_uri), experiment_id, losses,
+                      curves_plot=tracking.plot_curves)
     create_markdown_artifact(markdown=markdown, key="stoker-pipeline",
                              description="Dataset, metrics, MLflow run and model version")
     return markdown

@@ -67,7 +67,8 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     from flows.pipeline import pipeline
     from stoker import stopping
 
-    config = load_pipeline_config(None, [f"work_dir={tmp_path}", "train.epochs=8"])
+    config = load_pipeline_config(None, [f"work_dir={tmp_path}", "train.epochs=8",
+                                         "tracking.plot_curves=true"])
     stopping._done.clear()
     first = pipeline(config)
     # Once marked done, a stop signal to `stoker run` has nothing left to stop (note_done).
@@ -96,8 +97,8 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     assert steps == metric_steps(8 * 22)  # every train.metrics_every_steps and the last
     assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 8
     assert {"lr", "samples_per_s"} <= run.data.metrics.keys()
-    # Cost and goodput (CPU: the price table's cpu entry, 0 USD), the curves plot, lineage on
-    # the model version.
+    # Cost and goodput (CPU: the price table's cpu entry, 0 USD), the curves plot (asked for),
+    # lineage on the model version.
     assert run.data.metrics["cost_usd"] == 0.0 and run.data.metrics["gpu_hours"] > 0
     assert 0 < run.data.metrics["goodput"] <= 1 and run.data.metrics["steps_lost"] == 0
     assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == [
@@ -138,8 +139,11 @@ def test_pipeline_trains_registers_and_promotes(harness, tmp_path):
     assert f"mlflow.run.{first['run_id']}" in related
     assert f"stoker.job.{tags['stoker.job']}" in related
 
-    second = pipeline(config)  # same config: new job, reused dataset, new version
+    # The same job config (tracking.plot_curves as shipped: off): a new job, the dataset
+    # reused, a new version, and no curves PNG (the MLflow UI charts the metrics).
+    second = pipeline(load_pipeline_config(None, [f"work_dir={tmp_path}", "train.epochs=8"]))
     assert second["run_id"] != first["run_id"]
+    assert client.list_artifacts(second["run_id"], "plots") == []
     assert second["registration"]["version"] == "2"
     datasets = [p for p in (tmp_path / "datasets").iterdir() if not p.name.startswith(".")]
     assert len([p for p in datasets if p.is_dir()]) == 1

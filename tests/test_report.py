@@ -41,6 +41,17 @@ def test_report_without_ui_says_how_to_open_it_and_keeps_the_cost_on_one_line():
     assert "GPU-hours" not in markdown and "None" not in markdown
 
 
+def test_report_points_to_the_curves_the_run_has():
+    """By default the run has no curves PNG (``tracking.plot_curves`` is off): the report
+    points to the MLflow UI's own charts, and to the PNG only when it was logged."""
+    default = render(*_inputs(), tracking_uri="sqlite:////w/mlflow.db", loss_curve=[2.0, 1.0])
+    assert "charted in the MLflow run's *Model metrics* tab" in default
+    assert "curves.png" not in default
+    plotted = render(*_inputs(), tracking_uri="sqlite:////w/mlflow.db", loss_curve=[2.0, 1.0],
+                     curves_plot=True)
+    assert "plot in the MLflow run's `plots/curves.png`" in plotted
+
+
 def test_report_with_ui_links_run_and_version():
     markdown = render(*_inputs(), tracking_uri="http://127.0.0.1:5000",
                       ui_url="http://127.0.0.1:5000", experiment_id="3")

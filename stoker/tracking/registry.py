@@ -428,19 +428,21 @@ def log_and_register(tracking_uri: str, run_id: str, registered_model: str, resu
                         previous_value, f"models:/{registered_model}/{version}")
 
 
-# What registration imports that nothing before it in the orchestrator needs: the plotting
-# library's figure and Agg canvas (about 0.6 CPU-s on 2 cores); and, when the orchestrator logs
-# the model itself (rank 0 did not: a training image, see ``log_model``), torch (the model is
-# loaded to infer the signature, and MLflow loads it again to validate the serving input) and
-# MLflow's pyfunc flavor (about 2.5 CPU-s more).
+# What registration imports that nothing before it in the orchestrator needs: with
+# ``tracking.plot_curves``, the plotting library's figure and Agg canvas (about 0.25 CPU-s on 2
+# cores once MLflow is imported; drawing and saving the figure takes 0.4 more); and, when the
+# orchestrator logs the model itself (rank 0 did not: a training image, see ``log_model``),
+# torch (the model is loaded to infer the signature, and MLflow loads it again to validate the
+# serving input) and MLflow's pyfunc flavor (about 2.5 CPU-s more).
 REGISTRATION_IMPORTS = ("matplotlib.figure", "matplotlib.backends.backend_agg")
 MODEL_LOGGING_IMPORTS = ("torch", "stoker.runtime.data", "stoker.tracking.pyfunc",
                          "mlflow.models")
 
 
-def warm_up_registration(logs_model: bool = False) -> threading.Thread:
-    """Import ``REGISTRATION_IMPORTS`` (and ``MODEL_LOGGING_IMPORTS`` when ``logs_model``: the
-    orchestrator will log the model itself) in a daemon thread and return it.
+def warm_up_registration(logs_model: bool = False, plots: bool = True) -> threading.Thread:
+    """Import ``REGISTRATION_IMPORTS`` when ``plots`` (``tracking.plot_curves``: registration
+    draws the curves) and ``MODEL_LOGGING_IMPORTS`` when ``logs_model`` (the orchestrator will
+    log the model itself) in a daemon thread and return it.
 
     The pipeline starts it as training starts, so that these imports are not paid after the
     last step. The thread runs at the lowest CPU priority (nice 19, this thread only: Linux
@@ -454,7 +456,8 @@ def warm_up_registration(logs_model: bool = False) -> threading.Thread:
 
         with contextlib.suppress(OSError, AttributeError):  # not Linux: normal priority
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        for name in REGISTRATION_IMPORTS + (MODEL_LOGGING_IMPORTS if logs_model else ()):
+        for name in ((REGISTRATION_IMPORTS if plots else ())
+                     + (MODEL_LOGGING_IMPORTS if logs_model else ())):
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - registration imports it again and says why

@@ -38,9 +38,11 @@ def sparkline(values: list[float], width: int = 40) -> str:
 
 def render(dataset: DatasetRef, trained: TrainResult, registration: Registration,
            tracking_uri: str, ui_url: str | None = None, experiment_id: str = "",
-           loss_curve: list[float] | None = None) -> str:
+           loss_curve: list[float] | None = None, curves_plot: bool = False) -> str:
     """Markdown: dataset revision and hash, metrics, loss curve, cost, MLflow run and model
-    version (links when an MLflow UI is known, else how to open one), promotion."""
+    version (links when an MLflow UI is known, else how to open one), promotion.
+    ``curves_plot``: the run has ``plots/curves.png`` (``tracking.plot_curves``); without it the
+    report points to the run's *Model metrics* tab, where the MLflow UI charts the metrics."""
     metrics = "\n".join(f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |"
                         for k, v in sorted(trained.metrics.items()))
     run_link, model_link = mlflow_links(ui_url, experiment_id, trained.run_id,
@@ -59,8 +61,9 @@ def render(dataset: DatasetRef, trained: TrainResult, registration: Registration
     curve = ""
     if loss_curve:
         curve = (f"- Training loss: `{sparkline(loss_curve)}` ({len(loss_curve)} steps, "
-                 f"{loss_curve[0]:.4g} → {loss_curve[-1]:.4g}; plot in the MLflow run's "
-                 "`plots/curves.png`)\n")
+                 f"{loss_curve[0]:.4g} → {loss_curve[-1]:.4g}; "
+                 + ("plot in the MLflow run's `plots/curves.png`" if curves_plot else
+                    "charted in the MLflow run's *Model metrics* tab") + ")\n")
     return f"""# Stoker pipeline run
 
 | dataset | |
