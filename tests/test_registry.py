@@ -74,7 +74,7 @@ def store(request, tmp_path):
     return f"sqlite:///{tmp_path / 'mlflow.db'}", (tmp_path / "artifacts").as_uri()
 
 
-def test_champion_moves_only_when_better(store):
+def test_champion_moves_only_when_better(store, monkeypatch):
     uri, artifacts = store
     first, client = register(uri, 0.90, artifacts=artifacts)
     assert first.version == "1" and first.promoted and first.previous_champion is None
@@ -82,8 +82,16 @@ def test_champion_moves_only_when_better(store):
     assert not worse.promoted and worse.previous_champion == "1"
     tie, _ = register(uri, 0.90, artifacts=artifacts)
     assert not tie.promoted
+    # The store filters the versions a registration reads: none of this run's yet, then those
+    # newer than the champion it compared against (2-4), never every version of the model
+    # (2.4 ms each on sqlite, twice per registration).
+    reads = []
+    real = MlflowClient.search_model_versions
+    monkeypatch.setattr(MlflowClient, "search_model_versions",
+                        lambda self, *a, **k: reads.append(found := real(self, *a, **k)) or found)
     better, _ = register(uri, 0.93, artifacts=artifacts)
     assert better.promoted and better.previous_value == pytest.approx(0.90)
+    assert [sorted(int(v.version) for v in found) for found in reads] == [[], [2, 3, 4]]
     assert str(client.get_model_version_by_alias(MODEL, CHAMPION).version) == "4"
     assert str(client.get_model_version_by_alias(MODEL, CHALLENGER).version) == "4"
     version = client.get_model_version(MODEL, "2")

@@ -340,10 +340,31 @@ def _register(model_uri: str, name: str, tags: dict[str, str]) -> str:
         return str(mlflow.register_model(model_uri, name, tags=tags).version)
 
 
-def _versions(client, name: str) -> list:
-    """All versions of registered model ``name`` (a quote in the name is quoted, not spliced)."""
-    quote = '"' if "'" in name else "'"
-    return client.search_model_versions(f"name = {quote}{name}{quote}")
+def _versions(client, name: str, run_id: str | None = None, newer_than: int | None = None
+              ) -> list:
+    """The versions of registered model ``name`` (a quote in the name is quoted, not spliced):
+    all of them, or those of MLflow run ``run_id``, or those numbered above ``newer_than``.
+
+    The store filters them: a registration reads the versions it needs, not every version the
+    model has (each one a row with its tags: about 2.4 ms per version on a local sqlite store,
+    0.18 s at 75 versions, twice per registration). A registry that cannot filter on the
+    version number (MLflow names only ``name``, ``run_id`` and ``source_path`` as portable)
+    is asked for all of them, filtered here."""
+    from mlflow.exceptions import MlflowException
+
+    def quoted(value: str) -> str:
+        quote = '"' if "'" in value else "'"
+        return f"{quote}{value}{quote}"
+
+    query = f"name = {quoted(name)}"
+    if run_id is not None:
+        query += f" and run_id = {quoted(run_id)}"
+    if newer_than is None:
+        return client.search_model_versions(query)
+    try:
+        return client.search_model_versions(f"{query} and version_number > {int(newer_than)}")
+    except MlflowException:
+        return [v for v in client.search_model_versions(query) if int(v.version) > newer_than]
 
 
 def _settle(client, name: str, metric: str, direction: str, lineage: Lineage,
@@ -353,7 +374,7 @@ def _settle(client, name: str, metric: str, direction: str, lineage: Lineage,
     Every registration runs it, so a registration that read a stale champion and overwrote a
     better one is undone by whichever registration checks last."""
     best_version, best_value = None, None
-    for v in _versions(client, name):
+    for v in _versions(client, name, newer_than=since_version):
         tags = v.tags or {}
         if int(v.version) <= since_version or Lineage.from_tags(tags) != lineage:
             continue
@@ -398,7 +419,8 @@ def log_and_register(tracking_uri: str, run_id: str, registered_model: str, resu
     lineage = Lineage(tuple(result["classes"]), tuple(int(v) for v in result["input_shape"]))
     check_lineage(tracking_uri, registered_model, lineage)
     version_tags = {**tags, **lineage.tags(), metric: str(value)}
-    existing = [v for v in _versions(client, registered_model) if v.run_id == run_id]
+    existing = [v for v in _versions(client, registered_model, run_id=run_id)
+                if v.run_id == run_id]
     if existing:  # an earlier, interrupted registration of this run: finish that version
         version = str(max(int(v.version) for v in existing))
         for key, tag in version_tags.items():
