@@ -99,6 +99,11 @@ def run(
     Exit codes: 0 done, 1 failed, 2 bad input, 3 stopped on request, 4 the job is owned by
     another live run, 5 stopped by its budget, 130/143 Ctrl-C/SIGTERM (docs:
     reference/exit-codes.md)."""
+    from stoker.runtime import startup_gc
+
+    # No cyclic collections while MLflow, Prefect (and, in the forked standby launcher, torch)
+    # are imported; resumed as the flow starts (and in the launcher, before its ranks fork).
+    startup_gc.pause()
     # A stop signal from here on ends in one line (trial: a Ctrl-C in the first seconds, the
     # config read and the job checks, exited 130 without a word).
     previous = stopping.install()
@@ -155,7 +160,10 @@ def _run_flow(config: PipelineConfig, debug: bool, say) -> int:
     from flows.pipeline import pipeline
     from stoker.jobs.lease import JobBusy
     from stoker.jobs.stop_request import TrainingStopped
+    from stoker.runtime import startup_gc
     from stoker.tracking.command_goodput import record_command_goodput
+
+    startup_gc.settle()  # the imports are done: collect cycles again (see run)
 
     if not debug:
         quiet_console_tracebacks()

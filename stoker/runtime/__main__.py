@@ -20,7 +20,7 @@ from pathlib import Path
 
 # Only light imports before the handler is installed: a SIGTERM that arrives while torch is
 # still importing (a second or more) must be a preemption, not a death by signal (exit 143).
-from stoker.runtime import EXIT_INFRASTRUCTURE
+from stoker.runtime import EXIT_INFRASTRUCTURE, startup_gc
 from stoker.runtime.preemption import (
     StopFlag,
     die_with_parent,
@@ -39,6 +39,7 @@ log = logging.getLogger("stoker.runtime")
 def main(argv: list[str] | None = None) -> int:
     """``python -m stoker.runtime SPEC.yaml``; returns the process exit code."""
     stop = StopFlag().install()
+    startup_gc.pause()  # torch and the runtime import next (see run)
     die_with_parent()  # torchrun SIGKILLed: stop (and checkpoint) instead of training on orphaned
     name_process(f"stoker-rank{os.environ.get('RANK', '0')}")  # ps/pgrep find one rank
     parser = argparse.ArgumentParser(prog="python -m stoker.runtime",
@@ -61,6 +62,9 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     from stoker.runtime.spec import RunSpec
     from stoker.runtime.trainer import Trainer
 
+    # The imports are done: collect cycles again, before anything of the job (a checkpoint
+    # loaded on resume) is made. A forked rank's launcher froze its own imports already.
+    startup_gc.settle()
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")

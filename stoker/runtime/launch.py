@@ -133,6 +133,9 @@ def standby(stdin=None, stdout=None) -> int:
     process with 0 and nothing run. See :class:`stoker.launch.local.Standby`."""
     import json
 
+    from stoker.runtime import startup_gc
+
+    startup_gc.pause()  # (already, in one forked from `stoker run`)
     import torch.distributed.run  # noqa: F401  (what _run_torchrun imports)
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
@@ -140,6 +143,7 @@ def standby(stdin=None, stdout=None) -> int:
         if worker_start() == "fork":
             _warm_up()
             warm_up_tracking()
+    startup_gc.settle()  # before any attempt: its ranks collect cycles as usual
     from stoker.runtime.preemption import title_process
 
     title_process()  # now: each attempt below replaces the environment, then names its job
