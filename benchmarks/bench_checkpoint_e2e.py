@@ -42,9 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 # This process stands in for rank 0, so it collects garbage as a rank does
 # (stoker.runtime.__main__): no cyclic collection while torch imports, then its objects frozen
-# (stoker.runtime.startup_gc). Without that, a save's allocations set off full collections
-# over every object torch made, 0.1-0.2 s each: the time the training thread was held per save
-# read 0.109 s [0.038 to 0.232] against 0.041 s [0.040 to 0.043] with it (5 pairs each, 2 cores).
+# (stoker.runtime.startup_gc), so that a full collection walks what a rank's would.
 from stoker.runtime import startup_gc  # noqa: E402
 
 startup_gc.pause()
