@@ -36,8 +36,10 @@ def test_report_without_ui_says_how_to_open_it_and_keeps_the_cost_on_one_line():
     cost = [line for line in markdown.splitlines() if line.startswith("- Cost:")]
     assert cost == ["- Cost: 0.0100 device-hours on cpu, $0.0000, goodput 0.50, 0 "
                     "preemption(s), 0 step(s) lost"]
-    assert "mlflow ui --backend-store-uri sqlite:////w/mlflow.db" in markdown
-    assert "- Training loss: `█▃▁` (3 steps, 2 → 0.5" in markdown
+    # `stoker ui`, as the docs say: a plain `mlflow ui` could die silently (trial).
+    assert "open it with `stoker ui --tracking-uri sqlite:////w/mlflow.db`" in markdown
+    # Logged points, not steps: 27 of them for a 264-step run read "27 steps" (trial).
+    assert "- Training loss: `█▃▁` (3 logged points, 2 → 0.5" in markdown
     assert "GPU-hours" not in markdown and "None" not in markdown
 
 
@@ -59,3 +61,13 @@ def test_report_with_ui_links_run_and_version():
     # Plain link text: Prefect's UI showed `m` version **2** literally inside the link.
     assert "[m version 2](http://127.0.0.1:5000/#/models/m/versions/2)" in markdown
     assert "Training loss" not in markdown  # no curve given: no empty item
+
+
+def test_a_champion_kept_shows_its_value_as_the_metrics_table_does():
+    """Trial: `not promoted (champion stays version 1, val_accuracy=0.6666666666666666)`."""
+    dataset, trained, registration = _inputs()
+    kept = Registration(name="m", version="2", metric="val_accuracy", value=0.5,
+                        promoted=False, previous_champion="1", previous_value=2 / 3,
+                        model_uri="models:/m/2")
+    markdown = render(dataset, trained, kept, tracking_uri="sqlite:////w/mlflow.db")
+    assert "not promoted (champion stays version 1, val_accuracy=0.6667)" in markdown

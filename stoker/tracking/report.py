@@ -48,7 +48,8 @@ def render(dataset: DatasetRef, trained: TrainResult, registration: Registration
     run_link, model_link = mlflow_links(ui_url, experiment_id, trained.run_id,
                                         registration.name, registration.version)
     if not ui_url:
-        run_link += (f" (open it with `mlflow ui --backend-store-uri {tracking_uri}`, "
+        # `stoker ui`: one worker, its own errors said (a plain `mlflow ui` could die silently).
+        run_link += (f" (open it with `stoker ui --tracking-uri {tracking_uri}`, "
                      f"experiment {experiment_id})")
     else:
         run_link += f" (tracking URI `{tracking_uri}`)"
@@ -56,11 +57,11 @@ def render(dataset: DatasetRef, trained: TrainResult, registration: Registration
     attempts = ", ".join(f"#{a['number']} {a['outcome']}" for a in trained.attempts)
     champion = ("promoted to **champion**" if registration.promoted else
                 f"not promoted (champion stays version {registration.previous_champion}, "
-                f"{registration.metric}={registration.previous_value})")
+                f"{registration.metric}={_value(registration.previous_value)})")
     device = str(trained.result.get("gpu_model") or "device")
     curve = ""
     if loss_curve:
-        curve = (f"- Training loss: `{sparkline(loss_curve)}` ({len(loss_curve)} steps, "
+        curve = (f"- Training loss: `{sparkline(loss_curve)}` ({len(loss_curve)} logged points, "
                  f"{loss_curve[0]:.4g} → {loss_curve[-1]:.4g}; "
                  + ("plot in the MLflow run's `plots/curves.png`" if curves_plot else
                     "charted in the MLflow run's *Model metrics* tab") + ")\n")
@@ -83,6 +84,11 @@ def render(dataset: DatasetRef, trained: TrainResult, registration: Registration
 - Cost: {cost.get("gpu_hours", 0):.4f} device-hours on {device}, ${cost.get("cost_usd", 0):.4f}, goodput {cost.get("goodput", 0):.2f}, {int(cost.get("preemptions", 0))} preemption(s), {int(cost.get("steps_lost", 0))} step(s) lost
 - Job folder: `{trained.job_dir}`
 """  # noqa: E501 (the cost item stays one line: a wrapped list item renders as two paragraphs)
+
+
+def _value(value) -> str:
+    """A metric value as the metrics table shows it (4 decimals), anything else as is."""
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
 def ui_base(tracking: TrackingConfig, tracking_uri: str) -> str | None:
