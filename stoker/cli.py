@@ -97,7 +97,7 @@ def run(
     """Run the main job: pull the dataset, train with torchrun, register the model in MLflow.
 
     Exit codes: 0 done, 1 failed, 2 bad input, 3 stopped on request, 4 the job is owned by
-    another live run, 5 stopped by its budget, 130/143 Ctrl-C/SIGTERM (docs:
+    another live run, 5 stopped by its budget, 129/130/143 SIGHUP/Ctrl-C/SIGTERM (docs:
     reference/exit-codes.md)."""
     from stoker.runtime import startup_gc
 
