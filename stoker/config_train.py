@@ -109,7 +109,9 @@ class TrainConfig(_Frozen):
     )
     checkpoint_every_steps: int | None = Field(50, gt=0, description="Save every N steps.")
     checkpoint_every_s: float | None = Field(None, gt=0, description="Save every T seconds.")
-    keep_latest_k: int = Field(3, gt=0, description="Committed checkpoints kept.")
+    keep_latest_k: int = Field(
+        3, gt=0, description="Committed checkpoints kept (on the local disk, plus one spare "
+        "shared.pt that the next save overwrites).")
     keep_best_metric: str | None = Field(
         None, description="Also keep the committed checkpoint with the best value of this "
         "validation metric (e.g. val_accuracy), beyond the latest k.")

@@ -280,3 +280,55 @@ def test_an_unknown_digest_in_committed_sets_the_step_aside_by_name(tmp_path, na
     loaded = Checkpointer(str(tmp_path), 0, 2).load_latest(warn=warnings.append)
     assert loaded.step == 10
     assert f"COMMITTED: unknown digest {str(name)!r} (known: sha256, xxh3_128)" in warnings[0]
+
+
+def big_state(step: int, n: int) -> dict:
+    return {"model": {"w": torch.full((n,), float(step))}, "step": step}
+
+
+def test_a_purged_shared_file_is_overwritten_by_the_next_save_not_reallocated(tmp_path):
+    """Rank 0 keeps a purged step's shared.pt as the spare and its next save overwrites that
+    file in place (its cached pages, no new ones; see checkpoint_files.retire), cut to the new
+    length: the smaller state saved into the larger spare loads and verifies."""
+    ckpt = Checkpointer(str(tmp_path), 0, 1, keep_latest_k=1)
+    spare = tmp_path / ".spare-shared.pt"
+    ckpt.save(1, big_state(1, 50_000), {"rng": 0})
+    ckpt.save(2, big_state(2, 50_000), {"rng": 0})
+    ckpt.wait()
+    assert ckpt.committed_steps() == [2] and spare.is_file()
+    inode = spare.stat().st_ino
+    ckpt.save(3, big_state(3, 10), {"rng": 0})
+    ckpt.wait()
+    written = tmp_path / "step-000000003" / "shared.pt"
+    assert written.stat().st_ino == inode  # the spare's file, renamed
+    assert written.stat().st_mode & 0o777 == 0o600
+    assert written.stat().st_size < 10_000  # cut to what the small state wrote
+    assert spare.is_file()  # step 2's, kept in turn
+    loaded = Checkpointer(str(tmp_path), 0, 1).load_latest()  # digests verified
+    assert loaded.step == 3 and torch.equal(loaded.shared["model"]["w"], torch.full((10,), 3.0))
+
+
+@pytest.mark.parametrize("planted", ["symlink", "hardlink"])
+def test_a_spare_planted_in_a_shared_folder_is_never_written_through(tmp_path, planted):
+    """The checkpoint folder may be shared: a spare that is a link to another file is
+    dropped, the file behind it keeps its bytes, and the save writes a new file."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    root = tmp_path / "ckpt"
+    ckpt = Checkpointer(str(root), 0, 1, keep_latest_k=1)
+    spare = root / ".spare-shared.pt"
+    if planted == "symlink":
+        spare.symlink_to(victim)
+    else:
+        spare.hardlink_to(victim)
+    ckpt.save(1, big_state(1, 1000), {"rng": 0})
+    ckpt.wait()
+    assert victim.read_bytes() == b"precious"
+    assert not spare.exists() and not spare.is_symlink()
+    assert [p.name for p in (root / "step-000000001").iterdir() if ".tmp-" in p.name] == []
+    assert Checkpointer(str(root), 0, 1).load_latest().step == 1
+
+
+def test_only_rank_0_on_the_local_disk_keeps_a_spare(tmp_path):
+    assert Checkpointer(str(tmp_path), 1, 2).spare is None  # its rank file is small
+    assert Checkpointer("memory://spare-test", 0, 1).spare is None

@@ -48,6 +48,7 @@ from stoker.runtime import CheckpointError, CheckpointWriteError, digest, privat
 from stoker.runtime.checkpoint_files import (
     Written,
     discard,
+    retire,
     seal,
     serialize,
     unwritable,
@@ -65,6 +66,7 @@ from stoker.runtime.staging import HostStaging
 
 log = logging.getLogger(__name__)
 
+SPARE = ".spare-shared.pt"  # a purged step's shared.pt, kept for the next save to overwrite
 DIGEST_SUFFIX = ".digest"  # rank-00001.pt.digest: that rank's own digest of its file, for rank 0
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 
@@ -119,6 +121,9 @@ class Checkpointer(CheckpointReader):
         self._error_step = 0  # the step whose background part raised _error
         self.last_blocking_s = 0.0
         self.staging = HostStaging() if self.async_save else None
+        # Rank 0's purged shared.pt, kept for its next save to overwrite (local disk only).
+        self.spare = (f"{self.root}/{SPARE}"
+                      if rank == 0 and private.local_path(self.fs, self.root) else None)
         private.fs_make_dir(self.fs, self.root)
 
     # -- paths --------------------------------------------------------------------------------
@@ -275,7 +280,7 @@ class Checkpointer(CheckpointReader):
         written = [serialize(self.fs, f"{folder}/rank-{self.rank:05d}.pt", rank_state)]
         if self.rank == 0:
             try:
-                written.append(serialize(self.fs, f"{folder}/shared.pt", shared))
+                written.append(serialize(self.fs, f"{folder}/shared.pt", shared, self.spare))
             except BaseException:
                 discard(self.fs, written)
                 raise
@@ -396,6 +401,8 @@ class Checkpointer(CheckpointReader):
             keep.add(best)
         for step, _ in steps:
             if step < latest and step not in keep and self.fs.exists(self.step_dir(step)):
+                if self.spare is not None:  # the next save overwrites it (see retire)
+                    retire(self.fs, f"{self.step_dir(step)}/shared.pt", self.spare)
                 self.fs.rm(self.step_dir(step), recursive=True)
                 self._verified.discard(step)
 

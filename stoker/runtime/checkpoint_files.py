@@ -9,6 +9,7 @@ import contextlib
 import errno
 import io
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,21 +94,83 @@ def _without_zip_crc32() -> Iterator[None]:
             options.set_crc32_options(before)
 
 
-def serialize(fs: Any, path: str, obj: Any) -> Written:
+def serialize(fs: Any, path: str, obj: Any, spare: str | None = None) -> Written:
     """``torch.save`` ``obj`` into an open temporary file beside ``path``, hashing the bytes as
     they go out (no in-memory copy of the serialized state, no second read; no zip CRC-32
     either: the digest covers every byte). The bytes leave ``obj``: it may change afterwards.
-    Not yet durable nor renamed: :func:`seal` does that."""
+    Not yet durable nor renamed: :func:`seal` does that.
+
+    Args:
+        spare: a file :func:`retire` kept (local disk only): when it is there, it becomes the
+            temporary file and is overwritten in place (see :func:`retire` for why), then cut
+            to the bytes written. A new file otherwise.
+    """
     tmp = f"{path}.tmp-{os.getpid()}"
-    f = private.fs_open(fs, tmp, "wb")
+    f = _reuse(fs, spare, tmp) if spare else None
+    if f is None:
+        f = private.fs_open(fs, tmp, "wb")
     try:
         writer = HashingWriter(f)
         with _without_zip_crc32():
             torch.save(obj, writer)
+        if isinstance(f, io.BufferedRandom):  # a reused file: drop its old tail
+            f.truncate()
     except BaseException:
         discard(fs, [Written(f, tmp, path, "")])
         raise
     return Written(f, tmp, path, writer.hexdigest)
+
+
+def retire(fs: Any, path: str, spare: str) -> bool:
+    """Keep the file ``path`` of a checkpoint being purged as ``spare``, for the next save to
+    overwrite (:func:`serialize`), instead of deleting it; True when it was kept. Only on the
+    local disk, only a regular file of this user, and only when no spare is there yet.
+
+    Why: a save writes ``keep_latest_k`` x its size of new files and a purge frees as much. A
+    new file takes new page-cache pages (allocated, charged and, on a VM that hands free memory
+    back to its host, faulted in again by the host); overwriting the cached pages of a purged
+    file takes none, as databases recycle their log segments. On this project's 2-core VM,
+    writing 151 MB into a new file cost 0.25-0.40 CPU-s, into the cached pages of an existing
+    one 0.03 (``benchmarks/bench_checkpoint_e2e.py``'s notes in ``benchmarks/RESULTS.md``).
+    The price: one more file of that size on the disk."""
+    local, local_spare = private.local_path(fs, path), private.local_path(fs, spare)
+    if local is None or local_spare is None or os.path.lexists(local_spare):
+        return False
+    try:
+        st = os.lstat(local)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        os.rename(local, local_spare)
+    except OSError:
+        return False
+    return True
+
+
+def _reuse(fs: Any, spare: str, tmp: str) -> io.BufferedRandom | None:
+    """The spare file renamed to ``tmp`` and open for overwriting from its first byte, or None
+    (no spare, another process took it, or it is not a plain file of this user with one link:
+    the folder may be shared, so a planted link must never be written through)."""
+    local_spare, local_tmp = private.local_path(fs, spare), private.local_path(fs, tmp)
+    if local_spare is None or local_tmp is None:
+        return None
+    try:
+        os.rename(local_spare, local_tmp)  # atomic: of two takers, one gets FileNotFoundError
+    except OSError:
+        return None
+    try:
+        fd = os.open(local_tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # a symbolic link (ELOOP), or gone
+        with contextlib.suppress(OSError):
+            os.unlink(local_tmp)
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(local_tmp)
+        return None
+    private.narrow_file(fd)
+    return os.fdopen(fd, "r+b")
 
 
 def seal(fs: Any, written: Written) -> str:

@@ -78,8 +78,9 @@ def open_file(path: str | Path, mode: str = "w", buffering: int = -1) -> IO[Any]
         raise
 
 
-def narrow_file(path: str | Path) -> None:
-    """Set a file another library wrote (a profiler trace) to 0600.
+def narrow_file(path: str | Path | int) -> None:
+    """Set a file another library wrote (a profiler trace), or an open descriptor's file, to
+    0600.
 
     Raises:
         OSError: ``path`` does not exist.
