@@ -10,9 +10,10 @@ sides run the same ``--periods`` x N steps, N = ``train.checkpoint_every_steps``
 * candidate: the same steps with a save after the first step of every period, made as
   ``Trainer.save`` makes it with ``TrainConfig()``'s defaults: ``Checkpointer(async_save=
   train.async_checkpoint, keep_latest_k=train.keep_latest_k)`` (off by default: the training
-  thread serializes and hashes the live tensors, then fsync, commit and purge run in a
-  background thread), the model + optimizer state shared, the RNG state per rank, and with
-  ``async_checkpoint`` the deferred host copy the step waits for before ``optimizer.step``.
+  thread serializes and hashes the live tensors, into the purged step's ``shared.pt`` once
+  there is one, then fsync, commit and purge run in a background thread), the model +
+  optimizer state shared, the RNG state per rank, and with ``async_checkpoint`` the deferred
+  host copy the step waits for before ``optimizer.step``.
   The run ends with ``ckpt.wait()`` (an attempt's end waits for its last commit).
 
 Figure, per run: its wall time per step, saves and background work included; ratio per pair =
@@ -120,11 +121,15 @@ class Saver:
         self.step = 0  # the checkpoint's step number, increasing over every run
         self.held_s: list[float] = []  # per run: per save, the save call + the step's waits
         self.durable_s: list[float] = []  # per save: save call -> background thread ended
+        # per save: whether a purged step's shared.pt was there for it to overwrite
+        self.overwrote: list[bool] = []
         self._watchers: list[threading.Thread] = []
 
     def save(self) -> float:
         """Save now (right after a step); returns the seconds the call held the caller."""
         self.step += 1
+        spare = self.ckpt.spare
+        self.overwrote.append(spare is not None and Path(spare).is_file())
         started = time.perf_counter()
         shared = {"model": self.job.model.state_dict(),
                   "optimizer": self.job.optimizer.state_dict(), "step": self.step}
@@ -323,13 +328,18 @@ def emit_result(args: argparse.Namespace, pairs: Pairs, saver: Saver, size_bytes
              *save_notes("default", figures, period_s, mb),
              f"read back from the store: committed steps {read_back['committed_steps']}, the "
              f"latest ({read_back['latest_step']}) verified against its digest"]
+    counted = saver.overwrote[args.warmups * periods:]
+    notes.append(f"{sum(counted)} of the {len(counted)} counted saves overwrote a purged "
+                 "step's shared.pt (the spare) instead of writing a new file; a new checkpoint "
+                 f"folder's first {DEFAULTS.keep_latest_k + 1} saves cannot (none is purged "
+                 "yet)")
     if serialization is not None:
         notes.append(serialization_note(serialization))
     details = {"size_bytes": size_bytes, "device": args.device, "batch": args.batch,
                "every_steps": every, "periods": periods,
                "async_checkpoint": DEFAULTS.async_checkpoint,
                "seconds_between_saves": round(period_s, 4), "plain_step_s": plain, **figures,
-               "saves": len(saver.durable_s),
+               "saves": len(saver.durable_s), "saves_overwriting_the_spare": sum(counted),
                "median_held_share": round(figures["held_per_save_s"]["median"] / period_s, 4),
                "read_back": read_back, "serialization_cpu_s": serialization}
     if other is not None:

@@ -84,7 +84,8 @@ def synthetic(candidate_s: list[float]) -> dict:
     args = SimpleNamespace(every_steps=50, periods=3, warmups=0, quick=False, device="cpu",
                            batch=64)
     saver = SimpleNamespace(held_s=[0.1] * len(candidate_s),
-                            durable_s=[0.5] * (3 * len(candidate_s)))
+                            durable_s=[0.5] * (3 * len(candidate_s)),
+                            overwrote=[True] * (3 * len(candidate_s)))
     return bench.emit_result(args, pairs, saver, 151_000_000,
                              {"committed_steps": [13, 14, 15], "latest_step": 15})
 
@@ -101,3 +102,17 @@ def test_verdict_follows_from_the_interval_of_the_ratio_shown(candidate_s, verdi
     assert ci[0] <= result["ratio"] <= ci[1]
     assert Target("<=", 1.05).verdict(ci) == result["verdict"] == verdict
     assert f"(target <= 1.05: {verdict})" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_saves_after_the_first_purge_are_counted_as_overwriting_the_spare(tmp_path, capsys):
+    """6 saves in one run (--quick: no warm-up), keep_latest_k=3: the 4th save's commit purges
+    step 1 and keeps its shared.pt, which the 5th overwrites; the 5th's commit keeps step 2's
+    for the 6th. The note counts them."""
+    result = bench.main(["--quick", "--workdir", str(tmp_path), "--size-mb", "1",
+                         "--every-steps", "2", "--periods", "6", "--batch", "4"])
+    capsys.readouterr()
+    assert TrainConfig().keep_latest_k == 3
+    assert result["details"]["saves"] == 6
+    assert result["details"]["saves_overwriting_the_spare"] == 2
+    assert any(n.startswith("2 of the 6 counted saves overwrote") for n in result["notes"])
