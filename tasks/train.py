@@ -15,6 +15,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 from prefect.states import State
 from prefect.transactions import CommitMode, transaction
+from prefect.utilities.urls import url_for
 
 from stoker.config import PipelineConfig
 from stoker.data.pull import DatasetRef
@@ -51,7 +52,7 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
         logger = get_run_logger()
         hooks = FlowRunHooks(
             logger=logger, flow_run_id=flow_run.get_id(),
-            flow_run_url=flow_run.get_flow_run_ui_url(),
+            flow_run_url=flow_run_page(),
             emit=emit_event,
             run_attempt=run_attempt, stopped_by=prefect_sender,
             crash_orphan=lambda previous: crash_orphaned_flow_run(
@@ -60,6 +61,15 @@ def train(config: PipelineConfig, dataset: DatasetRef, image: ImageResult | None
             if flow_run.get_id() else None)
         return TrainingRun(config, dataset, image, job_dir, hooks).run(
             lambda: progress_artifact(job_dir, logger))
+
+
+def flow_run_page() -> str | None:
+    """The UI page of this flow run as Prefect's own ``View at`` line links it
+    (``<ui>/runs/flow-run/<id>``; ``prefect.runtime.flow_run.get_flow_run_ui_url`` builds the
+    older ``/flow-runs/flow-run/<id>``, which only the new UI redirects); None outside a flow
+    run or without a UI address."""
+    run_id = flow_run.get_id()
+    return url_for("flow-run", obj_id=run_id) if run_id else None
 
 
 def progress_artifact(job_dir: Path, logger) -> Callable[[float, str], None]:

@@ -102,8 +102,8 @@ def lineage_tags(config: PipelineConfig, dataset: DatasetRef, world_size: int,
                  flow_run_url: str | None = None) -> dict[str, str]:
     """Tags every run carries: code version, dataset, orchestrator run, launcher, world size.
 
-    ``flow_run_url`` is dropped unless it is an http(s) URL (Prefect builds ``None/flow-runs/…``
-    when no UI URL is configured)."""
+    ``flow_run_url`` is dropped unless it is an http(s) URL (an older Prefect built
+    ``None/flow-runs/…`` when no UI URL was configured)."""
     code = code_version()
     tags = {
         "mlflow.source.git.commit": code["git_commit"], "stoker.git_commit": code["git_commit"],
