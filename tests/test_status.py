@@ -307,11 +307,18 @@ def test_a_resumed_job_says_in_words_that_it_resumes_and_from_where(tmp_path):
         "as attempt 3 from its checkpoint of step 40/120 (attempt 2 was interrupted at step "
         "61/120 by SIGINT (Ctrl-C))")
 
+    # Its run killed (kill -9): closed by the next run, no one stopped it. `stoker jobs` says
+    # unfinished; so does this line (trial: it said "a stopped job").
+    _ended_attempt(job, 3, {"outcome": "interrupted", "reached_step": 70, "left_open": True})
+    assert resuming_line(job, str(checkpoints)) == (
+        "job fruit: resuming an unfinished job as attempt 4 from its checkpoint of step 40/120 "
+        "(attempt 3 ended when its run died at step 70/120)")
+
     # Untrusted records: values of the wrong type are left out, never raised on.
-    _ended_attempt(job, 3, {"outcome": ["x"], "reached_step": "many", "stopped_by": 7})
+    _ended_attempt(job, 4, {"outcome": ["x"], "reached_step": "many", "stopped_by": 7})
     line = resuming_line(job, str(tmp_path / "none"))
-    assert line.startswith("job fruit: resuming the job as attempt 4 from step 0 (no checkpoint "
-                           "was committed) (attempt 3 ended without a recorded outcome"), line
+    assert line.startswith("job fruit: resuming the job as attempt 5 from step 0 (no checkpoint "
+                           "was committed) (attempt 4 ended without a recorded outcome"), line
 
 
 def test_the_restart_line_names_the_committed_step_and_comes_when_rank_0_died(tmp_path):

@@ -241,10 +241,15 @@ def resuming_line(job_dir: Path, checkpoint_location: str) -> str | None:
     if reached is None and since is not None:
         reached = reached_step(Path(job_dir), since, events)
     by = last.get("stopped_by") if isinstance(last.get("stopped_by"), str) else None
-    what = "a stopped job" if outcome in ("stopped", "interrupted") else "the job"
+    # The words `stoker jobs` uses for it: stopped when someone stopped it (a stop request, a
+    # signal), unfinished when its run died (kill -9: trial, "a stopped job" after a kill)
+    what = ("a stopped job" if outcome == "stopped" or (outcome == "interrupted" and by)
+            else "an unfinished job" if outcome == "interrupted" else "the job")
     where = (f"from its checkpoint of step {resume}{of_total}" if resume
              else "from step 0 (no checkpoint was committed)")
     ended = _ENDED_AS.get(outcome or "", f"ended {outcome or 'without a recorded outcome'}")
+    if outcome == "interrupted" and not by and last.get("left_open"):
+        ended = "ended when its run died"
     if reached is not None:
         ended += f" at step {reached}{of_total}"
     if by:
