@@ -33,6 +33,7 @@ _outcome: list[str] = []  # what the stop left of the job (note_outcome)
 _done: list[str] = []  # the job is done (note_done): its summary, while not yet said
 _after_done: list[int] = []  # stop signals received once the job was done
 _hooks: list[Callable[[str], None]] = []  # on_stop: run before the training tree is signalled
+_training_probes: list[Callable[[], bool]] = []  # ranks_training: whether ranks train now
 _interrupt_hooks: list[Callable[[BaseException], None]] = []  # on_interrupt
 _probes: list[Callable[[], str | None]] = []  # outcome_probe: asked after a second signal
 _kill_hooks: list[Callable[[str], None]] = []  # on_kill: run after a second signal's kill
@@ -120,6 +121,26 @@ def on_stop(hook: Callable[[str], None]) -> contextlib.AbstractContextManager[No
     the training tree (e.g. to record for the ranks who stops them). A hook that raises is
     ignored. While one is registered, the line printed at once says the ranks save first."""
     return _registered(_hooks, hook)
+
+
+def ranks_training(probe: Callable[[], bool]) -> contextlib.AbstractContextManager[None]:
+    """While inside, the line the first stop signal prints asks ``probe()`` whether ranks
+    train now (called in the signal handler: a small local read). Without one registered, or
+    when one raises, they are taken to train. Trial: a Ctrl-C while torchrun was still
+    starting said the ranks commit a stop checkpoint first, before any rank existed."""
+    return _registered(_training_probes, probe)
+
+
+def _ranks_train() -> bool:
+    if not _training_probes:
+        return True
+    for probe in list(_training_probes):
+        try:
+            if probe():
+                return True
+        except Exception:
+            return True
+    return False
 
 
 def on_interrupt(hook: Callable[[BaseException], None]) -> contextlib.AbstractContextManager[None]:
@@ -224,9 +245,10 @@ def _handle(signum: int, _frame) -> None:
         _first_at[:] = [time.monotonic()]
         # At once: the stop checkpoint can take a while (a slow save, a stalled rank), and a
         # user who sees nothing presses Ctrl-C again, which gives it up.
-        training = ": the ranks commit a stop checkpoint first (up to " \
-            "train.preemption_grace_s); a second Ctrl-C (any stop signal) stops at once " \
-            "without it" if _hooks else ""  # on_stop: the training task is waiting on them
+        training = "" if not _hooks else (  # on_stop: the training task is waiting on them
+            ": the ranks commit a stop checkpoint first (up to train.preemption_grace_s); a "
+            "second Ctrl-C (any stop signal) stops at once without it" if _ranks_train()
+            else ": no rank trains yet, so there is no stop checkpoint to wait for")
         with contextlib.suppress(OSError):
             os.write(2, f"{_after_echo(signum)}stoker run: stopping ({stop_reason()})"
                         f"{training}\n".encode())

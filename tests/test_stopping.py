@@ -446,3 +446,40 @@ def test_a_stop_signal_during_the_checks_before_the_flow_says_so(tmp_path, sig, 
     assert done.stderr.splitlines()[-1] == \
         f"stoker run: stopped by {reason}; run the same command again", done.stderr
     assert "Traceback" not in done.stderr and not (work / "jobs").exists(), done.stderr
+
+
+@pytest.mark.parametrize("training, said", [
+    (False, ": no rank trains yet, so there is no stop checkpoint to wait for"),
+    (True, ": the ranks commit a stop checkpoint first (up to train.preemption_grace_s)")])
+def test_the_first_stop_line_promises_a_stop_checkpoint_only_once_ranks_train(tmp_path,
+                                                                              training, said):
+    """Trial: a Ctrl-C while torchrun was still starting said "the ranks commit a stop
+    checkpoint first" before any rank existed. Rank 0's heartbeat since the open attempt's
+    start tells them apart."""
+    job = tmp_path / "job"
+    job.mkdir()
+    AttemptLog(job).start(1, "on_demand")
+    if training:
+        time.sleep(0.05)  # file times are coarser than time.time()
+        (job / "heartbeat.json").write_text('{"step": 1}')
+    script = f"""
+import os, signal, sys, time
+from pathlib import Path
+from stoker import stopping
+from stoker.jobs.attempts import AttemptLog
+stopping.install()
+log = AttemptLog(Path({str(job)!r}))
+with stopping.on_stop(lambda reason: None), stopping.ranks_training(log.ranks_training):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)
+    except stopping.Interrupted:
+        sys.exit(0)
+sys.exit(1)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line == f"stoker run: stopping (SIGINT (Ctrl-C)){said}" + (
+        "; a second Ctrl-C (any stop signal) stops at once without it" if training else "")

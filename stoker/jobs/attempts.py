@@ -184,13 +184,27 @@ class AttemptLog:
             closed.append({**entry, "number": number})
         return closed
 
+    def open_since(self) -> float | None:
+        """When the open attempt (the newest one started and not ended) started, Unix
+        seconds; None when none is open."""
+        open_ = [r for _, r in sorted(self._latest().items()) if r.get("state") == "started"]
+        return real_number(open_[-1].get("started")) if open_ else None
+
+    def ranks_training(self) -> bool:
+        """Whether the open attempt's ranks train: rank 0 has written ``heartbeat.json`` since
+        the attempt started (it does from its first step on)."""
+        since = self.open_since()
+        try:
+            return since is not None and (self.job_dir / "heartbeat.json").stat().st_mtime >= since
+        except OSError:
+            return False
+
     def open_attempt_end(self, checkpoint_location: str | None = None) -> str | None:
         """What the ranks of the open attempt recorded as their end in ``progress.jsonl``, in
         words (``its ranks committed a stop checkpoint at step 757``); None when no attempt is
         open or its ranks recorded no end. For ``stoker run``'s last line after a second
         signal that came once the ranks had ended (:func:`stoker.stopping.outcome_probe`)."""
-        open_ = [r for _, r in sorted(self._latest().items()) if r.get("state") == "started"]
-        started = real_number(open_[-1].get("started")) if open_ else None
+        started = self.open_since()
         if started is None:
             return None
         ranks = self._runtime_end(started, checkpoint_location)[0]

@@ -75,6 +75,7 @@ from stoker.stopping import (
     on_stop,
     on_stop_at_once,
     outcome_probe,
+    ranks_training,
     stop_reason,
 )
 from stoker.tracking.cost import steps_lost
@@ -371,6 +372,7 @@ class TrainingRun:
         # stop line names it too.
         with on_stop(lambda reason: record_stop_sender(job_dir, f"{SENDER_PREFIX}{reason}")), \
                 on_stop_at_once(lambda: mark_stopped_at_once(job_dir)), \
+                ranks_training(self.attempts_log.ranks_training), \
                 on_interrupt(self._record_sender), \
                 outcome_probe(lambda: _said_of(job_dir, self.attempts_log.open_attempt_end(
                     self.checkpoints))):
