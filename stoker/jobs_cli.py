@@ -110,7 +110,7 @@ def status(job: Annotated[str | None, typer.Argument(
     from stoker.jobs import Job
     from stoker.jobs.attempts import AttemptLog, describe_interrupted
     from stoker.jobs.status import age
-    from stoker.launch.retry import describe_exit
+    from stoker.launch.retry import describe_recorded_exit
     from stoker.launch.slurm_queue import job_queue_state
     from stoker.runtime.progress import read_events
     from stoker.tracking.cost import attempt_steps_lost
@@ -149,7 +149,7 @@ def status(job: Annotated[str | None, typer.Argument(
         code = a.get("exit_code")  # none (-1) when the attempt's process was lost
         typer.echo(f"attempt {a.get('number')}: {a.get('outcome')}"
                    + (f" (stopped by {a['stopped_by']})" if a.get("stopped_by") else "")
-                   + (f" (exit {describe_exit(code, a.get('ended_by_rank'), a.get('hang'))})"
+                   + (f" (exit {describe_recorded_exit(a)})"
                       if isinstance(code, int) and code >= 0
                       else "") + " "
                    f"after {float(a.get('duration_s') or 0):.1f} s on "

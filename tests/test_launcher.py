@@ -328,19 +328,31 @@ def test_torchruns_stop_lines_with_forked_ranks_stay_in_the_job_log(tmp_path):
              # reached the terminal): 2 bad input, 74 storage, 137 an infrastructure failure
              *(agent("E", f"{api}:836", f"failed (exitcode: {code}) local_rank: 0 (pid: 5555) "
                      "of fn: forked_rank (start_method: fork)") for code in (2, 74, 137))]
-    kept = [agent("E", f"{api}:836", "failed (exitcode: -9) local_rank: 1 (pid: 5556) of fn: "
-                  "forked_rank (start_method: fork)"),
-            agent("E", f"{api}:836", "failed (exitcode: 1) local_rank: 1 (pid: 5556) of fn: "
+    # a rank a signal ended: said by the attempt's end line in Stoker's words (trial: the raw
+    # line reached the terminal), kept raw in train.log
+    killed = agent("E", f"{api}:836", "failed (exitcode: -9) local_rank: 1 (pid: 5556) of fn: "
+                   "forked_rank (start_method: fork)")
+    kept = [agent("E", f"{api}:836", "failed (exitcode: 1) local_rank: 1 (pid: 5556) of fn: "
                   "forked_rank (start_method: fork)"),
             "[rank0] 2026-12-01 18:29:28,316 ERROR stoker.runtime: training failed at step 3",
             "Traceback (most recent call last):", '  File "/x/stoker/runtime/trainer.py"']
     forwarded: list[str] = []
     log = LineLog(tmp_path / "train.log", forwarded.append)
-    for line in noise + kept:
+    for line in noise + [killed] + kept:
         log(line)
     log.close()
-    assert unstamped(tmp_path / "train.log") == noise + kept
+    assert unstamped(tmp_path / "train.log") == noise + [killed] + kept
     assert forwarded == kept
+    assert log.killed == "local rank 1 (pid 5556) was killed by SIGKILL"
+    assert describe_exit(137, killed=log.killed) == (
+        "137 (SIGKILL): local rank 1 (pid 5556) was killed by SIGKILL")
+    assert describe_exit(0, killed=log.killed) == "0"  # it completed anyway
+    # in a container, after "[node N] "; an unknown signal number; an untrusted record
+    other = LineLog(tmp_path / "other.log", forwarded.append)
+    other("[node 1] " + killed.replace("exitcode: -9", "exitcode: -99"))
+    assert other.killed == "local rank 1 on node 1 (pid 5556) was killed by signal 99"
+    assert describe_exit(1, killed=["x"]) == "1"
+    assert describe_exit(1, killed="a\x1b[2Jb" * 100).startswith("1: a[2Jb")
 
 
 def test_rank_lines_reach_the_prefect_log_at_the_ranks_own_level():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,7 +80,8 @@ class LineLog:
     # line says which rank): kept in the file, not passed on (they read as warnings and
     # errors). With forked ranks torchrun words them differently, and logs the traceback of its
     # own wait for the ranks (each line prefixed) beside a rank's exit: the rank's own log says
-    # why. A rank killed by a signal (exitcode -9) or a bug (1) keeps torchrun's line.
+    # why. A rank a bug ended (exitcode 1) keeps torchrun's line; one a signal ended (-9) is
+    # said by the attempt's end line instead (``killed``).
     AGENT_NOISE = re.compile(
         r"torch/distributed/elastic/\S+\] (Sending process \d+ closing signal|Closing process "
         r"\d+ via signal|Received \S+ death signal|failed \(exitcode: (?:75|74|2|137)\)|"
@@ -87,9 +89,18 @@ class LineLog:
         r"recent call last\)|\s|torch\.multiprocessing\.spawn\.Process\w*Exception: )"
         r"|torch/multiprocessing/spawn\.py:\d+\] Terminating process \d+ via signal")
 
+    # torchrun's line for a rank a signal ended (``kill -9``, the OOM killer): said in Stoker's
+    # own words on the attempt's end line (``killed``), kept raw in the file only (trial: the
+    # raw ``failed (exitcode: -9)`` line reached the terminal).
+    RANK_KILLED = re.compile(r"^(?:\[node (\d+)\] )?\S+ \S+ +\d+ \S*torch/distributed/"
+                             r"elastic/\S+\] failed \(exitcode: -(\d+)\) local_rank: (\d+) "
+                             r"\(pid: (\d+)\)")
+
     def __init__(self, path: Path, forward: Callable[[str], None]):
         self.path, self.forward = Path(path), forward
         self._file = None
+        # The first rank a signal ended, in words: "local rank 1 (pid 4321) was killed by SIGKILL"
+        self.killed: str | None = None
         self.first_error: str | None = None  # the first rank's ERROR message, if any
         # The rank whose own exit 137 ended the attempt (the launcher's line), not a SIGKILL.
         self.ended_by_rank: int | None = None
@@ -102,6 +113,7 @@ class LineLog:
             self.first_error = error.group(1)
         if self.ended_by_rank is None and (ended := RANK_ENDED.search(line)):
             self.ended_by_rank = int(ended.group(1))
+        said_here = self.killed is None and self._note_killed(line)
         try:
             if self._file is None:
                 self._file = private.open_file(self.path, "a", buffering=1)  # closed in close()
@@ -109,8 +121,21 @@ class LineLog:
             self._file.write(stamped + "\n")
         except OSError:
             pass
-        if not self.AGENT_NOISE.search(line):
+        if not said_here and not self.AGENT_NOISE.search(line):
             self.forward(line)
+
+    def _note_killed(self, line: str) -> bool:
+        """Whether ``line`` is torchrun's for a rank a signal ended; if so, ``killed`` says it."""
+        if not (match := self.RANK_KILLED.match(line)):
+            return False
+        node, number, rank, pid = match.groups()
+        try:
+            name = signal.Signals(int(number)).name
+        except ValueError:
+            name = f"signal {number}"
+        where = f" on node {node}" if node is not None else ""
+        self.killed = f"local rank {rank}{where} (pid {pid}) was killed by {name}"
+        return True
 
     def close(self) -> None:
         if self._file is not None:

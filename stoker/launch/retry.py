@@ -42,7 +42,8 @@ def classify_exit(code: int) -> Outcome:
     return Outcome.USER_ERROR
 
 
-def describe_exit(code: int, ended_by_rank: object = None, hang: object = None) -> str:
+def describe_exit(code: int, ended_by_rank: object = None, hang: object = None,
+                  killed: object = None) -> str:
     """An exit code as a shell reports it, with the signal it stands for: ``"137 (SIGKILL)"``
     for 137 and for -9 (``Popen``'s form of a death by signal 9), ``"75"`` for 75.
 
@@ -51,7 +52,12 @@ def describe_exit(code: int, ended_by_rank: object = None, hang: object = None) 
     anything but a rank number (a record's field, untrusted) is ignored. ``hang``: the hang
     watchdog's summary when it ended the attempt (``"137: hang: no rank progressed ..."``);
     anything but a string is ignored, control characters are dropped, 300 characters at most.
+    ``killed``: which rank a signal ended, in words (``LineLog.killed``: ``"local rank 1 (pid
+    4321) was killed by SIGKILL"``), added after the code when it did not complete (0).
     """
+    if code != 0 and isinstance(killed, str) and killed.strip():
+        said = "".join(c for c in killed if c.isprintable())[:300]
+        return f"{describe_exit(code, ended_by_rank, hang)}: {said}"
     if code == EXIT_INFRASTRUCTURE and isinstance(hang, str) and hang.strip():
         said = "".join(c for c in hang if c.isprintable())[:300]
         return f"{code}: hang: {said}"
@@ -63,6 +69,13 @@ def describe_exit(code: int, ended_by_rank: object = None, hang: object = None) 
         with contextlib.suppress(ValueError):
             return f"{code} ({signal.Signals(code - 128).name})"
     return str(code)
+
+
+def describe_recorded_exit(record: dict) -> str:
+    """:func:`describe_exit` of an attempt record (``attempts.jsonl``: untrusted, each field
+    checked there)."""
+    return describe_exit(record["exit_code"], record.get("ended_by_rank"), record.get("hang"),
+                         record.get("killed"))
 
 
 def outcome_of(code: int, stop_requested: bool) -> Outcome:

@@ -40,6 +40,7 @@ from stoker.launch.retry import (
     Outcome,
     budget_spent,
     describe_exit,
+    describe_recorded_exit,
     outcome_of,
     run_with_retries,
     will_retry,
@@ -107,6 +108,7 @@ class TrainingRun:
         self.codes: dict[int, int] = {}
         self.rank_errors: dict[int, str | None] = {}  # attempt -> the first ERROR line of a rank
         self.ended_by: dict[int, int | None] = {}  # attempt -> the rank whose exit 137 ended it
+        self.killed: dict[int, str | None] = {}  # attempt -> which rank a signal ended, in words
         self.hangs: dict[int, str | None] = {}  # attempt -> the hang watchdog's summary
         self.capacities: dict[int, str] = {}
         self.this_run: list[Attempt] = []  # this run's attempts so far, for the retry decision
@@ -206,6 +208,7 @@ class TrainingRun:
                 lines.close()
                 self.rank_errors[number] = lines.first_error
                 self.ended_by[number] = lines.ended_by_rank
+                self.killed[number] = lines.killed
                 self.hangs[number] = lines.hang
         except (subprocess.TimeoutExpired, TimeoutError):
             raise TimeoutError(f"train_timeout_s={self.config.train_timeout_s:g} s reached: job "
@@ -262,6 +265,7 @@ class TrainingRun:
                  **({"ended_by_rank": self.ended_by[number]}
                     if self.ended_by.get(number) is not None else {}),
                  **({"hang": self.hangs[number]} if self.hangs.get(number) else {}),
+                 **({"killed": self.killed[number]} if self.killed.get(number) else {}),
                  # `stoker status`: who stopped it, as for a Ctrl-C (trial)
                  **({"stopped_by": f"{request.by}: {request.reason}"}
                     if request is not None else {})}
@@ -280,7 +284,8 @@ class TrainingRun:
             else log.warning
         level("attempt %d ended: %s (exit %s) after %.1f s", number, attempt.outcome,
               describe_exit(attempt.exit_code, self.ended_by.get(number),
-                            self.hangs.get(number)), attempt.duration_s)
+                            self.hangs.get(number), self.killed.get(number)),
+              attempt.duration_s)
         # Its last progress line ("restarting ...", or "no retry left"), after the line above
         # and before the next attempt starts (the watcher alone could say it up to 5 s later,
         # after "attempt N+1 on").
@@ -432,7 +437,7 @@ class TrainingRun:
             finish_run(self.client, self.run_id, "FAILED")
         summary = ", ".join(
             f"#{a['number']} {a['outcome']} "
-            f"(exit {describe_exit(a['exit_code'], a.get('ended_by_rank'), a.get('hang'))})"
+            f"(exit {describe_recorded_exit(a)})"
             for a in history[-len(attempts):])
         self.hooks.emit(**training_event("failed", job_dir.name, self.run_id,
                                          attempts=len(history), outcome=str(attempts[-1].outcome),
