@@ -55,3 +55,30 @@ def test_a_real_sigint_during_the_start_of_the_command_prints_no_traceback(tmp_p
     # 0: it had already listed (no jobs); -2: the signal came before Python's own handler
     assert process.returncode in (130, 0, -signal.SIGINT), err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, line", [
+    # trial: `--debug=maybe` got Typer's boxed panel and usage lines
+    (["run", "--debug=maybe"],
+     "stoker run: Option '--debug' does not take a value. (see `stoker run --help`)"),
+    (["run", "--nope"], "stoker run: No such option: --nope (see `stoker run --help`)"),
+    (["jobs", "--work-dir"],
+     "stoker jobs: Option '--work-dir' requires an argument. (see `stoker jobs --help`)"),
+    (["stop"], "stoker stop: Missing argument 'job'. (see `stoker stop --help`)"),
+    (["server", "nope"], "stoker server: No such command 'nope'. (see `stoker server --help`)"),
+])
+def test_a_command_line_that_does_not_parse_is_one_line_and_exit_2(argv, line):
+    done = subprocess.run([sys.executable, "-c", "from stoker.entry import main; main()",
+                           *argv], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [line] and done.stdout == ""
+
+
+def test_help_and_a_bare_command_still_print_their_help():
+    for argv, code in ((["run", "--help"], 0), ([], 2), (["server"], 2)):
+        done = subprocess.run([sys.executable, "-c", "from stoker.entry import main; main()",
+                               *argv], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"})
+        assert done.returncode == code, (argv, done.stderr)
+        assert "Usage: stoker" in done.stdout + done.stderr, argv
