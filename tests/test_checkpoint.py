@@ -308,10 +308,14 @@ def test_a_purged_shared_file_is_overwritten_by_the_next_save_not_reallocated(tm
     assert loaded.step == 3 and torch.equal(loaded.shared["model"]["w"], torch.full((10,), 3.0))
 
 
-@pytest.mark.parametrize("planted", ["symlink", "hardlink"])
+@pytest.mark.parametrize("planted", ["symlink", "hardlink", "fifo", "folder"])
 def test_a_spare_planted_in_a_shared_folder_is_never_written_through(tmp_path, planted):
     """The checkpoint folder may be shared: a spare that is a link to another file is
-    dropped, the file behind it keeps its bytes, and the save writes a new file."""
+    dropped, the file behind it keeps its bytes, and the save writes a new file. A folder
+    there is left where it is (trial: it was moved into the step and the save failed, exit
+    74), a FIFO deleted."""
+    import os
+
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     root = tmp_path / "ckpt"
@@ -319,14 +323,35 @@ def test_a_spare_planted_in_a_shared_folder_is_never_written_through(tmp_path, p
     spare = root / ".spare-shared.pt"
     if planted == "symlink":
         spare.symlink_to(victim)
-    else:
+    elif planted == "hardlink":
         spare.hardlink_to(victim)
+    elif planted == "fifo":
+        os.mkfifo(spare)
+    else:
+        spare.mkdir()
+        (spare / "inner").write_bytes(b"theirs")
     ckpt.save(1, big_state(1, 1000), {"rng": 0})
     ckpt.wait()
     assert victim.read_bytes() == b"precious"
-    assert not spare.exists() and not spare.is_symlink()
-    assert [p.name for p in (root / "step-000000001").iterdir() if ".tmp-" in p.name] == []
+    if planted == "folder":
+        assert (spare / "inner").read_bytes() == b"theirs"
+    else:
+        assert not spare.exists() and not spare.is_symlink()
+    assert sorted(p.name for p in (root / "step-000000001").iterdir()) == [
+        "COMMITTED", "rank-00000.pt", "shared.pt"]
     assert Checkpointer(str(root), 0, 1).load_latest().step == 1
+
+
+def test_a_completed_job_drops_its_spare(tmp_path):
+    """Trial: every finished job kept its spare forever (disk, no use)."""
+    ckpt = Checkpointer(str(tmp_path), 0, 1, keep_latest_k=1)
+    for step in (1, 2):
+        ckpt.save(step, big_state(step, 1000), {"rng": 0})
+    ckpt.wait()
+    assert (tmp_path / ".spare-shared.pt").is_file()
+    ckpt.drop_spare()
+    assert not (tmp_path / ".spare-shared.pt").exists()
+    assert Checkpointer(str(tmp_path), 0, 1).load_latest().step == 2
 
 
 def test_only_rank_0_on_the_local_disk_keeps_a_spare(tmp_path):

@@ -48,6 +48,7 @@ from stoker.runtime import CheckpointError, CheckpointWriteError, digest, privat
 from stoker.runtime.checkpoint_files import (
     Written,
     discard,
+    drop_spare,
     retire,
     seal,
     serialize,
@@ -208,6 +209,12 @@ class Checkpointer(CheckpointReader):
                 step, lambda: self._stage_and_write(step, state, metrics, ready, defer_copy),
                 undo=self.staging.cancel)
         self.last_blocking_s = time.perf_counter() - started
+
+    def drop_spare(self) -> None:
+        """Delete rank 0's spare ``shared.pt`` (see :func:`retire`): the job completed and
+        saves no more, so it would only take disk."""
+        if self.spare is not None:
+            drop_spare(self.fs, self.spare)
 
     def wait_staged(self) -> float:
         """Block until the last save's host copy no longer reads the live tensors (call before

@@ -107,6 +107,10 @@ def serialize(fs: Any, path: str, obj: Any, spare: str | None = None) -> Written
     """
     tmp = f"{path}.tmp-{os.getpid()}"
     f = _reuse(fs, spare, tmp) if spare else None
+    if f is None and spare and (local := private.local_path(fs, tmp)) and os.path.lexists(local):
+        # what a racing swap of the spare left under that name (a folder: not deleted here);
+        # the step's folder, uncommitted until this rank's files are in, is purged with it
+        tmp = f"{path}.new.tmp-{os.getpid()}"
     if f is None:
         f = private.fs_open(fs, tmp, "wb")
     try:
@@ -146,14 +150,34 @@ def retire(fs: Any, path: str, spare: str) -> bool:
     return True
 
 
+def _plain_own_file(st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+
+
+def drop_spare(fs: Any, spare: str) -> None:
+    """Delete the spare (a job that completed saves no more): a plain file, or a link or
+    other non-folder entry (deleting a link leaves what it points to as it is). A folder
+    planted there is left alone."""
+    local = private.local_path(fs, spare)
+    if local is None:
+        return
+    with contextlib.suppress(OSError):
+        if not stat.S_ISDIR(os.lstat(local).st_mode):
+            os.unlink(local)
+
+
 def _reuse(fs: Any, spare: str, tmp: str) -> io.BufferedRandom | None:
     """The spare file renamed to ``tmp`` and open for overwriting from its first byte, or None
     (no spare, another process took it, or it is not a plain file of this user with one link:
-    the folder may be shared, so a planted link must never be written through)."""
+    the folder may be shared, so a planted link must never be written through; a link, a FIFO
+    or another non-folder entry there is deleted, a folder left alone, never moved)."""
     local_spare, local_tmp = private.local_path(fs, spare), private.local_path(fs, tmp)
     if local_spare is None or local_tmp is None:
         return None
     try:
+        if not _plain_own_file(os.lstat(local_spare)):
+            drop_spare(fs, spare)
+            return None
         os.rename(local_spare, local_tmp)  # atomic: of two takers, one gets FileNotFoundError
     except OSError:
         return None
@@ -163,8 +187,7 @@ def _reuse(fs: Any, spare: str, tmp: str) -> io.BufferedRandom | None:
         with contextlib.suppress(OSError):
             os.unlink(local_tmp)
         return None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+    if not _plain_own_file(os.fstat(fd)):  # swapped since the lstat above
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(local_tmp)

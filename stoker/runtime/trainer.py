@@ -283,6 +283,7 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin
                                 self.step, EXIT_PREEMPTED)
                     return "preempted"
         self._finish_attempt()
+        self.ckpt.drop_spare()  # completed: no more saves to overwrite it
         self._write_result(time.perf_counter() - started, self.step - start_step)
         return "completed"
 
