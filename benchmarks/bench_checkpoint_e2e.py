@@ -128,9 +128,12 @@ class Saver:
     def save(self) -> float:
         """Save now (right after a step); returns the seconds the call held the caller."""
         self.step += 1
+        started = time.perf_counter()
+        # The save waits for the previous one's background part (whose purge keeps the spare)
+        # first: waited for here, inside the time held, to see the spare this save finds.
+        self.ckpt.wait()
         spare = self.ckpt.spare
         self.overwrote.append(spare is not None and Path(spare).is_file())
-        started = time.perf_counter()
         shared = {"model": self.job.model.state_dict(),
                   "optimizer": self.job.optimizer.state_dict(), "step": self.step}
         self.ckpt.save(self.step, shared, {"rng": rng_state(), "world_size": 1},
