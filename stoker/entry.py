@@ -1,9 +1,10 @@
 """The ``stoker`` command's entry point (``[project.scripts]``): the Typer app of
 :mod:`stoker.cli`, run so that
 
-* a Ctrl-C while it is imported (its first ~0.4 s, before any handler of Stoker's is installed)
-  ends the command with one line and exit 130 (as a Ctrl-C does later) instead of Python's
-  ``KeyboardInterrupt`` traceback: nothing has started then;
+* a Ctrl-C while it is imported or while Typer builds its commands (its first ~0.4 s, before
+  any handler of Stoker's is installed) ends the command with one line and exit 130 (as a
+  Ctrl-C does later) instead of Python's ``KeyboardInterrupt`` traceback: nothing has started
+  then;
 * a command line click cannot parse (an unknown option, ``--debug=maybe``, a missing value)
   is one line naming the command and what is wrong, exit 2, as Stoker's own checks of bad
   input are (``stoker run: Option '--debug' does not take a value. (see `stoker run
@@ -70,8 +71,14 @@ def main() -> None:
 
     try:
         code = app(prog_name="stoker", standalone_mode=False)
+    except KeyboardInterrupt:
+        # Typer turns one while a command runs into exit 130 itself (and Stoker's commands
+        # handle their own): this one came while it built the command tree (trial)
+        print(f"{_after_echo()}{STARTING_LINE}", file=sys.stderr)
+        raise SystemExit(130) from None
     except errors.NoArgsIsHelpError as e:  # `stoker` alone: its help, as before
-        e.show()
+        if e.format_message():  # Typer's rich help printed itself when it was built
+            e.show()
         raise SystemExit(e.exit_code) from None
     except errors.UsageError as e:
         print(usage_line(e, app, sys.argv[1:]), file=sys.stderr)

@@ -23,6 +23,8 @@ from stoker.launch import local
 from stoker.launch.local import LocalLauncher, discard_standby, prestart, take_standby
 from stoker.runtime.launch import PARKED_MARKER
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(autouse=True)
 def no_standby_left():
@@ -300,3 +302,34 @@ def test_torchruns_timer_joining_itself_is_not_printed_and_other_errors_are():
     assert "cannot join current thread" in loud.stderr  # the error is real without the filter
     assert "cannot join current thread" not in quiet.stderr, quiet.stderr
     assert "ZeroDivisionError" in quiet.stderr and "ZeroDivisionError" in loud.stderr
+
+
+def test_a_stop_signal_to_a_rank_forked_before_its_own_handlers_ends_it():
+    """Trial: a Ctrl-C while torchrun started forked ranks printed `Exception ignored in:
+    <function _after_at_fork_child_reinit_locks>` ... `SignalException: Process N got signal:
+    15`, and that rank trained on for 30 s. A rank that gets a stop signal while it still has
+    the launcher's handler (between its fork and its runtime's handlers) ends at once, exit
+    128 + the signal; the launcher itself still acts on its first signal (torchrun's
+    ``SignalException``)."""
+    script = """
+import os, signal, sys
+from torch.distributed.elastic.multiprocessing import api
+from stoker.runtime import launch
+launch._act_on_the_first_stop_signal_only()
+signal.signal(signal.SIGTERM, api._terminate_process_handler)  # as torchrun registers it
+pid = os.fork()
+if pid == 0:  # a forked rank, its runtime not started yet
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(0)  # never reached
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+except api.SignalException as e:
+    print("launcher", e.sigval.name)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["child 143", "launcher SIGTERM"], done.stdout
+    assert "Exception ignored" not in done.stderr

@@ -431,14 +431,24 @@ def _act_on_the_first_stop_signal_only() -> None:
     committed. Repeats are not a user's "now": Linux sends the parent-death signal
     (``PR_SET_PDEATHSIG``) again at each thread of a ``kill -9``-ed multithreaded orchestrator
     that the launcher is handed to on the way (1 to 3 SIGTERMs seen). What stops at once is
-    SIGKILL (the orchestrator's second Ctrl-C sends it to the whole tree)."""
+    SIGKILL (the orchestrator's second Ctrl-C sends it to the whole tree).
+
+    A rank forked from this launcher keeps the handler until its runtime installs its own. A
+    stop signal in between (the orchestrator signals every process of the tree, the rank
+    included, as it is being forked) ends that rank at once, exit 128 + the signal: it has
+    trained nothing, and torchrun's handler would raise inside the fork's own hooks, which
+    swallow the exception (``Exception ignored in: _after_at_fork_child_reinit_locks``), so the
+    stop was lost and the rank trained on (trial: for 30 s, until its peer was gone)."""
     from torch.distributed.elastic.multiprocessing import api
 
     if getattr(api._terminate_process_handler, "first_only", False):
         return
     torchrun_handler = api._terminate_process_handler
+    launcher = os.getpid()
 
     def first_only(signum: int, frame) -> None:
+        if os.getpid() != launcher:  # a rank forked from the launcher, before its handlers
+            os._exit(128 + int(signum))
         _signalled.append(int(signum))
         if len(_signalled) == 1:
             torchrun_handler(signum, frame)
