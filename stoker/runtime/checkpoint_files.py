@@ -134,9 +134,11 @@ def retire(fs: Any, path: str, spare: str) -> bool:
     new file takes new page-cache pages (allocated, charged and, on a VM that hands free memory
     back to its host, faulted in again by the host); overwriting the cached pages of a purged
     file takes none, as databases recycle their log segments. On this project's 2-core VM,
-    writing 151 MB into a new file cost 0.25-0.40 CPU-s, into the cached pages of an existing
-    one 0.03 (``benchmarks/bench_checkpoint_e2e.py``'s notes in ``benchmarks/RESULTS.md``).
-    The price: one more file of that size on the disk."""
+    writing 151 MB (38 writes of 4 MB) into a new file cost 0.25-0.40 CPU-s, into the cached
+    pages of an existing one 0.03 (measured 2026-12-07); a save of that state held the training
+    thread 0.144 s before and 0.028 s after (``benchmarks/bench_checkpoint_e2e.py`` in
+    ``benchmarks/RESULTS.md``, which counts the saves that overwrote a spare). The price: one
+    more file of that size on the disk while the job trains."""
     local, local_spare = private.local_path(fs, path), private.local_path(fs, spare)
     if local is None or local_spare is None or os.path.lexists(local_spare):
         return False
