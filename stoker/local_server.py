@@ -66,6 +66,12 @@ class ServerError(RuntimeError):
     """The local server did not start or did not answer in time."""
 
 
+def ports_taken(ports: list[int]) -> str:
+    """Why the server is not on its usual port: ``port 4200 is taken by another process``."""
+    return (f"port {' and '.join(map(str, ports))} {'is' if len(ports) == 1 else 'are'} taken "
+            "by another process")
+
+
 def free_port(host: str = "127.0.0.1", preferred: int | None = None) -> int:
     """``preferred`` when nothing listens on it on ``host``, else a port that is free now."""
     for port in ([preferred] if preferred else []) + [0]:
@@ -142,6 +148,7 @@ class LocalServer:
         self.startup_timeout_s = startup_timeout_s
         self.log_path = self.home / LOG
         self.say = say
+        self._port_taken: list[int] = []  # the usual ports found taken by the last _port()
         # held while a command checks, prepares, starts or stops the server
         self.lock_timeout_s = startup_timeout_s + PREPARE_TIMEOUT_S + 60
 
@@ -283,10 +290,18 @@ class LocalServer:
             sticky = int((self.home / PORT_FILE).read_text().strip())
         except (OSError, ValueError):
             sticky = None
+        taken = []
         for preferred in ([sticky] if sticky and 0 < sticky < 65536 else []) + [DEFAULT_PORT]:
             if free_port(preferred=preferred) == preferred:
-                return preferred
-        return free_port()
+                break
+            if preferred not in taken:
+                taken.append(preferred)
+        else:
+            preferred = free_port()
+        # Said in the start line: a user who bookmarked the UI on the usual port learns why
+        # the server is elsewhere this time.
+        self._port_taken = [p for p in taken if p != preferred]
+        return preferred
 
     def _start(self) -> str:
         """Start this home's server; a start whose port another process took meanwhile (two
@@ -342,8 +357,9 @@ class LocalServer:
         record = {"pid": pid, "create_time": _started_at(pid) or 0.0, "port": port,
                   "api_url": api_url, "started": time.time()}
         self._write(record)
-        self.say(f"starting the local Prefect server on 127.0.0.1:{port} (pid {pid}; up to "
-                 f"{self.startup_timeout_s:g} s; log {self.log_path})")
+        why_port = f"{ports_taken(self._port_taken)}; " if self._port_taken else ""
+        self.say(f"starting the local Prefect server on 127.0.0.1:{port} ({why_port}pid {pid}; "
+                 f"up to {self.startup_timeout_s:g} s; log {self.log_path})")
         if not self._wait_healthy(record, self.startup_timeout_s):
             alive = self.record() is not None
             used_s = cpu_seconds(pid) if alive else None  # before it is ended

@@ -59,3 +59,22 @@ def test_a_server_start_is_announced_before_its_wait_and_a_reuse_is_not(tmp_path
         assert said == []
     finally:
         stop_local_servers(tmp_path)
+
+
+def test_a_server_kept_off_its_usual_port_says_which_port_was_taken(tmp_path):
+    import socket
+
+    from stoker.local_server import ports_taken
+
+    home = seed_prefect_home(tmp_path / "prefect")
+    with socket.socket() as held:  # another process's listener on this home's sticky port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        sticky = held.getsockname()[1]
+        (home / PORT_FILE).write_text(str(sticky))
+        server = LocalServer(home)
+        port = server._port()
+        assert port != sticky
+        assert server._port_taken[0] == sticky
+    assert ports_taken([sticky]) == f"port {sticky} is taken by another process"
+    assert ports_taken([sticky, 4200]) == f"port {sticky} and 4200 are taken by another process"

@@ -56,6 +56,12 @@ log = logging.getLogger("stoker.runtime")
 EPOCH_LINE_EVERY_S = 10.0  # at most one epoch line per this many seconds (first and last: always)
 
 
+def epoch_line(epoch: int, epochs: int, step: int, metrics: dict[str, float],
+               seconds: float) -> str:
+    """Rank 0's line after an epoch's evaluation. The loss has 4 significant digits, not 4
+    decimals: on easy data it falls below 0.00005, which ``%.4f`` printed as ``0.0000``."""
+    return (f"epoch {epoch}/{epochs} step {step}: val_accuracy {metrics['val_accuracy']:.4f} "
+            f"val_loss {metrics['val_loss']:.4g} ({seconds:.1f} s)")
 
 class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin,
               AgreementMixin):
@@ -365,9 +371,8 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin
                         "val_loss": float(sums[1] / sums[2]), "epoch": epoch + 1}
         self.timings["eval"] += time.perf_counter() - t0
         if self.env.is_main and self._epoch_line_due(epoch):
-            log.info("epoch %d/%d step %d: val_accuracy %.4f val_loss %.4f (%.1f s)", epoch + 1,
-                     self.cfg.epochs, self.step, self.metrics["val_accuracy"],
-                     self.metrics["val_loss"], epoch_time_s)
+            log.info("%s", epoch_line(epoch + 1, self.cfg.epochs, self.step, self.metrics,
+                                      epoch_time_s))
         self._event("eval", epoch=epoch + 1, val_accuracy=self.metrics["val_accuracy"],
                     val_loss=self.metrics["val_loss"], process_cpu_s=round(time.process_time(), 3),
                     **({"tracking_open": self.tracker.opened.is_set(),
