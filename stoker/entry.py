@@ -15,18 +15,17 @@ Tests that call the app through ``typer.testing.CliRunner`` get Typer's handling
 
 from __future__ import annotations
 
-import os
 import sys
+
+from stoker.terminal import after_echo
 
 STARTING_LINE = "stoker: interrupted while starting (Ctrl-C); nothing was started"
 
 
-def _after_echo() -> str:
-    """A newline to end the ``^C`` a terminal echoed, else nothing."""
-    try:
-        return "\n" if os.isatty(2) else ""
-    except OSError:
-        return ""
+def _interrupted_while_starting() -> None:
+    """Say that a Ctrl-C came before any command started, and exit 130."""
+    print(f"{after_echo()}{STARTING_LINE}", file=sys.stderr)
+    raise SystemExit(130) from None
 
 
 def command_path(app, argv: list[str]) -> str:
@@ -60,8 +59,7 @@ def main() -> None:
     try:
         from stoker.cli import app
     except KeyboardInterrupt:
-        print(f"{_after_echo()}{STARTING_LINE}", file=sys.stderr)
-        raise SystemExit(130) from None
+        _interrupted_while_starting()
     import typer
 
     try:  # Typer >= 0.23 parses with its own copy of click; older ones with click itself
@@ -74,8 +72,7 @@ def main() -> None:
     except KeyboardInterrupt:
         # Typer turns one while a command runs into exit 130 itself (and Stoker's commands
         # handle their own): this one came while it built the command tree (trial)
-        print(f"{_after_echo()}{STARTING_LINE}", file=sys.stderr)
-        raise SystemExit(130) from None
+        _interrupted_while_starting()
     except errors.NoArgsIsHelpError as e:  # `stoker` alone: its help, as before
         if e.format_message():  # Typer's rich help printed itself when it was built
             e.show()

@@ -21,6 +21,8 @@ from typing import Any
 
 import psutil
 
+from stoker.terminal import after_echo
+
 EXIT_STOPPED = 3  # the cost guard or a user stopped the job (stop-requested.json): not retried
 EXIT_BUDGET = 5  # the job's budget (train.max_cost_usd / max_duration) stopped it
 EXIT_SIGINT = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -232,7 +234,7 @@ def _handle(signum: int, _frame) -> None:
         _after_done.append(signum)
         if len(_after_done) == 1:
             with contextlib.suppress(OSError):
-                os.write(2, f"{_after_echo(signum)}{done_line(signum)}\n".encode())
+                os.write(2, f"{after_echo(signum)}{done_line(signum)}\n".encode())
             return
         if _done[0]:
             with contextlib.suppress(OSError):
@@ -250,7 +252,7 @@ def _handle(signum: int, _frame) -> None:
             "second Ctrl-C (any stop signal) stops at once without it" if _ranks_train()
             else ": no rank trains yet, so there is no stop checkpoint to wait for")
         with contextlib.suppress(OSError):
-            os.write(2, f"{_after_echo(signum)}stoker run: stopping ({stop_reason()})"
+            os.write(2, f"{after_echo(signum)}stoker run: stopping ({stop_reason()})"
                         f"{training}\n".encode())
         for hook in list(_hooks):
             with contextlib.suppress(Exception):
@@ -264,17 +266,8 @@ def _handle(signum: int, _frame) -> None:
     line = second_signal_line()  # before the hooks: what the ranks had left when killed
     _run_kill_hooks(stop_reason() or "an interrupt")
     with contextlib.suppress(OSError):
-        os.write(2, f"{_after_echo(signum)}{line}\n".encode())
+        os.write(2, f"{after_echo(signum)}{line}\n".encode())
     os._exit(128 + _received[0])
-
-
-def _after_echo(signum: int) -> str:
-    """A newline to end the ``^C`` a terminal echoes for Ctrl-C (SIGINT with stderr on a
-    terminal), else nothing: a piped log or a ``kill`` got a blank line (new-user trial)."""
-    try:
-        return "\n" if signum == signal.SIGINT and os.isatty(2) else ""
-    except OSError:
-        return ""
 
 
 def second_signal_line() -> str:

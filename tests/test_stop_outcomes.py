@@ -323,15 +323,15 @@ def test_the_stop_line_starts_a_new_line_only_after_a_terminals_echo():
     (new-user trial): the newline is there only to end the `^C` a terminal echoes."""
     import pty
 
-    from stoker.stopping import _after_echo
+    from stoker.terminal import after_echo
 
-    assert _after_echo(signal.SIGINT) == ""  # stderr is not a terminal here
+    assert after_echo(signal.SIGINT) == ""  # stderr is not a terminal here
     controller, terminal = pty.openpty()
     saved = os.dup(2)
     try:
         os.dup2(terminal, 2)
-        assert _after_echo(signal.SIGINT) == "\n"
-        assert _after_echo(signal.SIGTERM) == ""  # nothing echoed for a kill
+        assert after_echo(signal.SIGINT) == "\n"
+        assert after_echo(signal.SIGTERM) == ""  # nothing echoed for a kill
     finally:
         os.dup2(saved, 2)
         for fd in (saved, controller, terminal):

@@ -125,10 +125,17 @@ def serialize(fs: Any, path: str, obj: Any, spare: str | None = None) -> Written
     return Written(f, tmp, path, writer.hexdigest)
 
 
+def _plain_own_file(st: os.stat_result) -> bool:
+    """A regular file of this user with one link: the only kind the spare may be (a link or a
+    second name planted in a shared folder would be written through)."""
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+
+
 def retire(fs: Any, path: str, spare: str) -> bool:
     """Keep the file ``path`` of a checkpoint being purged as ``spare``, for the next save to
     overwrite (:func:`serialize`), instead of deleting it; True when it was kept. Only on the
-    local disk, only a regular file of this user, and only when no spare is there yet.
+    local disk, only a regular file of this user with one link, and only when no spare is
+    there yet.
 
     Why: a save writes ``keep_latest_k`` x its size of new files and a purge frees as much. A
     new file takes new page-cache pages (allocated, charged and, on a VM that hands free memory
@@ -143,17 +150,12 @@ def retire(fs: Any, path: str, spare: str) -> bool:
     if local is None or local_spare is None or os.path.lexists(local_spare):
         return False
     try:
-        st = os.lstat(local)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        if not _plain_own_file(os.lstat(local)):
             return False
         os.rename(local, local_spare)
     except OSError:
         return False
     return True
-
-
-def _plain_own_file(st: os.stat_result) -> bool:
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
 
 
 def drop_spare(fs: Any, spare: str) -> None:
