@@ -50,6 +50,7 @@ from benchmarks.common import (  # noqa: E402
     run_timed,
     summary,
     torchrun,
+    until_decided,
 )
 from benchmarks.jobs import demo_dataset, write_spec  # noqa: E402
 from stoker.jobs.attempts import AttemptLog  # noqa: E402
@@ -231,8 +232,10 @@ def timed_pairs(args, baseline, candidate, runs: Path, world: int):
         candidate(-1, 1)
         warmups = 0
     log(f"{epochs} epoch(s) per run, {world} processes")
+    # An interval that straddles the target gets more pairs (up to three times the planned).
     return alternate(lambda i: baseline(i, epochs), lambda i: candidate(i, epochs),
-                     args.repeats, warmups), epochs
+                     args.repeats, warmups, decided=until_decided(lambda b, c: c / b, TARGET)
+                     ), epochs
 
 
 def explain(result: dict, timed: dict[str, list], epochs: int, world: int, nfiles: int,
