@@ -138,7 +138,7 @@ def render(rows: list[tuple[str, str, str, dict]], info: dict[str, str], quick: 
         rows: (script stem, title, target as stated, its JSON result) per measure.
         info: the machine description (name -> text).
         quick: a smoke run (marked as such).
-        wall_s: seconds the whole run took.
+        wall_s: seconds the whole run took (a merged table: its measures' own runs).
         gpu: the results file of ``benchmarks/gpu_check.sh`` (parsed), or None.
     """
     out = ["# Stoker benchmark results", "",

@@ -329,6 +329,18 @@ def test_merge_updates_the_rows_run_again_and_keeps_the_others():
         merged(rows, {"results": {}}, {"Stoker commit": "bbb", "date": "day 2"})
 
 
+def test_a_merged_table_says_what_its_measures_took_not_every_earlier_merge():
+    from benchmarks.run_all import merged, rows_wall_s
+
+    previous = {"quick": False, "wall_s": 20000.0,  # the total of many earlier merges
+                "machine": {"Stoker commit": "aaa", "date": "day 1"},
+                "results": {"bench_dataset": {"status": "ok", "wall_s": 30.0},
+                            "bench_checkpoint": {"status": "ok", "wall_s": 8.0}}}
+    rows = [("bench_dataset", "Dataset", "ratio >= 0.9", {"status": "ok", "wall_s": 31.5})]
+    out, _, _ = merged(rows, previous, {"Stoker commit": "bbb", "date": "day 2"})
+    assert rows_wall_s(out) == 39.5
+
+
 def test_merge_names_the_machine_of_each_part_where_they_differ():
     """A row run again on another machine (another CPU here) must not lend the kept rows its
     CPU: each part's machine is named, the shared ones once."""
