@@ -79,8 +79,9 @@ def jobs(work_dir: Annotated[Path, WORK_DIR_OPTION] = Path("work"),
         typer.echo(f"no jobs in {where}")
         return
     typer.echo(f"jobs in {where}")  # a relative --work-dir read from elsewhere names another
+    # LAST HEARTBEAT: a done job's age read as a sign of life under "HEARTBEAT" (trial).
     header = ("JOB", "STATE", "STEP", "ATTEMPTS", "PREEMPTED", "COST", "MLFLOW RUN",
-              "HEARTBEAT")
+              "LAST HEARTBEAT")
     table = [header] + [(
         r.job, _state_cell(r), f"{r.step}/{r.total_steps}" if r.total_steps else "-",
         str(r.attempts),

@@ -15,7 +15,13 @@ from stoker.data.pull import DatasetRef
 from stoker.launch.supervisor import TrainResult
 from stoker.tracking.events import model_event
 from stoker.tracking.plots import plot_curves
-from stoker.tracking.registry import Registration, input_example, log_and_register, logged_model
+from stoker.tracking.registry import (
+    Registration,
+    champion_outcome,
+    input_example,
+    log_and_register,
+    logged_model,
+)
 
 
 @task(name="register-model", cache_policy=NO_CACHE)
@@ -50,6 +56,5 @@ def register(config: PipelineConfig, dataset: DatasetRef, trained: TrainResult) 
                                  trained.run_id, **details))
     logger.info("registered %s version %s (%s=%.4f); champion %s", registration.name,
                 registration.version, metric, registration.value,
-                "moved to it" if registration.promoted
-                else f"stays at version {registration.previous_champion}")
+                champion_outcome(registration))
     return registration

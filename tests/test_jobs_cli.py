@@ -67,6 +67,8 @@ def test_jobs_lists_every_job_with_its_state(work):
     assert rows["dddd4444-torn"][1:3] == ["unfinished", "10/100"]
     assert "run-bbbb2222-training" in rows["bbbb2222-training"]
     assert result.output.splitlines()[1].split()[:3] == ["JOB", "STATE", "STEP"]
+    # A done job's heartbeat is its last, not a sign of life (trial: "HEARTBEAT 27 s ago").
+    assert result.output.splitlines()[1].split()[-2:] == ["LAST", "HEARTBEAT"]
 
 
 def test_status_of_one_job_by_prefix(work):

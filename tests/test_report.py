@@ -71,3 +71,22 @@ def test_a_champion_kept_shows_its_value_as_the_metrics_table_does():
                         model_uri="models:/m/2")
     markdown = render(dataset, trained, kept, tracking_uri="sqlite:////w/mlflow.db")
     assert "not promoted (champion stays version 1, val_accuracy=0.6667)" in markdown
+
+
+def test_the_champion_line_says_why_the_champion_stayed():
+    """Trial: three versions at val_accuracy 1.0 kept the 3-epoch one champion, and the line
+    said only `champion stays at version 1`."""
+    from stoker.tracking.registry import champion_outcome
+
+    def registered(value, previous_value, promoted=False):
+        return Registration(name="digits", version="3", metric="val_accuracy", value=value,
+                            promoted=promoted, previous_champion="1",
+                            previous_value=previous_value, model_uri="models:/digits/3")
+
+    assert champion_outcome(registered(1.0, 1.0)) == (
+        "stays at version 1 (val_accuracy=1.0000 too: a tie keeps the champion, a new version "
+        "must beat it)")
+    assert champion_outcome(registered(0.9, 0.95)) == (
+        "stays at version 1 (val_accuracy=0.9500, better)")
+    assert champion_outcome(registered(0.99, 0.95, promoted=True)) == "moved to it"
+    assert champion_outcome(registered(0.9, None)) == "stays at version 1"

@@ -96,6 +96,21 @@ def beats(new: float, old: float | None, direction: str) -> bool:
     return new > old if direction == "max" else new < old
 
 
+def champion_outcome(registration: Registration) -> str:
+    """What registering did to the ``champion`` alias, for the flow's log line: ``moved to
+    it``, or why it stayed (a tie keeps the champion: trial, where three versions at
+    val_accuracy 1.0 left the 3-epoch one champion and the line did not say why)."""
+    if registration.promoted:
+        return "moved to it"
+    kept = f"stays at version {registration.previous_champion}"
+    if registration.previous_value is None:
+        return kept
+    old = f"{registration.metric}={registration.previous_value:.4f}"
+    if registration.previous_value == registration.value:
+        return f"{kept} ({old} too: a tie keeps the champion, a new version must beat it)"
+    return f"{kept} ({old}, better)"
+
+
 # Requirement name -> import name of the packages a logged model needs.
 REQUIRED_PACKAGES = {"mlflow": "mlflow", "torch": "torch", "numpy": "numpy", "pandas": "pandas",
                      "pillow": "PIL"}
