@@ -79,10 +79,13 @@ def run(spec_path: Path, stop: StopFlag) -> int:
                   f"{spec_path}")  # ps -eo args: which job this rank trains
     policy = hang.HangPolicy(**spec.train.hang.model_dump())
     hang.install(int(rank), policy)
-    env = init_distributed(policy.collective_timeout_s)
     trainer: Trainer | None = None
     outcome = "failed"
     try:
+        # In the try: a peer that joined, found bad input at once (exit 2) and left while this
+        # rank still connected its gloo mesh ("Connection closed by peer") is a peer gone, not
+        # this rank's traceback (CI: the attempt read `user_error (exit 1)` instead of 2).
+        env = init_distributed(policy.collective_timeout_s)
         if spec.lease_token and env.rank == 0:  # rank 0 alone: any rank's stop stops all
             watch_lease(spec.job_dir, spec.lease_token, stop.request)
         if spec.train.preemption_notice_url:
