@@ -174,10 +174,8 @@ def test_a_peer_gone_in_the_digest_wait_ends_the_rank_with_137_and_its_line(
     """A rank whose training thread waited for that commit (the next save, the attempt's end)
     exits 137 (retried), naming the rank and the step, not 2 (a user error) or after 30 s."""
     import stoker.runtime.trainer as trainer_module
-    from stoker.config_train import TrainConfig
     from stoker.runtime.__main__ import EXIT_STOP_LOST, run
     from stoker.runtime.preemption import StopFlag
-    from stoker.runtime.spec import RunSpec
 
     closed: list[str] = []
 
@@ -194,12 +192,8 @@ def test_a_peer_gone_in_the_digest_wait_ends_the_rank_with_137_and_its_line(
             closed.append(outcome)
 
     monkeypatch.setattr(trainer_module, "Trainer", WaitedForADeadRank)
-    for name in ("RANK", "WORLD_SIZE", "STOKER_HEARTBEAT_DIR"):
-        monkeypatch.delenv(name, raising=False)
-    RunSpec(train=TrainConfig(), data_dir=str(tmp_path), job_dir=str(tmp_path)).dump(
-        tmp_path / "spec.yaml")
     with caplog.at_level("WARNING", logger="stoker.runtime"):
-        assert run(tmp_path / "spec.yaml", StopFlag()) == EXIT_STOP_LOST == 137
+        assert run(one_process_spec(tmp_path, monkeypatch), StopFlag()) == EXIT_STOP_LOST == 137
     assert closed == ["infrastructure"]
     assert "rank 1 (pid 4242) has exited before it wrote its digest rank-00001.pt.digest; left " \
            "uncommitted at step 42: stopping this rank" in caplog.text
@@ -211,20 +205,26 @@ def test_a_peer_gone_while_the_process_group_connects_is_a_lost_peer_not_a_trace
     still connected its gloo mesh; rank 0's RuntimeError escaped and torchrun named its exit 1
     (`user_error`) instead of rank 1's 2. Now rank 0 waits as for any lost peer, then 137."""
     import stoker.runtime.distributed as distributed
-    from stoker.config_train import TrainConfig
     from stoker.runtime.__main__ import EXIT_STOP_LOST, run
     from stoker.runtime.preemption import StopFlag
-    from stoker.runtime.spec import RunSpec
 
     def peer_left(timeout_s=None):
         raise RuntimeError("Gloo connectFullMesh failed with [.../gloo/transport/tcp/pair.cc:553] "
                            "Connection closed by peer [127.0.0.1]:19093")
 
     monkeypatch.setattr(distributed, "init_distributed", peer_left)
+    with caplog.at_level("WARNING", logger="stoker.runtime"):
+        assert run(one_process_spec(tmp_path, monkeypatch), StopFlag()) == EXIT_STOP_LOST == 137
+    assert "a peer rank is gone at step 0" in caplog.text
+
+
+def one_process_spec(tmp_path: Path, monkeypatch) -> Path:
+    """A default spec for ``run()`` as one process (no torchrun variables, no heartbeat)."""
+    from stoker.config_train import TrainConfig
+    from stoker.runtime.spec import RunSpec
+
     for name in ("RANK", "WORLD_SIZE", "STOKER_HEARTBEAT_DIR"):
         monkeypatch.delenv(name, raising=False)
     RunSpec(train=TrainConfig(), data_dir=str(tmp_path), job_dir=str(tmp_path)).dump(
         tmp_path / "spec.yaml")
-    with caplog.at_level("WARNING", logger="stoker.runtime"):
-        assert run(tmp_path / "spec.yaml", StopFlag()) == EXIT_STOP_LOST == 137
-    assert "a peer rank is gone at step 0" in caplog.text
+    return tmp_path / "spec.yaml"
