@@ -22,6 +22,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` (not `python -m pytest`) leaves 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_pipeline_overhead import phases  # noqa: E402
+from benchmarks.bench_tracking import share_of  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     DATA_DIR_ENV,
     Pairs,
@@ -76,6 +77,31 @@ def test_steady_window_needs_steps_after_the_first(tmp_path):
     write_events(tmp_path, [{"event": "step", "time": 1.0, "step": 1}])
     with pytest.raises(RuntimeError, match="no step events after step 1"):
         steady_window(tmp_path, first_step=1)
+
+
+def test_tracking_share_counts_the_one_off_and_the_rank_only_imports_per_attempt_step(tmp_path):
+    """Tracking's share of one run: the threads' CPU per step between the first and the last
+    confirmed batch, plus the CPU before the first one (and the imports made for rank 0 only)
+    spread over the attempt's steps, over rank 0's CPU per step between the same evaluations."""
+    write_events(tmp_path, [
+        {"event": "start", "time": 0, "step": 0, "total_steps": 1000},
+        {"event": "eval", "time": 1, "step": 100, "process_cpu_s": 1.0, "tracking_sent_step": 0,
+         "tracking_cpu_s": 0.0},
+        {"event": "eval", "time": 2, "step": 200, "process_cpu_s": 2.0,
+         "tracking_sent_step": 190, "tracking_cpu_s": 0.15},   # the one-off: 0.15 CPU-s
+        {"event": "eval", "time": 3, "step": 600, "process_cpu_s": 6.0,
+         "tracking_sent_step": 590, "tracking_cpu_s": 0.19},   # 0.04 CPU-s for 400 steps
+    ])
+    share = share_of(tmp_path, quick=False, extra_one_off_s=0.05)
+    assert share.cpu_ms == pytest.approx(10.0)          # 4 CPU-s over steps 200 -> 600
+    assert share.tracking_ms == pytest.approx(0.1)      # 0.04 CPU-s over 400 steps sent
+    assert share.one_off_ms == pytest.approx(0.2)       # (0.15 + 0.05) CPU-s over 1000 steps
+    assert share.value(queue_ms=0.0) == pytest.approx(0.03)
+    write_events(tmp_path, [{"event": "start", "time": 0, "step": 0, "total_steps": 10},
+                            {"event": "eval", "time": 1, "step": 5, "process_cpu_s": 1.0,
+                             "tracking_sent_step": 4, "tracking_cpu_s": 0.1}])
+    with pytest.raises(RuntimeError, match="fewer than two MLflow batches"):
+        share_of(tmp_path, quick=False)
 
 
 def test_alternate_flips_the_order_every_pair_after_uncounted_warmups():
