@@ -42,9 +42,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import jobs  # noqa: E402
 from benchmarks.bench_pipeline_overhead import create_experiment, nproc  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    PYTHON,
     Pairs,
     Target,
     Workdir,
@@ -113,10 +113,7 @@ def stoker_run(work_dir: Path, overrides: list[str], log_path: Path, prefect_hom
                tracking_uri: str) -> tuple[float, Path, dict[str, float]]:
     """``stoker run`` in ``work_dir`` to its exit; returns (wall s, its job folder, the cost
     metrics read back from ``tracking_uri``)."""
-    wall = run_timed([PYTHON, "-m", "stoker.cli", "run", f"--work-dir={work_dir}", *overrides],
-                     log_path, TIMEOUT_S, extra_env={"PREFECT_HOME": str(prefect_home)},
-                     cwd=work_dir)
-    (job,) = (work_dir / "jobs").iterdir()
+    wall, job = jobs.stoker_run(work_dir, overrides, log_path, prefect_home, TIMEOUT_S)
     return wall, job, mlflow_goodput(tracking_uri, job)
 
 

@@ -69,13 +69,13 @@ from benchmarks.common import (  # noqa: E402
     emit,
     log,
     options,
-    run_timed,
     summary,
 )
 from benchmarks.jobs import (  # noqa: E402
     demo_dataset,
     run_runtime,
     steady_window,
+    stoker_run,
     write_spec,  # noqa: E402
 )
 from benchmarks.jobs import steps_per_epoch as epoch_steps  # noqa: E402
@@ -119,7 +119,7 @@ def queue_cpu_us(calls: int = QUEUE_CALLS) -> float:
     return spent / calls * 1e6
 
 
-def tracking_window(job: Path) -> tuple[dict, dict] | None:
+def tracking_window(events: list[dict]) -> tuple[dict, dict] | None:
     """(first, last) ``eval`` events between which the tracking threads' CPU per step is read,
     or None when the run sent fewer than two batches before its last evaluation.
 
@@ -129,8 +129,7 @@ def tracking_window(job: Path) -> tuple[dict, dict] | None:
     the run's opening: importing MLflow and opening the run are a one-off), ``last`` the last
     one; between their batches lie whole batches only, so no send is counted in part.
     """
-    evals = [e for e in read_events(job) if e["event"] == "eval"
-             and e.get("tracking_sent_step", 0) > 0]
+    evals = [e for e in events if e["event"] == "eval" and e.get("tracking_sent_step", 0) > 0]
     if len(evals) < 2 or evals[-1]["tracking_sent_step"] <= evals[0]["tracking_sent_step"]:
         return None
     return evals[0], evals[-1]
@@ -181,7 +180,7 @@ def share_of(job: Path, quick: bool, extra_one_off_s: float = 0.0) -> Share:
     """
     events = read_events(job)
     evals = [e for e in events if e["event"] == "eval"]
-    pair = tracking_window(job)
+    pair = tracking_window(events)
     if pair is None:
         if not quick:
             raise RuntimeError(f"{job}: fewer than two MLflow batches before the last "
@@ -344,10 +343,8 @@ def default_configuration(work: Path, dataset, args) -> tuple[list[Share], float
             work_dir = work / f"stoker-run-{i}"
             work_dir.mkdir()
             os.symlink(Path(dataset.local_path).parent, work_dir / "datasets")
-            wall = run_timed([PYTHON, "-m", "stoker.cli", "run", f"--work-dir={work_dir}",
-                              *overrides], work / f"stoker-run-{i}.log", TIMEOUT_S,
-                             extra_env={"PREFECT_HOME": str(stores / "prefect")}, cwd=work_dir)
-            (job,) = (work_dir / "jobs").iterdir()
+            wall, job = stoker_run(work_dir, overrides, work / f"stoker-run-{i}.log",
+                                   stores / "prefect", TIMEOUT_S)
             shares.append(share_of(job, args.quick, rank_only_s))
             log(f"stoker run {i + 1}/{args.repeats}: {wall:.1f} s, tracking's share "
                 f"{shares[-1].value(0.0):.2%} before queueing")

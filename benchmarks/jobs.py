@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import Sized, run_timed, torchrun
+from benchmarks.common import PYTHON, Sized, run_timed, torchrun
 from stoker.config import TrainConfig
 from stoker.data.demo import DEMO_PATH, DEMO_TAG, ensure_demo_repo
 from stoker.data.git import git
@@ -27,6 +27,21 @@ def run_runtime(spec: Path, nproc: int, log_path: Path,
         RuntimeError: it exited non-zero (the message names ``log_path``).
     """
     return run_timed(torchrun(nproc, "-m", "stoker.runtime", str(spec)), log_path, timeout_s)
+
+
+def stoker_run(work_dir: Path, overrides: list[str], log_path: Path, prefect_home: Path,
+               timeout_s: float = RUNTIME_TIMEOUT_S) -> tuple[float, Path]:
+    """``stoker run --work-dir WORK_DIR OVERRIDES`` from ``work_dir`` to its exit, with the local
+    Prefect server of ``prefect_home``; returns (wall seconds, the job folder it made).
+
+    Raises:
+        RuntimeError: it exited non-zero (the message names ``log_path``).
+    """
+    wall = run_timed([PYTHON, "-m", "stoker.cli", "run", f"--work-dir={work_dir}", *overrides],
+                     log_path, timeout_s, extra_env={"PREFECT_HOME": str(prefect_home)},
+                     cwd=work_dir)
+    (job,) = (work_dir / "jobs").iterdir()
+    return wall, job
 
 
 def demo_dataset(base: Path, quick: bool = False) -> DatasetRef:
