@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from pathlib import Path
 
@@ -166,52 +165,77 @@ def test_another_lineage_is_never_compared_with_the_champion(tmp_path):
     assert str(client.get_model_version_by_alias("lineage", CHAMPION).version) == "1"
 
 
-def test_concurrent_registrations_end_with_the_best_champion(tmp_path, monkeypatch):
-    """Both registrations read the 0.50 incumbent before either writes; the worse one writes
-    last. The best version must still end as champion."""
-    import threading
+RACER = """
+import json, sys, time
+from pathlib import Path
+
+sys.path.insert(0, sys.argv[4])
+from mlflow import MlflowClient
+from stoker.tracking.registry import CHAMPION
+from test_registry import register
+
+uri, value, folder = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
+real_get = MlflowClient.get_model_version_by_alias
+real_set = MlflowClient.set_registered_model_alias
+waited = []
+
+
+def get_then_wait(self, name, alias):
+    found = real_get(self, name, alias)
+    if not waited:  # the first read (the lineage check): wait until the other has read too
+        waited.append(True)
+        (folder / f"read-{value}").touch()
+        deadline = time.monotonic() + 120
+        while len(list(folder.glob("read-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return found
+
+
+def set_late_if_worse(self, name, alias, version):
+    if alias == CHAMPION and value == 0.90:
+        time.sleep(1.0)  # the worse model writes last
+    return real_set(self, name, alias, version)
+
+
+MlflowClient.get_model_version_by_alias = get_then_wait
+MlflowClient.set_registered_model_alias = set_late_if_worse
+registration = register(uri, value, name="race", tmp=folder)[0]
+print(json.dumps({"version": registration.version, "promoted": registration.promoted}))
+"""
+
+
+def test_concurrent_registrations_end_with_the_best_champion(tmp_path):
+    """Two processes (two flow runs) register at once: both read the 0.50 incumbent before
+    either writes, and the worse one writes last. The best version must still end as champion.
+
+    Processes, not threads: that is how two registrations meet in Stoker, and CPython 3.11
+    raises a spurious ``SystemError: AST constructor recursion depth mismatch`` when two
+    threads of one process parse at once (MLflow parses registry filters with
+    ``ast.literal_eval``; python/cpython#106905)."""
+    import json
+    import os
+    import subprocess
+    import sys
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     register(uri, 0.50, name="race", tmp=tmp_path)
-    both_read = threading.Barrier(2, timeout=3)
-    real_get = MlflowClient.get_model_version_by_alias
-    real_set = MlflowClient.set_registered_model_alias
-    racing = threading.local()
-
-    def get_then_wait(self, name, alias):
-        found = real_get(self, name, alias)
-        if getattr(racing, "value", None) is not None and not getattr(racing, "waited", False):
-            racing.waited = True
-            with contextlib.suppress(threading.BrokenBarrierError):
-                both_read.wait()  # with a lock the other thread cannot get here: times out
-        return found
-
-    def set_late_if_worse(self, name, alias, version):
-        if alias == CHAMPION and getattr(racing, "value", None) == 0.90:
-            import time
-
-            time.sleep(1.0)  # the worse model writes last
-        return real_set(self, name, alias, version)
-
-    monkeypatch.setattr(MlflowClient, "get_model_version_by_alias", get_then_wait)
-    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", set_late_if_worse)
-    outcomes, errors = {}, []
-
-    def job(value):
-        racing.value = value
-        try:
-            outcomes[value] = register(uri, value, name="race", tmp=tmp_path)[0]
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            errors.append(e)
-
-    threads = [threading.Thread(target=job, args=(v,)) for v in (0.95, 0.90)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
+    script = tmp_path / "racer.py"
+    script.write_text(RACER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    racers = {value: subprocess.Popen(
+        [sys.executable, str(script), uri, str(value), str(tmp_path),
+         str(Path(__file__).resolve().parent)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for value in (0.95, 0.90)}
+    outcomes = {}
+    for value, racer in racers.items():
+        out, err = racer.communicate(timeout=300)
+        assert racer.returncode == 0, err[-3000:]
+        outcomes[value] = json.loads(out.strip().splitlines()[-1])
+    assert sorted(p.name for p in tmp_path.glob("read-*")) == ["read-0.9", "read-0.95"]
     champion = MlflowClient(uri).get_model_version_by_alias("race", CHAMPION)
-    assert str(champion.version) == outcomes[0.95].version and outcomes[0.95].promoted
+    assert str(champion.version) == outcomes[0.95]["version"] and outcomes[0.95]["promoted"]
     # (The worse one reports promoted only if it took the promotion lock first, and so held
     # champion when it returned: under the lock that order is the scheduler's, not a fault.)
 
