@@ -32,6 +32,12 @@ fi
 
 if ! docker info >/dev/null 2>&1; then
   echo "starting dockerd (data root $dir/docker)" >&2
+  # dockerd refuses to start while its pid file names a live process: one left by an engine that
+  # is gone (a reboot, a machine started from a copy of this /tmp) may name another program now.
+  if [ -f "$dir/dockerd.pid" ] && \
+     [ "$(cat "/proc/$(cat "$dir/dockerd.pid" 2>/dev/null)/comm" 2>/dev/null)" != dockerd ]; then
+    rm -f "$dir/dockerd.pid"
+  fi
   nohup dockerd --bridge=none --iptables=false --ip6tables=false \
     --data-root "$dir/docker" --exec-root "$dir/docker-exec" \
     --pidfile "$dir/dockerd.pid" -H unix:///var/run/docker.sock \

@@ -14,13 +14,26 @@ ctld_port=${STOKER_SLURM_PORT:-16817}
 mkdir -p "$dir"/{state,spool,log,run}
 export SLURM_CONF="$dir/slurm.conf"
 
+# A pid file outlives its daemon (a reboot, a machine started from a copy of this /tmp) and its
+# number is soon another process's: a daemon runs only if its pid is that program ($2).
+alive() {
+  [ -f "$1" ] || return 1
+  local pid
+  pid=$(cat "$1" 2>/dev/null) || return 1
+  [[ "$pid" =~ ^[0-9]+$ ]] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]
+}
+
 stop() {
   for pidfile in "$dir"/run/slurmd-n1.pid "$dir"/run/slurmd-n2.pid "$dir"/run/slurmctld.pid \
                  "$dir"/run/munged.pid; do
     [ -f "$pidfile" ] || continue
-    pid=$(cat "$pidfile")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+    name=$(basename "$pidfile" .pid); name=${name%-n[12]}
+    # only the daemon the file names: its number may since be another process's
+    if alive "$pidfile" "$name"; then
+      pid=$(cat "$pidfile")
+      kill "$pid" 2>/dev/null || true
+      for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+    fi
     rm -f "$pidfile"
   done
 }
@@ -35,17 +48,28 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# munged answers: a credential it encodes decodes again.
+munge_ok() { munge -n -S "$dir/munge.socket" 2>/dev/null | unmunge -S "$dir/munge.socket" >/dev/null 2>&1; }
 
 if [ ! -f "$dir/munge.key" ]; then
   dd if=/dev/urandom bs=1 count=1024 of="$dir/munge.key" status=none
   chmod 400 "$dir/munge.key"
 fi
-if ! alive "$dir/run/munged.pid"; then
+if ! munge_ok; then
+  alive "$dir/run/munged.pid" munged && kill "$(cat "$dir/run/munged.pid")" 2>/dev/null || true
+  # A socket left by a munged that is gone refuses connections: slurmctld and slurmd would start
+  # and every node stay down ("Munge encode failed ... Connection refused").
+  rm -f "$dir/munge.socket" "$dir/munge.socket.lock" "$dir/run/munged.pid"
   # --force: munged refuses a key or socket folder it finds too open (here: /tmp).
   munged --force --key-file="$dir/munge.key" --socket="$dir/munge.socket" \
     --pid-file="$dir/run/munged.pid" --log-file="$dir/log/munged.log" \
     --seed-file="$dir/munge.seed"
+  for _ in $(seq 1 20); do munge_ok && break; sleep 0.5; done
+  if ! munge_ok; then
+    echo "munged does not answer on $dir/munge.socket:" >&2
+    tail -20 "$dir/log/munged.log" >&2 || true
+    exit 1
+  fi
 fi
 
 host=$(hostname -s)
@@ -92,11 +116,11 @@ PartitionName=high Nodes=n1,n2 MaxTime=INFINITE State=UP PriorityTier=10 Preempt
 CONF
 mv "$SLURM_CONF.new" "$SLURM_CONF"
 
-if ! alive "$dir/run/slurmctld.pid"; then
+if ! alive "$dir/run/slurmctld.pid" slurmctld; then
   slurmctld -f "$SLURM_CONF"
 fi
 for node in n1 n2; do
-  alive "$dir/run/slurmd-$node.pid" || slurmd -f "$SLURM_CONF" -N "$node"
+  alive "$dir/run/slurmd-$node.pid" slurmd || slurmd -f "$SLURM_CONF" -N "$node"
 done
 for _ in $(seq 1 60); do
   idle=$(sinfo -h -N -o '%N %t' 2>/dev/null | grep -cE ' (idle|alloc|mix)' || true)

@@ -24,10 +24,14 @@ def require_cluster(partition: str) -> str:
         skip_or_fail("Slurm's client commands are not installed (.ci/start-slurm.sh)")
     try:
         slurm("scontrol", "ping", timeout_s=10)
-        nodes = slurm("sinfo", "-h", "-p", partition, "-o", "%D").split()
+        # Nodes that can run a job now: a node that is down (its slurmd gone, or munged not
+        # answering) would leave every job pending until each test's own timeout.
+        nodes = slurm("sinfo", "-h", "-p", partition, "-t", "idle,mix,alloc,comp",
+                      "-o", "%D").split()
+        states = slurm("sinfo", "-h", "-p", partition, "-o", "%D %T").strip()
     except Exception as e:
         skip_or_fail(f"no Slurm answers ({e}); start one with .ci/start-slurm.sh")
     if not nodes or int(nodes[0]) < 2:
-        skip_or_fail("the Slurm of .ci/start-slurm.sh (partitions low/high, 2 nodes) is not "
-                     "the one answering")
+        skip_or_fail(f"the Slurm answering has not 2 nodes up in partition {partition!r} "
+                     f"(nodes by state: {states or 'none'}); .ci/start-slurm.sh starts one")
     return os.environ["SLURM_CONF"]
