@@ -169,7 +169,6 @@ RACER = """
 import json, sys, time
 from pathlib import Path
 
-sys.path.insert(0, sys.argv[4])
 from mlflow import MlflowClient
 from stoker.tracking.registry import CHAMPION
 from test_registry import register
@@ -221,18 +220,24 @@ def test_concurrent_registrations_end_with_the_best_champion(tmp_path):
     register(uri, 0.50, name="race", tmp=tmp_path)
     script = tmp_path / "racer.py"
     script.write_text(RACER)
+    # the tests folder (test_registry's register) on the racers' path
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+        [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])}
     racers = {value: subprocess.Popen(
-        [sys.executable, str(script), uri, str(value), str(tmp_path),
-         str(Path(__file__).resolve().parent)],
+        [sys.executable, str(script), uri, str(value), str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for value in (0.95, 0.90)}
     outcomes = {}
-    for value, racer in racers.items():
-        out, err = racer.communicate(timeout=300)
-        assert racer.returncode == 0, err[-3000:]
-        outcomes[value] = json.loads(out.strip().splitlines()[-1])
+    try:
+        for value, racer in racers.items():
+            out, err = racer.communicate(timeout=300)
+            assert racer.returncode == 0, err[-3000:]
+            outcomes[value] = json.loads(out.strip().splitlines()[-1])
+    finally:  # a racer that hung (or whose partner failed) is not left running
+        for racer in racers.values():
+            if racer.poll() is None:
+                racer.kill()
+                racer.communicate()
     assert sorted(p.name for p in tmp_path.glob("read-*")) == ["read-0.9", "read-0.95"]
     champion = MlflowClient(uri).get_model_version_by_alias("race", CHAMPION)
     assert str(champion.version) == outcomes[0.95]["version"] and outcomes[0.95]["promoted"]
