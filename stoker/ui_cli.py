@@ -47,8 +47,8 @@ def ui(
         fail(f"--port must be between 1 and 65535, got {port}")
     if not port_free(host, port):
         fail(f"--port {port}: another process listens on {host}:{port}; choose another port")
-    env = {**os.environ, **{k: v for k, v in {**TELEMETRY_OFF, **NO_SERVER_JOBS}.items()
-                            if k not in os.environ}}
+    defaults = {**TELEMETRY_OFF, **NO_SERVER_JOBS, **QUIET_WARNINGS}
+    env = {**os.environ, **{k: v for k, v in defaults.items() if k not in os.environ}}
     command = mlflow_server_command(tracking_uri, host, port)
     typer.echo(f"MLflow UI of {tracking_uri} on http://{host}:{port} (Ctrl-C ends it)", err=True)
     raise typer.Exit(run_in_group(command, env))
@@ -59,6 +59,10 @@ def ui(
 # a test suite ran: 10 processes and 53 CPU-s until /health answered, against 2 and 23.5 CPU-s
 # without it. A user who sets the variable keeps their value.
 NO_SERVER_JOBS = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+# MLflow's own import of Starlette's WSGI middleware warns (StarletteDeprecationWarning, a
+# UserWarning: "starlette.middleware.wsgi is deprecated ..."), nothing a user of the UI can act
+# on: that one message is ignored. A user's PYTHONWARNINGS is kept.
+QUIET_WARNINGS = {"PYTHONWARNINGS": "ignore:starlette.middleware.wsgi is deprecated"}
 
 
 def mlflow_server_command(tracking_uri: str, host: str, port: int) -> list[str]:

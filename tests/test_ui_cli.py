@@ -67,6 +67,8 @@ def test_stoker_ui_answers_and_one_sigterm_ends_it_and_its_workers(tmp_path):
         if ui.poll() is None:
             ui.kill()
     assert body is not None and "ui-check" in body
+    said = ui.stdout.read()
+    assert "DeprecationWarning" not in said, said  # MLflow's import of Starlette's WSGI
     # No MLflow job runner or huey consumers beside the UI (8 processes importing MLflow).
     jobs = [p for p in tree if "huey" in " ".join(_cmdline(p)) or "_job_runner" in
             " ".join(_cmdline(p))]
