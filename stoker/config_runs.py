@@ -39,7 +39,8 @@ class DockerLauncherConfig(_Frozen):
         None, description="Training image reference; empty: build (or reuse) it from images/ "
         "with the build-image flow and use its digest.")
     nnodes: int = Field(1, ge=1, description="Containers (nodes) on this Docker host.")
-    gpus: str = Field("all", description="GPUs per container: 'all', a count, or '0' for CPU.")
+    gpus: str = Field("all", description="GPUs per container: 'all', a count, or 0 for CPU "
+                      "(a host without NVIDIA's container runtime needs 0).")
     shm_size: str = Field("16g", description="/dev/shm size per container.")
     user: str | None = Field(None, description="uid:gid in the container; empty: yours.")
     docker_host: str | None = Field(None, description="Docker Engine URL; empty: DOCKER_HOST "
@@ -51,6 +52,17 @@ class DockerLauncherConfig(_Frozen):
     def _not_an_option(cls, value: str | None) -> str | None:
         return refuse_option_like(value, "docker", "an image reference starts with its "
                                   "registry or repository name (e.g. 127.0.0.1:5000/stoker/train)")
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpu_count(cls, value: Any) -> Any:
+        """``gpus=0`` or ``gpus=2`` from an override (read as a number) is the count as text;
+        anything but ``all`` or a count is refused here, not by the engine at the first node."""
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return str(value)
+        if isinstance(value, str) and (value == "all" or value.isdigit()):
+            return value
+        raise ValueError(f"expected 'all', a count (e.g. 2) or 0 for CPU, got {value!r}")
 
 
 class SlurmLauncherConfig(_Frozen):

@@ -380,3 +380,31 @@ def test_show_config_shows_the_tracking_uri_a_run_uses(tmp_path, monkeypatch):
     assert given.exit_code == 0, given.output
     assert yaml.safe_load(given.output)["tracking"]["tracking_uri"] == "http://127.0.0.1:5000"
     assert "tracking.tracking_uri is not set" not in given.output
+
+
+@pytest.mark.parametrize(("given", "read"), [("0", "0"), ("2", "2"), ("all", "all"),
+                                             ("'0'", "0")])  # the shell's "'0'"
+def test_docker_gpus_takes_a_count_as_written(given, read):
+    """New-user trial: `launcher.docker.gpus=0`, the field's own documented CPU value, was
+    refused ("Input should be a valid string, got 0"): only the quoted `"'0'"` passed."""
+    assert load_pipeline_config(None, [f"launcher.docker.gpus={given}"]).launcher.docker.gpus \
+        == read
+
+
+@pytest.mark.parametrize("given", ["two", "-1", "1.5", "true"])
+def test_docker_gpus_other_than_all_or_a_count_is_one_line(given):
+    with pytest.raises(ConfigError) as error:
+        load_pipeline_config(None, [f"launcher.docker.gpus={given}"])
+    assert str(error.value).startswith("launcher.docker.gpus: ") and "\n" not in str(error.value)
+
+
+def test_a_docker_engine_without_a_gpu_runtime_says_to_set_gpus_0():
+    """New-user trial on a CPU host: the engine's own error (`could not select device driver ""
+    with capabilities: [[gpu]]`) named neither the field nor the fix."""
+    from stoker.launch.docker import _gpu_hint
+
+    engine = RuntimeError('500 Server Error: ("could not select device driver "" with '
+                          'capabilities: [[gpu]]")')
+    assert "launcher.docker.gpus=0" in _gpu_hint(engine, "all")
+    assert _gpu_hint(engine, "0") == ""
+    assert _gpu_hint(RuntimeError("no such image"), "all") == ""

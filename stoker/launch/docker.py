@@ -41,6 +41,15 @@ from stoker.runtime.spec import RunSpec
 from stoker.stopping import interrupted
 
 
+def _gpu_hint(error: Exception, gpus: str | int) -> str:
+    """What to do when the engine has no GPU runtime for ``gpus`` (Docker's own message,
+    ``could not select device driver "" with capabilities: [[gpu]]``, names neither)."""
+    if "could not select device driver" in str(error) and str(gpus) not in ("0", "none"):
+        return (f"; launcher.docker.gpus={gpus}: this Docker Engine has no GPU runtime (NVIDIA "
+                "Container Toolkit); on a CPU host set launcher.docker.gpus=0")
+    return ""
+
+
 class DockerLaunchError(RuntimeError):
     """The Docker Engine is unreachable or refused to start a container (named in the message)."""
 
@@ -227,7 +236,7 @@ class DockerLauncher:
             except Exception as e:
                 self.stop(remove=True)
                 raise DockerLaunchError(f"cannot start node {node} of job {job} from image "
-                                        f"{self.image}: {e}") from e
+                                        f"{self.image}: {e}{_gpu_hint(e, self.gpus)}") from e
         return self.containers
 
     def stop(self, remove: bool = False) -> None:
