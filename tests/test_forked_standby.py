@@ -92,14 +92,18 @@ def test_a_forked_standby_is_its_own_session_and_dies_with_its_command(tmp_path)
     assert started["forked"] is True
     pid = started["pid"]
     assert os.getsid(pid) == pid
-    deadline = time.monotonic() + 30
-    while "--standby" not in " ".join(psutil.Process(pid).cmdline()):
-        assert time.monotonic() < deadline, psutil.Process(pid).cmdline()
-        time.sleep(0.05)
-    assert " ".join(psutil.Process(pid).cmdline()).strip() == \
-        "python -m stoker.runtime.launch --standby"
+    # Its line and its name are set one after the other (setproctitle renames the process
+    # on its way): wait for both, then hold them to what a new interpreter shows.
     # Named as a new interpreter is, not as the command (`pgrep -x stoker` finds the command).
-    assert psutil.Process(pid).name() == Path(sys.executable).name[:15]
+    wanted = ("python -m stoker.runtime.launch --standby", Path(sys.executable).name[:15])
+    deadline = time.monotonic() + 30
+    while True:
+        process = psutil.Process(pid)
+        shown = (" ".join(process.cmdline()).strip(), process.name())
+        if shown == wanted or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert shown == wanted
     command.send_signal(signal.SIGKILL)
     command.wait()
     assert process_gone(pid), "the forked standby outlived its SIGKILLed command"

@@ -175,8 +175,10 @@ def _become_standby(stdin_fd: int, stdout_fd: int, parent_ends: tuple[int, int],
         # setproctitle moves the environment out of the way on its first call, which it cannot
         # once os.environ was cleared: first the line an exec'd standby shows, then the
         # environment.
+        # Named first (not the command's `stoker`: pgrep -x stoker), so that the title, which
+        # keeps the name it finds, keeps this one.
+        name_process(Path(sys.executable).name)
         title_process(" ".join(["python", "-m", "stoker.runtime.launch", STANDBY_FLAG]))
-        name_process(Path(sys.executable).name)  # not the command's (`stoker`): pgrep -x stoker
         os.environ.clear()
         os.environ.update(env)
         import io
