@@ -79,7 +79,8 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
         dataset, trained = pulled
         registration = register(config, dataset, trained)
         report(dataset, trained, registration, config.tracking, config.tracking_uri())
-        summary = {"dataset": asdict(dataset), "run_id": trained.run_id,
+        summary = {"job_dir": str(trained.job_dir), "dataset": asdict(dataset),
+                   "run_id": trained.run_id,
                    "metrics": trained.metrics, "cost": trained.cost,
                    "registration": registration.to_dict()}
         mark_done(Path(trained.job_dir), summary)

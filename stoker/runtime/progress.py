@@ -7,9 +7,11 @@
 so far, all threads; with tracking, ``tracking_open``: whether the MLflow run is open yet,
 ``tracking_sent_step``: the last step of the last batch MLflow confirmed, and ``tracking_cpu_s``:
 the CPU seconds the MLflow threads had used once it was confirmed);
-``start`` lines add ``total_steps``, ``resumed`` and ``intra_op_threads`` (rank 0's
-``torch.get_num_threads()``); ``end`` lines add ``outcome`` (``completed``, ``preempted``,
-``failed``, or ``infrastructure``: a data worker or a peer rank lost). Every line also has
+``start`` lines add ``total_steps``, ``resumed``, ``intra_op_threads`` (rank 0's
+``torch.get_num_threads()``) and ``train_time_s`` (seconds in committed training steps before
+this attempt, from the checkpoint it resumed: 0 for a fresh job); ``end`` lines add
+``outcome`` (``completed``, ``preempted``, ``failed``, or ``infrastructure``: a data worker or a
+peer rank lost). Every line also has
 ``attempt`` (1 for the job's first runtime start, counted from the ``start`` lines already in the
 file), and a ``step`` line for a step an earlier attempt already reported (re-run after resuming
 from an older checkpoint) has ``rerun: true``: readers that want one line per step drop those,

@@ -219,7 +219,8 @@ class Trainer(TrainingStateMixin, ReportingMixin, ProfilingMixin, StragglerMixin
         self._event("start", total_steps=self.total_steps, resumed=self.step > 0,
                     gpu_model=self.gpu_model(),  # the budget's price, before MLflow has it
                     intra_op_threads=torch.get_num_threads(),
-                    restarted_from_zero=self.resume.restarted_from_zero)
+                    restarted_from_zero=self.resume.restarted_from_zero,
+                    train_time_s=round(self.train_time_s, 3))  # committed before this attempt
         started, self._cpu_started = time.perf_counter(), time.process_time()
         self._loop_started, self._periodic_saves, self._share_warned = started, 0, False
         self._tracking_cpu_started = self.tracker.cpu_s() if self.tracker is not None else 0.0
