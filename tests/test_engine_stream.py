@@ -10,7 +10,7 @@ from image_support import ENTRY
 
 from stoker.images.build import ImageBuildError, PushRejectedError, build, push
 from stoker.images.spec import ImageSpec, load_matrix
-from stoker.images.stream import engine_error
+from stoker.images.stream import build_cause, engine_error, shortened
 
 MESSAGE = "failed to solve: process \"/bin/sh -c false\" did not complete successfully"
 ONLY_DETAIL = {"errorDetail": {"code": 1, "message": MESSAGE}}
@@ -56,3 +56,47 @@ def test_push_failure_only_in_error_detail_names_the_engine_message():
 ])
 def test_engine_error_reads_both_shapes(chunk, expected):
     assert engine_error(chunk) == expected
+
+
+LONG_RUN = ("The command '/bin/sh -c set -eu;     case \"${X}\" in       wheelhouse) "
+            "a=\"--no-index --find-links /tmp/build/wheelhouse\" ;;     esac;     "
+            "/opt/stoker/venv/bin/pip install --no-cache-dir --disable-pip-version-check "
+            "--progress-bar off ${a} "
+            "\"torch==9.9.9\" -r /tmp/build/requirements-runtime.txt' returned a non-zero code: 1")
+
+
+def test_a_failed_run_step_is_cut_and_its_cause_named():
+    """The legacy builder's error repeats the whole RUN line; the reason is pip's last ERROR."""
+    stream = EngineStream(
+        {"stream": "Step 9/14 : RUN set -eu; ...\n"},
+        {"stream": "ERROR: Could not find a version that satisfies the requirement torch==9.9.9"
+                   " (from versions: 2.13.0)\n"},
+        {"stream": "ERROR: No matching distribution found for torch==9.9.9\n"},
+        {"error": LONG_RUN, "errorDetail": {"code": 1, "message": LONG_RUN}})
+    with pytest.raises(ImageBuildError) as e:
+        build(stream, ImageSpec(entry=load_matrix().entry(ENTRY)), "127.0.0.1:5000/x:1", {},
+              lambda line: None)
+    first, *tail = str(e.value).splitlines()
+    assert first == ("build of 127.0.0.1:5000/x:1 failed: The command '/bin/sh -c set -eu; case "
+                     "\"${X}\" in wheelhouse) a=\"--no-index --find-links /tmp/build/wheelh…' "
+                     "returned a non-zero code: 1 (ERROR: No matching distribution found for "
+                     "torch==9.9.9)")
+    assert tail[-1] == "ERROR: No matching distribution found for torch==9.9.9"
+
+
+@pytest.mark.parametrize("lines, cause", [
+    (["Reading package lists...", "E: Unable to locate package python3.99"],
+     "E: Unable to locate package python3.99"),
+    (["error: externally-managed-environment", "note: see PEP 668"],
+     "error: externally-managed-environment"),
+    (["\x1b[91mERROR: No matching distribution found for torch==9.9.9\n\x1b[0m"],
+     "ERROR: No matching distribution found for torch==9.9.9"),  # red, as the Engine sends it
+    (["Step 3/4 : RUN false"], None),
+    (["Errors are counted", "no errors"], None),
+])
+def test_build_cause_is_the_last_line_that_says_why(lines, cause):
+    assert build_cause(lines) == cause
+
+
+def test_a_short_command_is_kept_whole():
+    assert shortened(MESSAGE) == MESSAGE

@@ -31,6 +31,7 @@ from mlflow_server import MlflowServer
 from stoker.images.build import (
     BaseImageNotFoundError,
     DockerUnavailableError,
+    ImageBuildError,
     PushRejectedError,
     RegistryAuthError,
     RegistryCredentials,
@@ -236,6 +237,19 @@ def test_missing_base_tag_is_a_named_error(engine):
     with pytest.raises(BaseImageNotFoundError) as e:
         build_and_push(spec, on_log=lambda line: None)
     assert base in str(e.value) and "registry 127.0.0.1:5000" in str(e.value)
+
+
+@pytest.mark.integration
+def test_a_failed_step_says_its_cause_in_a_short_first_line(engine, built, spec):
+    """New-user trial: the error line repeated the ~600-character shell command of the pip
+    step and the reason (pip's own ERROR line) was further up the log."""
+    missing = spec.model_copy(update={"entry": spec.entry.model_copy(update={"torch": "9.9.9"})})
+    with pytest.raises(ImageBuildError) as e:
+        build_and_push(missing, on_log=lambda line: None)  # the apt layers come from the cache
+    first = str(e.value).splitlines()[0]
+    assert first.endswith("(ERROR: No matching distribution found for torch==9.9.9)"), first
+    assert "returned a non-zero code: 1" in first or "did not complete" in first, first
+    assert len(first) < 300, first
 
 
 @pytest.mark.integration

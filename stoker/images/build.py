@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, SecretStr
 
 from stoker import __version__
 from stoker.images.spec import ImageSpec, content_hash, image_ref, image_tag, write_context
-from stoker.images.stream import engine_error
+from stoker.images.stream import build_cause, engine_error, shortened
 from stoker.tracking.lineage import code_version
 
 USERNAME_ENV = "STOKER_REGISTRY_USERNAME"
@@ -267,8 +267,9 @@ def build(api: docker.APIClient, spec: ImageSpec, ref: str, labels: dict[str, st
         The image id (``sha256:...``).
 
     Raises:
-        ImageBuildError: a step failed (names the image, the daemon's error and the last lines
-            of output).
+        ImageBuildError: a step failed. Its first line names the image, the Engine's error
+            (a long step command cut to 80 characters) and the output line that says why
+            (pip's ``ERROR: ...``, apt's ``E: ...``); the last 15 output lines follow.
     """
     image_id = None
     recent: deque[str] = deque(maxlen=15)
@@ -282,8 +283,11 @@ def build(api: docker.APIClient, spec: ImageSpec, ref: str, labels: dict[str, st
                                rm=True, forcerm=True, decode=True)
             for chunk in stream:
                 if (error := engine_error(chunk)) is not None:
+                    cause = build_cause(list(recent))
                     tail = "\n".join(recent)
-                    raise ImageBuildError(f"build of {ref} failed: {error}\n{tail}")
+                    raise ImageBuildError(f"build of {ref} failed: {shortened(error)}"
+                                          + (f" ({cause})" if cause else "")
+                                          + f"\n{tail}")
                 for line in _lines(chunk):
                     recent.append(line)
                     on_log(line)

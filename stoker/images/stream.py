@@ -8,6 +8,8 @@ instead of a later "ended without an image id" or "returned no digest".
 
 from __future__ import annotations
 
+import re
+
 
 def engine_error(chunk: dict) -> str | None:
     """The failure a stream message reports, in the Engine's words, or None.
@@ -32,3 +34,37 @@ def engine_error(chunk: dict) -> str | None:
     elif isinstance(detail, str) and detail.strip():
         return detail.strip()
     return None
+
+
+CAUSE = re.compile(r"^(ERROR|E|error|fatal)\b:?|No matching distribution|Unable to locate package")
+
+
+def build_cause(lines: list[str]) -> str | None:
+    """The last output line of a failed build step that says why it failed (pip's ``ERROR:``,
+    apt's ``E:``, a shell's ``error:``), or None: the Engine's own error names only the step's
+    command and its exit code."""
+    plain = (ANSI.sub("", line).strip() for line in reversed(lines))
+    return next((line for line in plain if CAUSE.search(line)), None)
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # the legacy builder colors a step's stderr red
+
+
+STEP_COMMAND = re.compile(r"""(['"])/bin/sh -c (.+?)\1(?= returned| did not complete)""",
+                          re.DOTALL)
+
+
+def shortened(error: str, keep: int = 80) -> str:
+    """``error`` with a failed step's quoted shell command (the Engine repeats a ``RUN`` step's
+    whole line, hundreds of characters) cut to its first ``keep`` characters.
+
+    Example: ``The command '/bin/sh -c pip install ... (600 chars)' returned a non-zero code:
+    1`` reads ``The command '/bin/sh -c pip install ...…' returned a non-zero code: 1``.
+    """
+    def cut(match: re.Match) -> str:
+        command = " ".join(match[2].split())  # a continued line's runs of spaces as one
+        if len(command) > keep:
+            command = command[:keep] + "…"
+        return f"{match[1]}/bin/sh -c {command}{match[1]}"
+
+    return STEP_COMMAND.sub(cut, error)
