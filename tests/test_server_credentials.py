@@ -130,6 +130,8 @@ def test_the_right_credentials_pass_and_a_run_logs_to_the_servers(prefect_auth, 
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert PREFECT_SECRET not in output and MLFLOW_SECRET not in output
+    # The run's link, once (trial: each end of the run printed it, rank 0's and registration's).
+    assert output.count("View run ") == 1 and output.count("View experiment at") == 1, output
     for path in (p for p in work.rglob("*") if p.is_file()):
         data = path.read_bytes()
         assert PREFECT_SECRET.encode() not in data and MLFLOW_SECRET.encode() not in data, path

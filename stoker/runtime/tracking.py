@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable
@@ -267,6 +268,10 @@ class RunTracker:
             except Exception as e:  # system metrics must not fail the run's end
                 logging.getLogger(__name__).warning("system metrics not logged: %s", e)
         self.flush()
+        # MLflow prints the run's and the experiment's links at every end of a run on a server:
+        # in each attempt's rank log, then again where the model is registered. The command
+        # that registers (or stops) the job says them once.
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         self.client.set_terminated(self.run_id, status=status)
 
 
