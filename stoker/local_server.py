@@ -148,6 +148,7 @@ class LocalServer:
         self.startup_timeout_s = startup_timeout_s
         self.log_path = self.home / LOG
         self.say = say
+        self.prepare_s = 0.0  # seconds the last start spent preparing the database first
         self._port_taken: list[int] = []  # the usual ports found taken by the last _port()
         # held while a command checks, prepares, starts or stops the server
         self.lock_timeout_s = startup_timeout_s + PREPARE_TIMEOUT_S + 60
@@ -306,10 +307,12 @@ class LocalServer:
     def _start(self) -> str:
         """Start this home's server; a start whose port another process took meanwhile (two
         homes starting at once) exits, and is tried again on a port that is free then."""
+        began = time.monotonic()
         try:
-            prepare_database(self.home, self._env(), self.log_path, self.say)
+            prepared = prepare_database(self.home, self._env(), self.log_path, self.say)
         except DatabaseError as e:
             raise ServerError(str(e)) from e
+        self.prepare_s = time.monotonic() - began if prepared else 0.0
         for _ in range(START_TRIES - 1):
             port = self._port()
             logged = self._log_size()

@@ -122,6 +122,26 @@ def stop(work_dir: Annotated[Path, WORK_DIR] = Path("work")) -> None:
     typer.echo("no local server running" if pid is None else f"stopped (pid {pid})")
 
 
+def start_line(api_url: str, took_s: float | None, prepare_s: float = 0.0) -> str:
+    """The line that says where the local Prefect server is and whether this command started it.
+
+    Args:
+        api_url: the server's API URL (``.../api``).
+        took_s: seconds this command waited for the server, its database's preparation
+            included; None when it reused a running one.
+        prepare_s: of those, the seconds it spent preparing the database (once per machine and
+            Prefect version; said in its own line before), not counted as the start's.
+    """
+    if took_s is None:
+        how = "reused"
+    else:
+        how = f"started in {max(0.0, took_s - prepare_s):.1f} s"
+        if prepare_s:
+            how += f" (after preparing its database, {prepare_s:.1f} s)"
+    return (f"Local Prefect server {how}: UI at {api_url.removesuffix('/api')} "
+            "(`stoker server stop` ends it)")
+
+
 @contextlib.contextmanager
 def prefect_api(log_path: Path | None = None):
     """The Prefect API for this command: PREFECT_API_URL when set, else the long-lived local
@@ -149,9 +169,8 @@ def prefect_api(log_path: Path | None = None):
                              say=_log_line)
         api_url, started = server.ensure()
         # Prefect's log format: benchmarks/bench_pipeline_overhead.py times the phases from it.
-        how = f"started in {time.monotonic() - started_at:.1f} s" if started else "reused"
-        _log_line(f"Local Prefect server {how}: UI at {api_url.removesuffix('/api')} "
-                  "(`stoker server stop` ends it)")
+        _log_line(start_line(api_url, time.monotonic() - started_at if started else None,
+                             server.prepare_s))
         # Before Prefect is imported: its global settings (seen by every thread) read the env.
         os.environ["PREFECT_API_URL"] = api_url
         from stoker.stdio import line_writer

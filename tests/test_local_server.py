@@ -23,6 +23,7 @@ from mlflow import MlflowClient
 from prefect_server import seed_prefect_home
 
 from stoker.local_server import PORT_FILE, SERVER_NICE, LocalServer, ServerError, server_pids
+from stoker.server_cli import start_line
 from stoker.server_database import STAMP, stamp
 
 pytestmark = pytest.mark.integration
@@ -247,6 +248,17 @@ def test_a_prefect_background_server_of_the_same_home_is_adopted(work):
     assert record(work)["pid"] == prefect_pid
     assert server_pids(prefect_home) == [prefect_pid]
     assert f"stopped (pid {prefect_pid})" in stoker("server", "stop", "-w", str(work)).stdout
+
+
+def test_the_start_line_leaves_out_the_database_preparation():
+    """New-user trial: "started in 55 s" right after "Prefect database ready in 40 s" counted
+    the one-time preparation twice; the start is the rest."""
+    url = "http://127.0.0.1:4200/api"
+    assert start_line(url, 55.04, 40.0) == (
+        "Local Prefect server started in 15.0 s (after preparing its database, 40.0 s): UI at "
+        "http://127.0.0.1:4200 (`stoker server stop` ends it)")
+    assert start_line(url, 9.96).startswith("Local Prefect server started in 10.0 s: UI at ")
+    assert start_line(url, None).startswith("Local Prefect server reused: UI at ")
 
 
 def test_process_tags_name_dead_commands_only():
