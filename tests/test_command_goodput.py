@@ -74,6 +74,11 @@ def test_a_resumed_stoker_run_counts_only_its_own_steps(tmp_path):
     assert metrics["command_goodput"] == pytest.approx(own_s / metrics["command_wall_s"],
                                                        abs=1e-3)
     assert summary["cost"]["command_useful_train_s"] == metrics["command_useful_train_s"]
+    # Beside the job's goodput, at its last step (trial: at step 0).
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    [goodput] = client.get_metric_history(summary["run_id"], "goodput")
+    [own] = client.get_metric_history(summary["run_id"], "command_goodput")
+    assert own.step == goodput.step > 0
 
 
 @pytest.mark.integration

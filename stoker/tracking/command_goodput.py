@@ -106,12 +106,13 @@ def record_command_goodput(summary: dict[str, Any], tracking_uri: str) -> dict[s
             or "useful_train_s" not in cost:
         return summary
     from mlflow import MlflowClient
+    from mlflow.entities import Metric
 
     from stoker.runtime.progress import read_events
 
     started_at, now = command_started_at(), time.time()
-    useful_s = command_useful_train_s(read_events(Path(summary["job_dir"])),
-                                      float(cost["useful_train_s"]), started_at)
+    events = read_events(Path(summary["job_dir"]))
+    useful_s = command_useful_train_s(events, float(cost["useful_train_s"]), started_at)
     if useful_s is None:
         log.info("command_goodput not logged: no attempt of this command reported the step "
                  "time it resumed from")
@@ -119,7 +120,9 @@ def record_command_goodput(summary: dict[str, Any], tracking_uri: str) -> dict[s
     figures = {"command_goodput": command_goodput(useful_s, started_at, now),
                "command_wall_s": round(now - started_at, 3),
                "command_useful_train_s": useful_s}
-    client = MlflowClient(tracking_uri)
-    for name, value in figures.items():
-        client.log_metric(summary["run_id"], name, value)
+    # At the job's last step, beside its goodput and the other cost metrics.
+    step = max((e["step"] for e in events if isinstance(e.get("step"), int)), default=0)
+    stamp = int(now * 1000)
+    MlflowClient(tracking_uri).log_batch(summary["run_id"], metrics=[
+        Metric(name, value, stamp, step) for name, value in figures.items()])
     return summary | {"cost": cost | figures}
