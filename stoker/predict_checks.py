@@ -102,7 +102,17 @@ def channel_mismatch(mode: str, channels: int, model: str) -> str | None:
     return f"a {has} image, but {model} takes {wants}"
 
 
-def mismatch(images: list[Path], folders: list[Path], meta: dict, model_uri: str) -> str | None:
+def image_modes(images: list[Path]) -> dict[Path, str]:
+    """Each image's Pillow mode, from its header (no model needed: read before one loads).
+
+    Raises:
+        UnusableImage: the first image Pillow cannot open, or one over ``MAX_IMAGE_PIXELS``.
+    """
+    return {path: image_header(path, str(path)) for path in images}
+
+
+def mismatch(images: list[Path], folders: list[Path], meta: dict, model_uri: str,
+             modes: dict[Path, str] | None = None) -> str | None:
     """Why these images do not fit the model (one line naming the first that does not), or None.
 
     Args:
@@ -111,6 +121,7 @@ def mismatch(images: list[Path], folders: list[Path], meta: dict, model_uri: str
             model's classes).
         meta: the model's ``stoker`` metadata (``preprocessing.channels``, ``classes``).
         model_uri: the model, for the message.
+        modes: the images' modes when :func:`image_modes` read them already.
 
     Returns:
         The reason (an unreadable image, one over ``MAX_IMAGE_PIXELS``, or one ending with a
@@ -120,10 +131,10 @@ def mismatch(images: list[Path], folders: list[Path], meta: dict, model_uri: str
     hint = "; choose a model trained on such images with --model-uri"
     for path in images:
         try:
-            wrong = channel_mismatch(image_header(path, str(path)), channels, model_uri)
+            mode = modes[path] if modes and path in modes else image_header(path, str(path))
         except UnusableImage as e:
             return str(e)
-        if wrong:
+        if wrong := channel_mismatch(mode, channels, model_uri):
             return f"{path}: {wrong}{hint}"
     classes = set(meta.get("classes") or [])
     for folder in folders:

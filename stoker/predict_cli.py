@@ -63,26 +63,37 @@ def predict(
         fail(str(e))
     folders = [p for p in images if p.is_dir()]
     images = expand_images(images)  # before the model loads (seconds)
+    from stoker.predict_checks import UnusableImage, image_modes
+
+    try:  # an unreadable or oversized image: before MLflow and torch are imported
+        modes = image_modes(images)
+    except UnusableImage as e:
+        fail(str(e))
     import mlflow
     from mlflow.exceptions import MlflowException
 
     from stoker.predict_checks import answered_by, mismatch
     from stoker.tracking.pyfunc import preprocess_images
-    from stoker.tracking.safe_model import UnsafeModelError, load_classifier
+    from stoker.tracking.safe_model import UnsafeModelError, fetch_model, load_fetched
 
     mlflow.set_tracking_uri(tracking_uri)
     if model_uri is None:
         model_uri = default_model_uri(where)
     with tempfile.TemporaryDirectory(prefix="stoker-predict-") as tmp:
         try:  # checks the MLmodel file first; runs no code the model ships (safe_model)
-            model, meta = load_classifier(model_uri, Path(tmp))
+            local, artifacts, meta = fetch_model(model_uri, Path(tmp))
         except MlflowException as e:
             said = e.message.strip().splitlines()[0].rstrip(". ")  # MLflow ends it with '.'
             fail(f"{model_uri}: {said}; {registered_models()} ({where})")
         except UnsafeModelError as e:
             fail(f"{e} (refused before loading)")
-    if problem := mismatch(images, folders, meta, model_uri):
-        fail(problem)
+        # Images the model cannot take: refused from its metadata, before torch loads it.
+        if problem := mismatch(images, folders, meta, model_uri, modes):
+            fail(problem)
+        try:
+            model = load_fetched(model_uri, local, artifacts)
+        except UnsafeModelError as e:
+            fail(f"{e} (refused before loading)")
     typer.echo(answered_by(model_uri), err=True)
     try:
         batch = preprocess_images(images, meta["preprocessing"])

@@ -258,6 +258,17 @@ def test_stoker_predict_imports_no_prefect_and_a_bad_path_no_torch(champion, tmp
     assert code == 0 and "torch" in modules and "prefect" not in modules
     code, modules = _predict_modules(["no-such.png", "--tracking-uri", uri], tmp_path)
     assert code == 2 and not {"torch", "mlflow", "prefect"} & modules, modules
+    # An image the model cannot take is refused from its metadata, before torch loads it, and
+    # one that is no image before MLflow loads (new-user trial: 9-11 s for a refusal).
+    write_images(tmp_path / "gray", {"x": 1}, size=16, mode="L")
+    gray = str(next((tmp_path / "gray").rglob("*.png")))
+    code, modules = _predict_modules([gray, "--model-uri", f"models:/{name}@champion",
+                                      "--tracking-uri", uri], tmp_path)
+    assert code == 2 and "mlflow" in modules and not {"torch", "prefect"} & modules, modules
+    (tmp_path / "notes.png").write_text("not an image")
+    code, modules = _predict_modules([str(tmp_path / "notes.png"), "--tracking-uri", uri],
+                                     tmp_path)
+    assert code == 2 and not {"torch", "mlflow", "prefect"} & modules, modules
 def test_predict_refuses_colour_images_on_a_gray_model_and_names_the_answering_version(
         tmp_path):
     """Issue 46: RGB shapes on a 1-channel digits model printed confident digit labels, exit 0,

@@ -57,19 +57,20 @@ def check_mlmodel(mlmodel: dict, model_uri: str) -> dict[str, str]:
     return artifacts
 
 
-def load_classifier(model_uri: str, dst: Path) -> tuple[ImageClassifier, dict]:
-    """Download ``model_uri`` into ``dst``, check it, and load it data-only.
+def fetch_model(model_uri: str, dst: Path) -> tuple[Path, dict[str, str], dict]:
+    """Download ``model_uri`` into ``dst`` and check its ``MLmodel`` file; nothing of the model
+    is loaded (no torch either: a caller can refuse its input first).
 
     Args:
         model_uri: an MLflow model URI (``models:/name@alias``, ``runs:/...``).
         dst: an empty folder for the model's files.
 
     Returns:
-        (the classifier, the ``stoker`` metadata of its MLmodel file).
+        (the model's folder, its artifacts: name -> path inside it, the ``stoker`` metadata of
+        its MLmodel file).
 
     Raises:
-        UnsafeModelError: the model fails ``check_mlmodel``, or its weights name a type
-            outside tensors and plain types.
+        UnsafeModelError: the model fails ``check_mlmodel``.
         mlflow.exceptions.MlflowException: the store has no such model.
     """
     import mlflow
@@ -77,6 +78,16 @@ def load_classifier(model_uri: str, dst: Path) -> tuple[ImageClassifier, dict]:
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst)))
     mlmodel = yaml.safe_load((local / "MLmodel").read_text())
     artifacts = check_mlmodel(mlmodel, model_uri)
+    return local, artifacts, mlmodel["metadata"]["stoker"]
+
+
+def load_fetched(model_uri: str, local: Path, artifacts: dict[str, str]) -> ImageClassifier:
+    """The classifier of a model :func:`fetch_model` checked, its weights loaded data-only.
+
+    Raises:
+        UnsafeModelError: its weights name a type outside tensors and plain types, or cannot
+            be read.
+    """
     classifier = ImageClassifier()
     context = type("Context", (), {"artifacts": {
         name: str(local / path) for name, path in artifacts.items()}})()
@@ -86,4 +97,18 @@ def load_classifier(model_uri: str, dst: Path) -> tuple[ImageClassifier, dict]:
         raise UnsafeModelError(f"{model_uri}: weights refused or unreadable "
                                f"({str(e).splitlines()[-1][:200]})") from e
     json.loads(Path(context.artifacts["meta"]).read_text())  # the class list is readable
-    return classifier, mlmodel["metadata"]["stoker"]
+    return classifier
+
+
+def load_classifier(model_uri: str, dst: Path) -> tuple[ImageClassifier, dict]:
+    """Download ``model_uri`` into ``dst``, check it, and load it data-only
+    (:func:`fetch_model`, then :func:`load_fetched`).
+
+    Returns:
+        (the classifier, the ``stoker`` metadata of its MLmodel file).
+
+    Raises:
+        UnsafeModelError, mlflow.exceptions.MlflowException: as those two.
+    """
+    local, artifacts, meta = fetch_model(model_uri, dst)
+    return load_fetched(model_uri, local, artifacts), meta
