@@ -288,8 +288,10 @@ def test_predict_names_a_missing_model_in_one_line(tmp_path):
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(uri).create_registered_model("shapes-data")  # the store, with another model
-    image = tmp_path / "x.png"
-    image.write_bytes(b"not read: the model fails first")
+    from PIL import Image
+
+    image = tmp_path / "x.png"  # a readable image: what is refused is the model
+    Image.new("RGB", (8, 8)).save(image)
     result = CliRunner().invoke(app, ["predict", str(image), "--tracking-uri", uri,
                                       "--model-uri", "models:/nope@champion"])
     assert result.exit_code == 2
