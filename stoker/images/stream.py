@@ -36,6 +36,7 @@ def engine_error(chunk: dict) -> str | None:
     return None
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # the legacy builder colors a step's stderr red
 CAUSE = re.compile(r"^(ERROR|E|error|fatal)\b:?|No matching distribution|Unable to locate package")
 
 
@@ -46,8 +47,6 @@ def build_cause(lines: list[str]) -> str | None:
     plain = (ANSI.sub("", line).strip() for line in reversed(lines))
     return next((line for line in plain if CAUSE.search(line)), None)
 
-
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # the legacy builder colors a step's stderr red
 
 
 STEP_COMMAND = re.compile(r"""(['"])/bin/sh -c (.+?)\1(?= returned| did not complete)""",

@@ -20,8 +20,6 @@ import psutil
 
 log = logging.getLogger(__name__)
 
-COMMAND_METRICS = ("command_goodput", "command_wall_s", "command_useful_train_s")
-
 
 def command_started_at() -> float:
     """The Unix time (s) this process started: the moment the user's command began.
