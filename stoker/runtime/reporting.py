@@ -51,12 +51,14 @@ class ReportingMixin:
                 "stoker.world_size": str(self.env.world_size)}
 
         def open_run() -> RunTracker:
+            # The tags go with the run's creation (or its one set_tags when reopened): a
+            # log_batch less in every attempt's tracking one-off.
             tracker = RunTracker(
                 spec.tracking_uri, spec.experiment, run_id=run_id, run_name=spec.run_name,
-                tags=spec.tags, params=params, artifact_location=spec.artifact_location,
+                tags={**(spec.tags or {}), **tags}, params=params,
+                artifact_location=spec.artifact_location,
                 system_metrics_interval_s=spec.system_metrics_interval_s,
                 on_created=self._run_created)
-            tracker.set_tags(tags)
             if run_id is None:
                 tracker.log_dataset(spec.tags or {})  # once per run: the Datasets panel
             return tracker

@@ -98,7 +98,8 @@ class RunTracker:
 
         # The first system/cpu sample measures from here (the opening of the run).
         self._cpu_times_at_open = psutil.cpu_times()
-        ensure_store(tracking_uri)
+        # No probe: the client's first call below reads the store (and says what is wrong).
+        ensure_store(tracking_uri, probe=False)
         self.client = MlflowClient(tracking_uri)
         self.flush_every_s = flush_every_s
         self._buffer: list = []
@@ -295,7 +296,7 @@ def quiet_mlflow(logger: logging.Logger | None = None):
             (logger or logging.getLogger(__name__)).debug("MLflow: %s", printed.getvalue().strip())
 
 
-def ensure_store(tracking_uri: str) -> None:
+def ensure_store(tracking_uri: str, probe: bool = True) -> None:
     """Create (migrate) an embedded ``sqlite:///`` MLflow store under a file lock next to it.
 
     MLflow creates the schema on first use; two processes doing it at once on a fresh file race
@@ -304,6 +305,12 @@ def ensure_store(tracking_uri: str) -> None:
     complete: a process killed while migrating (a SIGKILL in the first seconds of a job) leaves
     no half-migrated store behind, only a temporary file the next call discards. Other URIs (an
     MLflow server) are left alone.
+
+    With ``probe`` (the default), the store is then read once, so a store that cannot be used
+    (not a database, an older schema) raises here. Without it, a store that exists is left for
+    the caller's own first call to read: rank 0 opening its run skips a query and the file lock
+    (about 0.03 CPU-s of each attempt's tracking one-off); the store is complete by then, since
+    it only ever appears by an atomic rename.
     """
     if not tracking_uri.startswith("sqlite:///"):
         return
@@ -316,6 +323,8 @@ def ensure_store(tracking_uri: str) -> None:
     from stoker.runtime import private
 
     db = Path(tracking_uri.removeprefix("sqlite:///"))
+    if not probe and db.is_file() and db.stat().st_size > 0:
+        return
     private.make_dir(db.parent, narrow_existing=False)
     with FileLock(f"{db}.lock", timeout=300, mode=private.FILE_MODE):
         if not db.exists():
@@ -326,4 +335,5 @@ def ensure_store(tracking_uri: str) -> None:
             with quiet_mlflow():
                 MlflowClient(f"sqlite:///{creating}").search_experiments(max_results=1)
             os.replace(creating, db)
-        MlflowClient(tracking_uri).search_experiments(max_results=1)
+        if probe:
+            MlflowClient(tracking_uri).search_experiments(max_results=1)
