@@ -185,6 +185,55 @@ def test_forked_ranks_that_end_seconds_apart_end_the_attempt(lag_s, rank1_code, 
     assert time.monotonic() - started < lag_s + 45
 
 
+PEER_DIES_AFTER_THE_END = """
+import os, signal, sys, time
+import stoker.runtime.__main__ as runtime
+from stoker.runtime.preemption import StopFlag
+
+def fake_main(argv):  # rank 0 completes (its stop flag listening, as main's); rank 1 is killed
+    StopFlag().install()
+    if os.environ["RANK"] == "1":
+        time.sleep(float(sys.argv[2]))
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(sys.argv[1]))  # rank 0's end: its model logged, its MLflow run closed
+    return 0
+
+runtime.main = fake_main  # the forked ranks inherit it
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from stoker.runtime.launch import forked_rank
+
+config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
+                      rdzv_endpoint="127.0.0.1:0", run_id="late-death", start_method="fork",
+                      monitor_interval=0.1)
+started = time.monotonic()
+try:
+    elastic_launch(config, entrypoint=forked_rank)("spec.yaml")
+    print("exit 0", flush=True)
+except ChildFailedError as e:
+    print(f"exit {e.get_first_failure()[1].exitcode} after {time.monotonic() - started:.1f} s",
+          flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize(("rank0_end_s", "rank1_killed_s"), [(0.0, 2.0), (3.0, 1.0)],
+                         ids=["after-rank-0-returned", "while-rank-0-ends"])
+def test_a_rank_that_completed_ends_at_once_when_a_peer_dies_before_the_launcher_is_done(
+        rank0_end_s, rank1_killed_s):
+    """QA: kill -9 of rank 1 at the last step (a helper's trial, and `stoker run` here: the
+    attempt ended 33 s after the kill). Rank 0 completed, then waited in torchrun's worker
+    wrapper with its stop handler still set; the launcher's SIGTERM, sent as soon as rank 1
+    died (after rank 0 returned, or while rank 0 still logged its model), only set that flag,
+    and torchrun SIGKILLed rank 0 30 s later."""
+    proc = subprocess.run([sys.executable, "-c", PEER_DIES_AFTER_THE_END, str(rank0_end_s),
+                           str(rank1_killed_s)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    last = proc.stdout.strip().splitlines()[-1:]
+    assert last and last[0].startswith("exit -9 after "), proc.stdout + proc.stderr[-3000:]
+    assert float(last[0].split()[3]) < 15, last  # seconds of training, then the close: not 30 s
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("start", ["fork", "exec"])
 def test_the_launch_wrapper_gives_each_rank_one_thread_without_omp_num_threads(make_spec,

@@ -349,6 +349,7 @@ def forked_rank(*argv: str) -> None:
 
     from stoker.runtime.__main__ import exit_now
     from stoker.runtime.__main__ import main as rank_main
+    from stoker.runtime.preemption import STOP_SIGNALS, stop_signal_received
 
     for handler in logging.root.handlers[:]:  # the rank configures its own ([rankN] lines)
         logging.root.removeHandler(handler)
@@ -356,6 +357,16 @@ def forked_rank(*argv: str) -> None:
     code = rank_main(list(argv))
     if code:
         exit_now(code)
+    # Done, and nothing of the rank is left to save. While the wrapper waits, a stop signal must
+    # end it: the rank's handler only sets a flag nothing reads any more, so when a peer died
+    # near the end (torchrun then closes every rank with SIGTERM, perhaps while this one still
+    # logged its model) the launcher waited 30 s, then SIGKILLed this rank. One that came
+    # already is raised again. Ended by the signal, the rank reads as a failure to torchrun,
+    # never as an exit 0 whose return value the launcher would wait for.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    if (sig := stop_signal_received()) is not None:
+        os.kill(os.getpid(), sig)
     # Runs when the worker wrapper returns, before the threads are joined.
     util.Finalize(None, exit_now, args=(0,), exitpriority=100)
     for stream in (sys.stdout, sys.stderr):

@@ -256,6 +256,17 @@ def _at_or_after(value: object, since: float) -> bool:
     return at is not None and since <= at <= time.time() + 5
 
 
+# The stop signals this process's installed StopFlags received, in order (stop_signal_received).
+_SIGNALLED: list[int] = []
+
+
+def stop_signal_received() -> int | None:
+    """The first stop signal a :meth:`StopFlag.install` handler of this process received, or
+    None. A rank that completed anyway re-raises it once its handler is gone: the stop was
+    also meant for the process (the launcher closing every rank), not only for its training."""
+    return _SIGNALLED[0] if _SIGNALLED else None
+
+
 class StopFlag:
     """Set once a stop was requested; ``reason`` says by whom (e.g. ``SIGTERM``)."""
 
@@ -291,8 +302,12 @@ class StopFlag:
 
     def install(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)):
         """Route ``signals`` to this flag (main thread only). Only sets the flag: safe anywhere."""
+        def on_signal(signum: int, _frame) -> None:
+            _SIGNALLED.append(signum)
+            self.request(signal.Signals(signum).name)
+
         for sig in signals:
-            signal.signal(sig, lambda signum, _frame: self.request(signal.Signals(signum).name))
+            signal.signal(sig, on_signal)
         return self
 
     def watch_notice_url(self, url: str, interval_s: float = 5.0, timeout_s: float = 2.0) -> None:
