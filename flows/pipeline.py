@@ -15,6 +15,7 @@ from stoker.forms import DockerPipelineForm, PipelineForm, SlurmPipelineForm
 from stoker.images.spec import ImageRequest
 from stoker.jobs.job import JobClaim, mark_done
 from stoker.launch.supervisor import rank_0_logs_model
+from stoker.runtime.tracking import quiet_run_links
 from stoker.server_auth import check_mlflow_server
 from stoker.stdio import guard_stdio
 from stoker.tracking.registry import warm_up_registration
@@ -67,6 +68,7 @@ def run_pipeline(config: PipelineConfig, image: ImageRequest) -> dict:
     done: with ``job_id`` before the pull, otherwise right after it. A done ``job_id`` returns
     its summary and does nothing."""
     check_mlflow_server(config.tracking_uri())  # a refused credential: one line, nothing written
+    quiet_run_links()  # on a worker as under `stoker run`: the report task logs the link once
     guard_stdio(Path(config.work_dir) / "logs" / "output.log")  # a dead worker's pipe fails nothing
     with cancelled_promptly(), untagged_task_runs(), JobClaim(config, flow_run.get_id()) as job:
         # Registration's imports load while the launcher starts (one core is idle then): the

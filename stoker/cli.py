@@ -100,7 +100,9 @@ def run(
     another live run, 5 stopped by its budget, 129/130/143 SIGHUP/Ctrl-C/SIGTERM (docs:
     reference/exit-codes.md)."""
     from stoker.runtime import startup_gc
+    from stoker.runtime.tracking import quiet_run_links
 
+    quiet_run_links()  # stdout is the JSON summary alone; the report task logs the run's link
     # No cyclic collections while MLflow, Prefect (and, in the forked standby launcher, torch)
     # are imported; resumed as the flow starts (and in the launcher, before its ranks fork).
     startup_gc.pause()

@@ -55,11 +55,17 @@ def predict(
              "--tracking-uri at your store")
     if store is not None and not store.is_file():
         fail(f"no MLflow store at {store}: {where}")
+    from stoker.config import ConfigError
     from stoker.server_auth import CredentialError, check_mlflow_server
+    from stoker.tracking.server import check_tracking_server
 
     try:
+        # A server that does not answer: one line in seconds, not after MLflow's retries
+        # (trial: 249 s, then its whole retry message).
+        check_tracking_server(tracking_uri, name="MLFLOW_TRACKING_URI" if from_env
+                              else "--tracking-uri")
         check_mlflow_server(tracking_uri)  # a missing or wrong credential: one line
-    except CredentialError as e:
+    except (ConfigError, CredentialError) as e:
         fail(str(e))
     folders = [p for p in images if p.is_dir()]
     images = expand_images(images)  # before the model loads (seconds)

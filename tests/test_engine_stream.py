@@ -91,6 +91,24 @@ def test_a_failed_run_step_is_cut_and_its_cause_named():
      "error: externally-managed-environment"),
     (["\x1b[91mERROR: No matching distribution found for torch==9.9.9\n\x1b[0m"],
      "ERROR: No matching distribution found for torch==9.9.9"),  # red, as the Engine sends it
+    (["WARNING: Retrying (Retry(total=4)) after connection broken by 'SSLError(SSLCertVerif"
+      "icationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed"
+      " certificate in certificate chain (_ssl.c:1006)'))': /simple/torch/",
+      "Could not fetch URL https://pypi.org/simple/torch/: There was a problem confirming the "
+      "ssl certificate: HTTPSConnectionPool(host='pypi.org', port=443): Max retries exceeded "
+      "with url: /simple/torch/ (Caused by SSLError(SSLCertVerificationError(1, '[SSL: CERTIFI"
+      "CATE_VERIFY_FAILED] certificate verify failed: self-signed certificate in certificate "
+      "chain (_ssl.c:1006)'))) - skipping",
+      "ERROR: Could not find a version that satisfies the requirement torch==2.13.0",
+      "ERROR: No matching distribution found for torch==2.13.0"],
+     "ERROR: No matching distribution found for torch==2.13.0; pypi.org was not reached "
+     "(certificate verify failed: self-signed certificate in certificate chain)"),
+    (["Looking in indexes: https://download.pytorch.org/whl/cpu",
+      "WARNING: Retrying after connection broken by 'NewConnectionError(': Failed to establish "
+      "a new connection: [Errno -2] Name or service not known')': /whl/cpu/torch/",
+      "ERROR: No matching distribution found for torch==2.13.0"],
+     "ERROR: No matching distribution found for torch==2.13.0; a package index was not "
+     "reached (Name or service not known)"),
     (["Step 3/4 : RUN false"], None),
     (["Errors are counted", "no errors"], None),
 ])
@@ -100,3 +118,14 @@ def test_build_cause_is_the_last_line_that_says_why(lines, cause):
 
 def test_a_short_command_is_kept_whole():
     assert shortened(MESSAGE) == MESSAGE
+
+
+def test_build_output_lines_come_without_colour_codes_or_blank_resets():
+    """Trial: half of a failed build's tail were empty lines (the legacy builder's colour
+    resets), and the Prefect log lines kept the escape codes."""
+    from stoker.images.build import _lines
+
+    chunk = {"stream": "\x1b[91mERROR: No matching distribution found for torch==9.9.9\n"
+                       "\x1b[0m\n\x1b[91m\n\x1b[0mStep 4/5 : RUN true\n"}
+    assert list(_lines(chunk)) == ["ERROR: No matching distribution found for torch==9.9.9",
+                                   "Step 4/5 : RUN true"]

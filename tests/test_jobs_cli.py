@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -281,6 +283,27 @@ def test_predict_from_another_folder_creates_nothing_and_says_where_it_looked(tm
         f"sqlite:///{tmp_path / 'w' / 'mlflow.db'}; point --work-dir or --tracking-uri at your "
         "store"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_predict_names_a_tracking_server_that_does_not_answer_in_seconds(tmp_path):
+    """Trial: `stoker predict --tracking-uri http://127.0.0.1:9` (nothing listening) took 249 s
+    of MLflow's retries, then printed their whole message; `stoker run` refuses it at once."""
+    from PIL import Image
+
+    with socket.socket() as free:  # a port nothing listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    image = tmp_path / "x.png"
+    Image.new("RGB", (8, 8)).save(image)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "stoker.cli", "predict", str(image),
+                             "--tracking-uri", f"http://127.0.0.1:{port}"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert time.monotonic() - started < 30
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: --tracking-uri: no MLflow server answers at "
+                           f"http://127.0.0.1:{port} ("), line
 
 
 def test_predict_names_a_missing_model_in_one_line(tmp_path):

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, SecretStr
 
 from stoker import __version__
 from stoker.images.spec import ImageSpec, content_hash, image_ref, image_tag, write_context
-from stoker.images.stream import build_cause, engine_error, shortened
+from stoker.images.stream import ANSI, build_cause, engine_error, shortened
 from stoker.tracking.lineage import code_version
 
 USERNAME_ENV = "STOKER_REGISTRY_USERNAME"
@@ -384,8 +384,11 @@ def build_and_push(spec: ImageSpec, credentials: RegistryCredentials | None = No
 
 
 def _lines(chunk: dict) -> Iterator[str]:
+    """The output lines of one Engine chunk, colour codes removed and blank ones dropped (the
+    legacy builder's colour resets came through as empty lines in the log and the tail)."""
     if "stream" in chunk:
-        yield from (line for line in chunk["stream"].splitlines() if line.strip())
+        plain = (ANSI.sub("", line).rstrip() for line in chunk["stream"].splitlines())
+        yield from (line for line in plain if line.strip())
     elif chunk.get("status") and chunk["status"] not in _PROGRESS:  # pull and push
         yield f"{chunk.get('id', '')} {chunk['status']}".strip()
 

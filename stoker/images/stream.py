@@ -40,12 +40,34 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # the legacy builder colors a step'
 CAUSE = re.compile(r"^(ERROR|E|error|fatal)\b:?|No matching distribution|Unable to locate package")
 
 
+# Why a package index was not reached: pip says "No matching distribution" after its retries
+# failed, which reads as a version that does not exist (trial: a TLS-intercepting proxy).
+UNREACHED = re.compile(
+    r"certificate verify failed[^'\"()\]]*|self-signed certificate[^'\"()\]]*"
+    r"|Name or service not known|Temporary failure in name resolution|Connection refused"
+    r"|Network is unreachable|No route to host|Read timed out|Connection timed out"
+    r"|ProxyError|Could not resolve host[^'\"()\]]*")
+HOST = re.compile(r"host='([^']+)'")
+
+
 def build_cause(lines: list[str]) -> str | None:
     """The last output line of a failed build step that says why it failed (pip's ``ERROR:``,
     apt's ``E:``, a shell's ``error:``), or None: the Engine's own error names only the step's
-    command and its exit code."""
-    plain = (ANSI.sub("", line).strip() for line in reversed(lines))
-    return next((line for line in plain if CAUSE.search(line)), None)
+    command and its exit code. When the lines also say a package index could not be reached
+    (TLS verification, name resolution, a refused connection), that reason is added:
+    ``ERROR: No matching distribution found for torch==2.13.0; pypi.org was not reached
+    (self-signed certificate in certificate chain)``."""
+    plain = [ANSI.sub("", line).strip() for line in reversed(lines)]
+    cause = next((line for line in plain if CAUSE.search(line)), None)
+    unreached = next(((line, found) for line in plain if (found := UNREACHED.search(line))),
+                     None)
+    if unreached is None:
+        return cause
+    line, found = unreached
+    host = HOST.search(line)
+    reason = (f"{host[1] if host else 'a package index'} was not reached "
+              f"({found[0].strip(' ,:')})")
+    return f"{cause}; {reason}" if cause else reason
 
 
 

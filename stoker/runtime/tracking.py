@@ -269,11 +269,21 @@ class RunTracker:
             except Exception as e:  # system metrics must not fail the run's end
                 logging.getLogger(__name__).warning("system metrics not logged: %s", e)
         self.flush()
-        # MLflow prints the run's and the experiment's links at every end of a run on a server:
-        # in each attempt's rank log, then again where the model is registered. The command
-        # that registers (or stops) the job says them once.
-        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+        quiet_run_links()
         self.client.set_terminated(self.run_id, status=status)
+
+
+def quiet_run_links() -> None:
+    """Keep MLflow from printing a run's links to stdout when the run ends on a server.
+
+    MLflow prints ``🏃 View run ... at:`` and ``🧪 View experiment at:`` on stdout at every
+    ``set_terminated``: in each attempt's rank log, where the job closes a run a killed attempt
+    left open, and where the model is registered, so ``stoker run``'s stdout, its JSON summary,
+    no longer parsed. The report task logs the run's link once instead (stderr). Sets
+    ``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT=true`` unless the environment sets it; the
+    processes started after this inherit it.
+    """
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 @contextlib.contextmanager

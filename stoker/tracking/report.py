@@ -8,6 +8,11 @@ from stoker.launch.supervisor import TrainResult
 from stoker.tracking.registry import Registration
 
 
+def run_page(ui_url: str, experiment_id: str, run_id: str) -> str:
+    """The MLflow UI's page of run ``run_id`` (``<ui>/#/experiments/<id>/runs/<run id>``)."""
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
 def mlflow_links(ui_url: str | None, experiment_id: str, run_id: str, name: str,
                  version: str) -> tuple[str, str]:
     """Markdown for the run and the model version: links when an MLflow UI URL is known."""
@@ -15,7 +20,7 @@ def mlflow_links(ui_url: str | None, experiment_id: str, run_id: str, name: str,
         return f"`{run_id}`", f"`{name}` version **{version}**"
     base = ui_url.rstrip("/")
     # Plain link text: Prefect's renderer shows `code` and **bold** inside a link literally.
-    return (f"[{run_id}]({base}/#/experiments/{experiment_id}/runs/{run_id})",
+    return (f"[{run_id}]({run_page(base, experiment_id, run_id)})",
             f"[{name} version {version}]({base}/#/models/{name}/versions/{version})")
 
 

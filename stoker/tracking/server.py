@@ -11,8 +11,14 @@ import httpx
 from stoker.config import ConfigError
 
 
-def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
+def check_tracking_server(uri: str, timeout_s: float = 5.0,
+                          name: str = "tracking.tracking_uri") -> None:
     """Ask an http(s) tracking server's ``/health`` endpoint; other URIs pass unchecked.
+
+    Args:
+        uri: the tracking URI.
+        timeout_s: how long to wait for the answer, in seconds.
+        name: where the URI came from, named first in the error (``--tracking-uri``).
 
     Raises:
         ConfigError: ``tracking.tracking_uri: no MLflow server answers at URI (reason)``, or the
@@ -31,8 +37,8 @@ def check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
         response = httpx.get(url, timeout=timeout_s)
     except httpx.HTTPError as e:
         reason = type(e).__name__ if not str(e) else str(e)
-        raise ConfigError(f"tracking.tracking_uri: no MLflow server answers at {shown} "
+        raise ConfigError(f"{name}: no MLflow server answers at {shown} "
                           f"({reason})") from None
     if response.status_code >= 400:
-        raise ConfigError(f"tracking.tracking_uri: {shown} answered /health with HTTP "
+        raise ConfigError(f"{name}: {shown} answered /health with HTTP "
                           f"{response.status_code}; is it an MLflow tracking server?")
