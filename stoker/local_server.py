@@ -50,6 +50,7 @@ RECORD = "server.json"
 SERVER_LOCK = "server.lock"  # held while a command checks, prepares, starts or stops it
 PREFECT_PID_FILE = "server.pid"  # prefect.cli._server_utils.SERVER_PID_FILE_NAME
 LOG = "server.log"
+PREFECT_APP = "prefect.server.api.server:create_app"  # the app factory uvicorn serves
 START_TRIES = 3  # a port taken by another server between the check and the bind: try another
 
 # Starts the server as a grandchild and prints its pid: the command that asked is not its parent.
@@ -272,7 +273,7 @@ class LocalServer:
         # Found, not imported: importing Prefect here would cost the command seconds.
         prefect_dir = Path(importlib.util.find_spec("prefect").origin).parent
         return [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent),
-                "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+                "--factory", PREFECT_APP, "--host", "127.0.0.1",
                 "--port", str(port), "--log-level", "warning", "--lifespan", "on",
                 # Open websockets (Prefect's event clients) would hold a graceful stop open.
                 "--timeout-graceful-shutdown", "2"]
@@ -392,12 +393,19 @@ class LocalServer:
 
 
 def server_pids(home: Path) -> list[int]:
-    """Pids of live processes whose ``PREFECT_HOME`` is ``home`` and that run uvicorn (tests,
-    ``stoker server status``: a server without a record)."""
+    """Pids of live Prefect servers whose ``PREFECT_HOME`` is ``home``: uvicorn serving
+    Prefect's app (``PREFECT_APP``), as Stoker and ``prefect server start`` run it (tests,
+    ``stoker server status``: a server without a record).
+
+    Any uvicorn was taken before, and ``stoker run`` stopped it as a stale server of this home:
+    an ``mlflow server`` or ``stoker ui`` started from a shell that exports ``PREFECT_HOME``
+    (trial: the run then failed, "no MLflow server answers").
+    """
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if "uvicorn" in " ".join(proc.info["cmdline"] or []) and \
+            cmdline = proc.info["cmdline"] or []
+            if any("uvicorn" in part for part in cmdline) and PREFECT_APP in cmdline and \
                     proc.environ().get("PREFECT_HOME") == str(Path(home).resolve()):
                 found.append(proc.pid)
     return found

@@ -229,6 +229,23 @@ def test_runs_start_the_server_once_and_reuse_it(work):
     assert [r["state"]["type"] for r in runs] == ["COMPLETED"] * 2
 
 
+def test_another_uvicorn_of_the_same_home_is_no_prefect_server_and_is_left_alone(work,
+                                                                                 tmp_path):
+    """Trial: an `mlflow server` (its uvicorn) started from a shell that exports PREFECT_HOME
+    was taken for a stale Prefect server of that home: `stoker run` stopped it, then failed
+    ("no MLflow server answers")."""
+    from mlflow_server import MlflowServer
+
+    own_port(home(work))
+    with MlflowServer(tmp_path / "mlflow",
+                      env={"PREFECT_HOME": str(home(work).resolve())}) as mlflow:
+        started = stoker("server", "start", "-w", str(work))
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert mlflow.process.poll() is None
+        assert httpx.get(f"{mlflow.uri}/health", timeout=10).status_code == 200
+        assert server_pids(home(work)) == [record(work)["pid"]]
+
+
 def test_a_prefect_background_server_of_the_same_home_is_adopted(work):
     """``prefect server start --background`` with this home's PREFECT_HOME: Stoker reuses it
     (and ``stoker server stop`` ends it) instead of starting a second server."""
