@@ -101,6 +101,29 @@ def test_long_etas_read_in_minutes_and_hours():
     assert job_progress(events).describe().endswith("ETA 27 h 46 min")
 
 
+def test_a_completed_rank_0_whose_attempt_is_retried_reads_restarting(tmp_path):
+    """kill -9 of rank 1 after rank 0 had completed: the attempt ended as an infrastructure
+    failure and was retried, but the last line said "step 66/66 (attempt 1): completed"."""
+    from stoker.launch.supervisor import ProgressWatcher
+    from stoker.runtime.records import append_jsonl
+
+    def last_line(job, retrying: bool) -> str:
+        job.mkdir()
+        seen: list[tuple[float, str]] = []
+        watcher = ProgressWatcher(job, lambda p, m: seen.append((p, m)))
+        for event in [{"event": "start", "step": 0, "time": 0.0, "total_steps": 66},
+                      *steps(1, 66, 0.0, 0.2),
+                      {"event": "checkpoint", "step": 66, "time": 13.5},
+                      {"event": "end", "step": 66, "time": 13.6, "outcome": "completed"}]:
+            append_jsonl(job / "progress.jsonl", event)
+        watcher.report_now(1, retrying=retrying, resume_step=66)
+        return seen[-1][1]
+
+    assert last_line(tmp_path / "retried", True) == "restarting (attempt 2, resuming at step 66/66)"
+    # the usual end: no retry follows a completed attempt
+    assert last_line(tmp_path / "done", False) == "step 66/66 (attempt 1): completed"
+
+
 def test_a_requested_stop_reads_stopping_not_restarting(tmp_path):
     from stoker.jobs.stop_request import request_stop
     from stoker.launch.supervisor import ProgressWatcher

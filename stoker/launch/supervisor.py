@@ -293,6 +293,12 @@ class ProgressWatcher(threading.Thread):
             # no "restarting" line when rank 0 was the one killed).
             progress = dataclasses.replace(progress, state="restarting", eta_s=None,
                                            samples_per_s=None, outcome="infrastructure")
+        if progress.state == "completed" and self._retrying.get(progress.attempt):
+            # Rank 0 completed, and a peer died before the attempt ended (kill -9 at the last
+            # step): the attempt failed and is retried (trial: "…: completed" after "attempt 1
+            # ended: infrastructure_failure", and no "restarting" line).
+            progress = dataclasses.replace(progress, state="restarting", eta_s=None,
+                                           samples_per_s=None, outcome="infrastructure")
         if progress.state == "restarting" and progress.attempt in self._resume:
             # The committed step, not the last checkpoint event: that event comes before its
             # commit (a rank killed in the save: "resuming at step 165", it resumed at 160).
