@@ -231,3 +231,27 @@ def test_a_worker_killed_while_its_rank_waits_is_named_as_killed():
         repr(raised.value)
     assert data_worker_killed(RuntimeError("DataLoader worker (pid 5) exited unexpectedly "
                                            "with exit code 1")) is None  # not a SIGKILL
+
+
+def test_a_worker_killed_while_its_batch_is_handed_over_is_named_by_its_exit_code():
+    """CI: the kill broke the transfer of a batch's shared memory (ConnectionRefusedError), and
+    the DataLoader raised "DataLoader worker (pid(s) N) exited unexpectedly" with no signal in
+    any cause: the rank failed as a bug (exit 1, "training failed", not retried)."""
+    from types import SimpleNamespace
+
+    from stoker.runtime.data import data_worker_killed
+
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except ConnectionRefusedError as handover:
+            raise RuntimeError("DataLoader worker (pid(s) 14777) exited unexpectedly") \
+                from handover
+    except RuntimeError as e:
+        error = e
+    killed = [SimpleNamespace(pid=14776, exitcode=None), SimpleNamespace(pid=14777, exitcode=-9)]
+    assert data_worker_killed(error, killed) == \
+        "DataLoader worker (pid 14777) was killed by SIGKILL"
+    exited = [SimpleNamespace(pid=14777, exitcode=1)]  # it exited by itself: not the OOM killer
+    assert data_worker_killed(error, exited) is None
+    assert data_worker_killed(error) is None  # its exit code unknown

@@ -55,7 +55,7 @@ def run(spec_path: Path, stop: StopFlag) -> int:
     from stoker.runtime import EXIT_OK, EXIT_PREEMPTED, EXIT_STORAGE, CheckpointWriteError, hang
     from stoker.runtime.bucket import attach, caused_by_lost_lease
     from stoker.runtime.checkpoint import CheckpointError
-    from stoker.runtime.data import DataError, DataStall, data_worker_killed
+    from stoker.runtime.data import DataError, DataStall, data_worker_killed, loader_workers
     from stoker.runtime.distributed import init_distributed, teardown
     from stoker.runtime.lease import watch_lease
     from stoker.runtime.peers import peer_gone
@@ -137,7 +137,7 @@ def run(spec_path: Path, stop: StopFlag) -> int:
             # a step later), the cause is the stall.
             outcome = "infrastructure"
             return data_workers_lost(str(stall), trainer)
-        if killed := data_worker_killed(e):
+        if killed := data_worker_killed(e, loader_workers(getattr(trainer, "_batches", None))):
             # The OOM killer's usual victim: infrastructure, as a rank killed by it would be.
             outcome = "infrastructure"
             return data_workers_lost(f"{killed} (the OOM killer? see dmesg)", trainer)

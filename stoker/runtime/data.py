@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -356,10 +357,25 @@ def kill_children() -> None:
                 child.kill()
 
 
-def data_worker_killed(error: BaseException) -> str | None:
+def loader_workers(batches: object) -> list:
+    """The worker processes (``multiprocessing.Process``: ``pid``, ``exitcode``) of a DataLoader
+    iterator, read from torch's ``_workers``; [] for one without workers, or None."""
+    return list(getattr(batches, "_workers", None) or [])
+
+
+def data_worker_killed(error: BaseException, workers: list | tuple = ()) -> str | None:
     """``"DataLoader worker (pid N) was killed by SIGKILL"`` when ``error`` is the DataLoader's
     report of a worker killed by SIGKILL (the OOM killer's usual victim, or a ``kill -9``);
-    None for anything else (a worker that raised, or died of another signal)."""
+    None for anything else (a worker that raised, or died of another signal).
+
+    The DataLoader says so in one of two ways: its SIGCHLD report ("is killed by signal:
+    Killed"), perhaps as the cause of "exited unexpectedly"; or "DataLoader worker (pid(s) N)
+    exited unexpectedly" alone, when the death broke the transfer of a batch (CI: a
+    ConnectionRefusedError of the worker's shared-memory handle came first). That one names no
+    signal: the exit code of worker N among ``workers`` (:func:`loader_workers` of the rank's
+    iterator) says whether it was SIGKILL.
+    """
+    codes = {getattr(w, "pid", None): getattr(w, "exitcode", None) for w in workers}
     seen = set()
     while error is not None and id(error) not in seen:  # its causes too: killed mid-wait, the
         seen.add(id(error))  # DataLoader raises "exited unexpectedly" from the SIGCHLD report
@@ -367,6 +383,11 @@ def data_worker_killed(error: BaseException) -> str | None:
                           str(error))
         if found:
             return f"DataLoader worker (pid {found[1]}) was killed by SIGKILL"
+        if found := re.search(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly",
+                              str(error)):
+            for pid in (int(p) for p in found[1].split(",") if p.strip()):
+                if codes.get(pid) == -signal.SIGKILL:
+                    return f"DataLoader worker (pid {pid}) was killed by SIGKILL"
         error = error.__cause__ or error.__context__
     return None
 
